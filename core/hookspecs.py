@@ -1,0 +1,63 @@
+"""The extension contract: every hook a layerwise plugin can implement.
+
+A plugin is a module (or object) exposed through the ``layerwise`` entry-point
+group whose functions are marked with :data:`hookimpl`. Every ``register_*`` hook
+receives a ``register`` callback; calling it adds one named thing to the host's
+registry, attributed to the plugin's distribution. Hooks are order independent:
+two plugins registering the same name is an error naming both distributions.
+
+Example::
+
+    from layerwise import hookimpl
+
+    @hookimpl
+    def layerwise_register_modifiers(register):
+        register("MyModifier", MyModifier)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT = "layerwise"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[..., None]
+
+
+@hookspec
+def layerwise_register_pipelines(register: Register) -> None:
+    """Register calibration pipelines: ``register(name, PipelineClass)``."""
+
+
+@hookspec
+def layerwise_register_modifiers(register: Register) -> None:
+    """Register modifiers (compression algorithms) usable in recipes: ``register(name, ModifierClass)``."""
+
+
+@hookspec
+def layerwise_register_model_patches(register: Register) -> None:
+    """Register per-architecture knowledge: ``register(ModelPatch(...))``."""
+
+
+@hookspec
+def layerwise_register_observers(register: Register) -> None:
+    """Register range observers for quantization: ``register(name, ObserverClass)``."""
+
+
+@hookspec
+def layerwise_register_datasets(register: Register) -> None:
+    """Register calibration-data loaders: ``register(name, loader)``; a loader turns a source into samples."""
+
+
+@hookspec
+def layerwise_register_savers(register: Register) -> None:
+    """Register output formats: ``register(name, saver)``; a saver writes a compressed model to a folder."""
+
+
+@hookspec(firstresult=True)
+def layerwise_select_pipeline(model: Any, modifiers: list[Any]) -> str | None:
+    """Return a pipeline name to override the host's default choice, or ``None`` to abstain."""

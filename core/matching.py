@@ -1,0 +1,53 @@
+"""Selecting modules by class name, qualified name, or ``re:`` pattern.
+
+One syntax everywhere (recipes, targets, ignore lists, the CLI):
+
+* ``Linear`` / ``LlamaDecoderLayer`` -- a module class name;
+* ``model.layers.0.mlp.down_proj`` -- an exact qualified module name;
+* ``re:.*mlp.*`` -- a regular expression matched in full against the qualified name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+
+def matches(name: str, module: torch.nn.Module, patterns: Iterable[str]) -> bool:
+    """Does ``module`` (called ``name`` in its model) match any of ``patterns``?"""
+    cls = type(module).__name__
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        elif pattern == cls or pattern == name:
+            return True
+    return False
+
+
+def _is_linear_like(module: torch.nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2) stores a transposed Linear; treated as Linear
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def find_modules(model: torch.nn.Module, targets: Iterable[str], ignore: Iterable[str] = ()) -> dict[str, torch.nn.Module]:
+    """Every submodule matching ``targets`` and not ``ignore``, by qualified name.
+
+    ``Linear`` as a target also selects transformers' ``Conv1D``.
+    """
+    targets, ignore = list(targets), list(ignore)
+    found = {}
+    for name, module in model.named_modules():
+        hit = matches(name, module, targets) or ("Linear" in targets and _is_linear_like(module))
+        if hit and not matches(name, module, ignore):
+            found[name] = module
+    return found
+
+
+def unmatched(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
+    """Patterns that select nothing in ``model`` (a likely typo in a recipe)."""
+    named = list(model.named_modules())
+    return [p for p in patterns
+            if not any(matches(n, m, [p]) or (p == "Linear" and _is_linear_like(m)) for n, m in named)]

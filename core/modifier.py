@@ -1,0 +1,79 @@
+"""The Modifier base class: a compression algorithm that reacts to lifecycle events.
+
+A modifier implements only the events it needs; pipelines fire them, modifiers
+never drive the pipeline. Hooks registered through :meth:`Modifier.register_hook`
+are removed by the lifecycle on every path out, errors included.
+
+Modifiers are dataclasses, so a recipe's fields map one to one onto constructor
+arguments and an unknown field is an error that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from .state import CompressionState
+
+
+@dataclasses.dataclass
+class Modifier:
+    """Base of every modifier. Subclasses are dataclasses with their own fields."""
+
+    #: does the modifier need calibration data? (``False`` picks the ``datafree`` pipeline)
+    requires_data: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # -- events (override what you need) -------------------------------------
+    def on_initialize(self, state: CompressionState) -> None:
+        """Resolve targets, attach schemes; called once before any data flows."""
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        """Register observers / Hessian hooks before the first batch."""
+
+    def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
+        """Compress the given modules (qualified names) of the subgraph just calibrated."""
+
+    def on_calibration_end(self, state: CompressionState) -> None:
+        """Compress what is left; calibration hooks are removed right after this."""
+
+    def on_finalize(self, state: CompressionState) -> None:
+        """Last chance to tidy the model before saving."""
+
+    # -- hooks -------------------------------------------------------------------
+    def register_hook(self, module: torch.nn.Module, fn: Callable[..., Any], kind: str = "forward",
+                      **kwargs: Any) -> torch.utils.hooks.RemovableHandle:
+        """Register a ``forward`` / ``forward_pre`` hook that the lifecycle removes for you."""
+        register = {"forward": module.register_forward_hook,
+                    "forward_pre": module.register_forward_pre_hook}[kind]
+        handle = register(fn, **kwargs)
+        self._hooks.append(handle)
+        return handle
+
+    def remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    # -- recipe round trip -------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The modifier's fields as a recipe entry (``{ClassName: {field: value}}``)."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            if not f.name.startswith("_"):
+                fields[f.name] = _plain(getattr(self, f.name))
+        return {type(self).__name__: fields}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

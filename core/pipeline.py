@@ -1,0 +1,48 @@
+"""The calibration-pipeline interface; the built-in pipelines are plugins.
+
+A pipeline moves calibration batches through the model and fires lifecycle
+events; it decides *how* data flows (whole model, block by block, traced
+subgraphs), never *what* is compressed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .lifecycle import Lifecycle
+
+
+@dataclass
+class PipelineOptions:
+    """Knobs every pipeline understands (a pipeline ignores those it has no use for)."""
+
+    sequential_targets: list[str] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+    #: re-run each compressed subgraph to feed the next one its compressed-model inputs
+    propagate_error: bool = True
+    #: where cached intermediates rest: "cpu" or "disk"
+    offload: str = "cpu"
+    offload_dir: str | None = None
+    targets_per_subgraph: int = 1
+    execution_device: torch.device | None = None
+    show_progress: bool = True
+
+
+class Pipeline(ABC):
+    """Runs calibration data through a model, firing lifecycle events."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
+            options: PipelineOptions) -> None:
+        """Calibrate: fire ``calibration_start``, ``sequential_epoch_end`` per piece, ``calibration_end``."""
+
+
+class PipelineFailed(RuntimeError):
+    """A pipeline could not handle this model (e.g. untraceable); the next one may."""

@@ -1,0 +1,25 @@
+"""What one compression run knows: the model, its patch, targets, and the run's log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .model_patch import ModelPatch
+
+
+@dataclass
+class CompressionState:
+    """Shared by the pipeline and the modifiers during one ``compress()`` call."""
+
+    model: torch.nn.Module
+    modifiers: list[Any]
+    patch: ModelPatch | None = None
+    sequential_targets: list[str] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+    #: where calibration runs (cuda when there is one); weights rest on their offload device
+    execution_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: free-form per-layer records modifiers write (loss, time, ...); saved with the model
+    log: list[dict[str, Any]] = field(default_factory=list)

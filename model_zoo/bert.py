@@ -1,0 +1,36 @@
+"""BERT family (BERT, MiniLM, RoBERTa-style encoders): calibrate one BertLayer at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Random token ids and a full attention mask; BERT takes text only."""
+    if modality != "text":
+        raise ValueError(f"BERT models take text only, not {modality!r}")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "token_type_ids": torch.zeros_like(input_ids)}
+
+
+BERT = ModelPatch(
+    name="bert",
+    model_types=("bert",),
+    architectures=("BertModel", "BertForMaskedLM", "BertForSequenceClassification"),
+    sequential_targets=("BertLayer",),
+    # the pooler and task heads are tiny and sensitive; embeddings are not Linear
+    ignore=("re:.*pooler.*", "re:cls\\..*", "classifier"),
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(BERT)

@@ -1,0 +1,39 @@
+"""Llama family (Llama 2/3, and the decoders that share its layout): one decoder layer at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Random token ids with a full attention mask; text only."""
+    if modality != "text":
+        raise ValueError(f"Llama models take text only, not {modality!r}")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+LLAMA = ModelPatch(
+    name="llama",
+    model_types=("llama",),
+    architectures=("LlamaForCausalLM", "LlamaModel"),
+    sequential_targets=("LlamaDecoderLayer",),
+    # the output head maps to the vocabulary: quantizing it costs the most quality per byte
+    ignore=("lm_head",),
+    sample_inputs=sample_inputs,
+    smoothing_mappings=(
+        (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
+        (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
+    ),
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(LLAMA)
