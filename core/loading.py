@@ -1,0 +1,58 @@
+"""Loading a transformers model (and its tokenizer) with its model patch applied."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+from .model_patch import ModelPatch, apply_patch, resolve_patch
+
+
+def _model_class(config: Any) -> type:
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = "auto",
+               patch: ModelPatch | str | bool | None = None, **kwargs: Any) -> torch.nn.Module:
+    """Load a transformers model from a folder or hub id and apply its model patch.
+
+    ``patch``: ``None`` picks the registered patch for the model's architecture,
+    a name or :class:`ModelPatch` forces one, ``False`` disables patching.
+    """
+    import transformers
+
+    where = str(path_or_id)
+    path = Path(where).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{where!r} has no config.json: pass a folder saved by transformers "
+                             f"(save_pretrained) or a model id")
+    if not path.exists() and (where.startswith((".", "/", "~")) or where.count("/") > 1):
+        raise ModelLoadError(f"model folder {where!r} does not exist")
+    try:
+        config = transformers.AutoConfig.from_pretrained(where)
+        model = _model_class(config).from_pretrained(where, dtype=dtype, **kwargs)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load model {where!r}: {exc}. Pass a local folder with config.json "
+                             f"and weights, or a hub id reachable from this machine") from exc
+    model.eval()
+    return apply_patch(model, resolve_patch(model, patch))
+
+
+def load_tokenizer(path_or_id: str | os.PathLike) -> Any | None:
+    """The tokenizer saved with a model, or ``None`` when the folder has none."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path_or_id))
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,123 @@
+"""Turning what the user wrote (object, list, dict, YAML, preset) into modifiers.
+
+Accepted recipe forms:
+
+* a :class:`~layerwise.modifier.Modifier` instance, or a list of them;
+* a preset name such as ``"W4A16"``: round-to-nearest with that scheme on every
+  Linear but the output head;
+* a dict ``{"GPTQModifier": {"scheme": "W4A16"}}``; modifiers may be nested under
+  any stage/group keys (``{"quant_stage": {"quant_modifiers": {...}}}``), as
+  recipes written for other tools often are;
+* a YAML string or a path to a YAML file holding such a dict (or a list of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import RecipeError, UnknownNameError
+from .modifier import Modifier
+from .plugin_manager import registry
+
+RecipeLike = Modifier | list | dict | str | Path
+
+
+def parse_recipe(recipe: RecipeLike) -> list[Modifier]:
+    """The list of modifier instances a recipe describes, in order."""
+    if isinstance(recipe, Modifier):
+        return [recipe]
+    if isinstance(recipe, (list, tuple)):
+        return [m for item in recipe for m in parse_recipe(item)]
+    if isinstance(recipe, Path):
+        return _parse_file(recipe)
+    if isinstance(recipe, str):
+        return _parse_string(recipe)
+    if isinstance(recipe, dict):
+        modifiers = _parse_mapping(recipe, path="recipe")
+        if not modifiers:
+            raise RecipeError("the recipe names no modifier; " + _valid_hint())
+        return modifiers
+    raise RecipeError(f"a recipe must be a Modifier, list, dict, YAML text, file path or preset name, "
+                      f"not {type(recipe).__name__}")
+
+
+def _parse_string(text: str) -> list[Modifier]:
+    from .quantization.presets import PRESETS
+
+    stripped = text.strip()
+    if stripped in PRESETS:
+        return [_build("QuantizationModifier", {"scheme": stripped}, "recipe")]
+    if stripped.endswith((".yaml", ".yml")) or (("\n" not in stripped) and Path(stripped).is_file()):
+        return _parse_file(Path(stripped))
+    if ":" not in stripped and "\n" not in stripped:
+        if stripped in registry("modifiers"):
+            return [_build(stripped, {}, "recipe")]
+        raise UnknownNameError(
+            "recipe", stripped, [*PRESETS, *registry("modifiers").names()],
+            hint="pass a preset name, a modifier name, YAML text, or the path of a YAML file",
+        )
+    try:
+        data = yaml.safe_load(stripped)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"the recipe is not valid YAML: {exc}") from None
+    return parse_recipe(data)
+
+
+def _parse_file(path: Path) -> list[Modifier]:
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        raise RecipeError(f"recipe file {str(path)!r} is empty")
+    return parse_recipe(data)
+
+
+def _parse_mapping(mapping: dict, path: str) -> list[Modifier]:
+    modifiers = []
+    known = registry("modifiers")
+    for key, value in mapping.items():
+        where = f"{path}.{key}"
+        if key in known:
+            modifiers.append(_build(key, value or {}, where))
+        elif isinstance(value, dict):
+            modifiers.extend(_parse_mapping(value, where))
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):
+                modifiers.extend(_parse_mapping(item, f"{where}[{i}]"))
+        elif key.endswith("Modifier"):
+            raise UnknownNameError("modifier", key, known.names(), hint=f"(at {where})")
+        # other scalar keys (version, metadata, ...) describe the recipe and are ignored
+    return modifiers
+
+
+def _build(name: str, fields: Any, where: str) -> Modifier:
+    cls = registry("modifiers").get(name)
+    if not isinstance(fields, dict):
+        raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
+    valid = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")] \
+        if dataclasses.is_dataclass(cls) else None
+    unknown = [k for k in fields if valid is not None and k not in valid]
+    if unknown:
+        raise RecipeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for {name}; "
+                          f"valid fields: {', '.join(valid)}")
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise RecipeError(f"{where}: cannot build {name}: {exc}") from exc
+
+
+def _valid_hint() -> str:
+    return "valid modifiers: " + ", ".join(registry("modifiers").names())
+
+
+def recipe_to_yaml(modifiers: list[Modifier]) -> str:
+    """The YAML text that rebuilds ``modifiers`` (saved next to the compressed model)."""
+    return yaml.safe_dump({"layerwise_stage": {"modifiers": [m.to_dict() for m in modifiers]}},
+                          sort_keys=False)
