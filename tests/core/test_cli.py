@@ -1,0 +1,42 @@
+"""The `layerwise` command as a user runs it."""
+
+import subprocess
+import sys
+
+import pytest
+
+from layerwise.cli import main
+
+
+def test_compress_a_local_model_prints_a_summary(tiny_llama_dir, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W4A16",
+                 "--output-dir", str(out_dir), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "modules compressed: 14" in printed
+    assert "saved to:" in printed and (out_dir / "config.json").is_file()
+
+
+def test_bad_recipe_is_a_one_line_error_not_a_traceback(tiny_llama_dir, capsys):
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W5A16", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'W5A16'" in err and "W4A16" in err and "Traceback" not in err
+
+
+def test_bad_model_path_names_it(tmp_path, capsys):
+    assert main(["compress", "--model", str(tmp_path / "missing" / "model"), "--quiet"]) == 2
+    assert "missing/model" in capsys.readouterr().err
+
+
+def test_demo_w8a16_keeps_minilm_embeddings(minilm_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compress", "--recipe", "W8A16", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    assert cosine > 0.98
+    assert (tmp_path / "layerwise-minilm-w8a16" / "config.json").is_file()
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "layerwise.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and "layerwise" in result.stdout

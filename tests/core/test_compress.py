@@ -1,0 +1,70 @@
+"""compress() end to end on tiny models: data-free RTN, saving, reload, errors."""
+
+import json
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import DatasetError
+from tests.conftest import build_tiny_llama
+
+
+def _linear_names(model):
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def test_preset_quantizes_every_linear_but_the_head():
+    model = build_tiny_llama()
+    original = {n: p.clone() for n, p in model.named_parameters()}
+    out = layerwise.compress(model, "W4A16", show_progress=False)
+    assert out is model
+    report = model.layerwise_report
+    assert set(report.compressed_modules) == _linear_names(model) - {"lm_head"}
+    assert report.pipeline == "datafree"
+    assert report.bytes_after < report.bytes_before
+    assert torch.equal(model.lm_head.weight, original["lm_head.weight"])
+    changed = [n for n in report.compressed_modules if not torch.equal(
+        model.get_submodule(n).weight, original[f"{n}.weight"])]
+    assert changed == report.compressed_modules
+
+
+def test_folder_in_folder_out_reloads_with_transformers(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out_dir = tmp_path / "out"
+    model = layerwise.compress(str(tiny_llama_dir), "W8A16", output_dir=out_dir, show_progress=False)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert (out_dir / "recipe.yaml").is_file()
+    assert "W8A16" in (out_dir / "recipe.yaml").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_calibrated_recipe_without_data_is_a_clear_error():
+    with pytest.raises(DatasetError, match="GPTQModifier needs calibration data"):
+        layerwise.compress(build_tiny_llama(), "GPTQModifier:\n  scheme: W4A16\n", show_progress=False)
+
+
+def test_existing_output_folder_is_never_overwritten_silently(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("mine")
+    with pytest.raises(Exception, match="overwrite"):
+        layerwise.compress(build_tiny_llama(), "W4A16", output_dir=out_dir, show_progress=False)
+    assert (out_dir / "keep.txt").read_text() == "mine"
+
+
+def test_gptq_recipe_on_text_data_runs_sequentially(tiny_llama_dir, tmp_path):
+    texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(40)) for i in range(8)]
+    recipe = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
+    model = layerwise.compress(str(tiny_llama_dir), recipe, dataset=texts, max_seq_length=32,
+                               num_calibration_samples=8, output_dir=tmp_path / "gptq", show_progress=False)
+    report = model.layerwise_report
+    assert report.pipeline == "sequential"
+    assert report.calibration_samples == 8
+    assert len(report.compressed_modules) == 14  # 2 layers x 7 Linear
+    assert (tmp_path / "gptq" / "layerwise_log.json").is_file()
