@@ -25,7 +25,7 @@ def demo_model_path() -> Path:
 
 def demo_sentences(split: str) -> list[str]:
     """``split`` is ``calibration`` or ``eval``: original sentences shipped with layerwise."""
-    text = resources.files("layerwise").joinpath(f"data/demo_{split}.txt").read_text(encoding="utf-8")
+    text = resources.files("layerwise").joinpath(f"texts/demo_{split}.txt").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
