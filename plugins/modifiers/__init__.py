@@ -1,1 +1,15 @@
-"""Placeholder until this plugin package is written."""
+"""Built-in modifiers (compression algorithms), registered by name for recipes."""
+
+from layerwise.hookspecs import hookimpl
+
+from .quantization import QuantizationModifier
+
+MODIFIERS = [
+    ("QuantizationModifier", QuantizationModifier),
+]
+
+
+@hookimpl
+def layerwise_register_modifiers(register):
+    for name, cls in MODIFIERS:
+        register(name, cls)

@@ -1,1 +1,12 @@
-"""Placeholder until this plugin package is written."""
+"""Built-in range observers for quantization."""
+
+from layerwise.hookspecs import hookimpl
+
+from .minmax import MinMaxObserver
+
+__all__ = ["MinMaxObserver"]
+
+
+@hookimpl
+def layerwise_register_observers(register):
+    register("minmax", MinMaxObserver)

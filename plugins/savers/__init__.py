@@ -1,1 +1,12 @@
-"""Placeholder until this plugin package is written."""
+"""Built-in output formats."""
+
+from layerwise.hookspecs import hookimpl
+
+from .compressed_tensors import save_compressed
+
+__all__ = ["save_compressed"]
+
+
+@hookimpl
+def layerwise_register_savers(register):
+    register("compressed-tensors", save_compressed)

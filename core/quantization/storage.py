@@ -1,0 +1,91 @@
+"""Where quantization results live on a module, for the forward pass and the saver.
+
+After :func:`set_quantized_weight` a module carries
+
+* ``weight``: the fake-quantized values (so the model computes as it will after reload),
+* ``weight_scale`` / ``weight_zero_point`` (buffers, compressed-tensors shapes, Linear layout),
+* ``weight_g_idx`` (buffer, int32) when GPTQ reordered columns into groups,
+* ``quantization_args``: the :class:`~layerwise.quantization.args.QuantizationArgs` used.
+
+transformers' ``Conv1D`` (GPT-2) stores its weight as ``(in, out)``; everything here
+takes and returns the ``nn.Linear`` layout ``(out, in)`` and transposes for you.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .args import QuantizationArgs
+from .qmath import fake_quantize_weight
+
+QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx")
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Does ``module`` store its weight as ``(in, out)`` (transformers' Conv1D)?"""
+    return type(module).__name__ == "Conv1D"
+
+
+def linear_weight(module: nn.Module) -> Tensor:
+    """The module's weight in the ``nn.Linear`` layout ``(out, in)`` (a view, not a copy)."""
+    weight = module.weight
+    return weight.t() if is_transposed(module) else weight
+
+
+@torch.no_grad()
+def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: Tensor,
+                         zero_point: Tensor | None, args: QuantizationArgs, g_idx: Tensor | None = None) -> None:
+    """Store the fake-quantized weight and its qparams on ``module`` (what the saver reads).
+
+    ``weight_dequantized`` is in the Linear layout ``(out, in)``; it is fake-quantized
+    again with ``scale``/``zero_point`` (a no-op for values already on the grid) so the
+    stored weight is exactly what the packed checkpoint decodes to.
+    """
+    if zero_point is None:
+        zero_point = torch.zeros_like(scale)
+    target = module.weight
+    weight = weight_dequantized.to(device=target.device, dtype=torch.float32)
+    scale = scale.to(device=target.device)
+    zero_point = zero_point.to(device=target.device)
+    if g_idx is not None:
+        g_idx = g_idx.to(device=target.device, dtype=torch.int32)
+    expected = tuple(linear_weight(module).shape)
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"quantized weight has shape {tuple(weight.shape)}, the module's (out, in) weight "
+                         f"is {expected}")
+    # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale
+    scale = scale.to(target.dtype)
+    fq = fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args, g_idx)
+    fq = fq.to(target.dtype)
+    target.data.copy_(fq.t() if is_transposed(module) else fq)
+    _set_buffer(module, "weight_scale", scale)
+    _set_buffer(module, "weight_zero_point", zero_point.to(scale.dtype))
+    if g_idx is not None:
+        _set_buffer(module, "weight_g_idx", g_idx)
+    elif "weight_g_idx" in module._buffers:
+        del module._buffers["weight_g_idx"]
+    module.quantization_args = args
+
+
+def _set_buffer(module: nn.Module, name: str, value: Tensor) -> None:
+    if name in module._buffers:
+        module._buffers[name] = value.detach().clone()
+    else:
+        if hasattr(module, name):
+            delattr(module, name)
+        module.register_buffer(name, value.detach().clone(), persistent=False)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module of ``model`` that :func:`set_quantized_weight` quantized, by qualified name."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "quantization_args", None), QuantizationArgs)}
+
+
+def clear_quantization(module: nn.Module) -> None:
+    """Forget a module's qparams (its weight keeps its current values)."""
+    for name in QPARAM_NAMES:
+        module._buffers.pop(name, None)
+    if hasattr(module, "quantization_args"):
+        del module.quantization_args

@@ -1,0 +1,142 @@
+"""Round-to-nearest weight quantization (no calibration data needed).
+
+Each targeted module's weight gets a scale / zero point from an observer
+(min-max by default) and is replaced by its fake-quantized values; the saver
+packs it into the compressed-tensors format. Under a layer-by-layer pipeline the
+modules of each piece are quantized as soon as that piece was calibrated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from layerwise.errors import RecipeError
+from layerwise.matching import find_modules, unmatched
+from layerwise.modifier import Modifier
+from layerwise.plugin_manager import registry
+from layerwise.quantization.args import QuantizationArgs, QuantizationScheme
+from layerwise.quantization.presets import resolve_scheme
+from layerwise.quantization.qmath import weight_qparams
+from layerwise.quantization.storage import linear_weight, set_quantized_weight
+from layerwise.state import CompressionState
+
+
+@dataclass
+class QuantizationModifier(Modifier):
+    """Quantize the weights of ``targets`` (minus ``ignore``) with ``scheme``.
+
+    ``scheme`` is a preset name (``W4A16``, ``W4A16_ASYM``, ``W8A16``), a mapping of
+    :class:`~layerwise.quantization.args.QuantizationArgs` fields, or a scheme object.
+    ``num_bits`` / ``symmetric`` / ``strategy`` / ``group_size`` / ``observer``, when
+    given, override the scheme's weight args.
+    """
+
+    requires_data: ClassVar[bool] = False
+
+    scheme: Any = "W4A16"
+    targets: list[str] = field(default_factory=lambda: ["Linear"])
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    num_bits: int | None = None
+    symmetric: bool | None = None
+    strategy: str | None = None
+    group_size: int | None = None
+    observer: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.targets, str):
+            self.targets = [self.targets]
+        if isinstance(self.ignore, str):
+            self.ignore = [self.ignore]
+        self.targets, self.ignore = list(self.targets), list(self.ignore or [])
+        if not self.targets:
+            raise RecipeError(f"{type(self).__name__}.targets is empty; e.g. targets: [Linear]")
+        self.args: QuantizationArgs = self.resolve_args()  # fail at recipe time, not mid-run
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._done: set[str] = set()
+        self._observer: Any = None
+
+    # -- configuration -----------------------------------------------------------------
+    def resolve_args(self) -> QuantizationArgs:
+        """The weight args: the scheme's, with this modifier's explicit overrides applied."""
+        scheme: QuantizationScheme = resolve_scheme(self.scheme)
+        overrides = {name: getattr(self, name)
+                     for name in ("num_bits", "symmetric", "strategy", "group_size", "observer")
+                     if getattr(self, name) is not None}
+        if not overrides:
+            return scheme.weights
+        try:
+            return scheme.weights.replace(**overrides)
+        except TypeError as exc:
+            raise RecipeError(str(exc)) from None
+
+    def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
+        """The modules to quantize; errors for a target matching nothing or an indivisible group."""
+        model = state.model
+        missing = unmatched(model, self.targets)
+        if missing:
+            raise RecipeError(_missing_target_message(type(self).__name__, missing, model))
+        ignore = [*self.ignore, *(state.ignore or [])]
+        modules = find_modules(model, self.targets, ignore)
+        modules = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        if self.args.strategy == "group":
+            for name, module in modules.items():
+                in_features = linear_weight(module).shape[-1]
+                if in_features % self.args.group_size:
+                    divisors = [g for g in (32, 64, 128) if in_features % g == 0]
+                    alt = f", or group_size {divisors[-1]}" if divisors else ""
+                    raise RecipeError(
+                        f"{type(self).__name__}: group_size {self.args.group_size} does not divide "
+                        f"in_features {in_features} of layer {name!r}; use strategy: channel{alt}, "
+                        f"or add {name!r} to ignore")
+        return modules
+
+    # -- events ------------------------------------------------------------------------
+    def on_initialize(self, state: CompressionState) -> None:
+        self._observer = registry("observers").get(self.args.observer)(self.args)
+        self._modules = self.resolve_modules(state)
+        self._done = set()
+
+    def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
+        for name in self._modules:
+            if name not in self._done and _in_piece(name, modules):
+                self.quantize_module(name, self._modules[name])
+
+    def on_calibration_end(self, state: CompressionState) -> None:
+        for name, module in self._modules.items():
+            if name not in self._done:
+                self.quantize_module(name, module)
+
+    # -- work --------------------------------------------------------------------------
+    @torch.no_grad()
+    def quantize_module(self, name: str, module: torch.nn.Module) -> None:
+        """Round-to-nearest: observe the weight, compute qparams, store the fake-quantized weight."""
+        weight = linear_weight(module).detach().to(torch.float32)
+        scale, zero_point = weight_qparams(weight, self.args, self._observer)
+        set_quantized_weight(module, weight, scale, zero_point, self.args)
+        self._done.add(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe entry, leaving out overrides that were not given."""
+        ((name, fields),) = super().to_dict().items()
+        unset = {f.name for f in dataclasses.fields(self) if f.default is None and getattr(self, f.name) is None}
+        return {name: {k: v for k, v in fields.items() if k not in unset}}
+
+
+def _in_piece(name: str, modules: list[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") or m == "" for m in modules)
+
+
+def _missing_target_message(owner: str, missing: list[str], model: torch.nn.Module) -> str:
+    classes = sorted({type(m).__name__ for m in model.modules()})
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    shown = ", ".join(linears[:6]) + (f", ... ({len(linears)} in all)" if len(linears) > 6 else "")
+    return (f"{owner}: target(s) {', '.join(map(repr, missing))} match no module of "
+            f"{type(model).__name__}; module classes in the model: {', '.join(classes)}; "
+            f"Linear layers: {shown or '(none)'}. Targets are class names, qualified names "
+            f"or 're:<regex>' patterns")

@@ -1,0 +1,173 @@
+"""Saving a quantized model in the compressed-tensors format (loaded by transformers and vLLM).
+
+On disk, for every quantized Linear called ``<name>``:
+
+* ``<name>.weight_packed`` -- int32, shape ``(out, ceil(in * bits / 32))``: the signed
+  integers ``q`` shifted to unsigned (``q + 2**(bits-1)``) and packed densely along the
+  input dimension, element ``j`` at bit ``j * bits`` (8 int4 or 4 int8 per word);
+* ``<name>.weight_scale`` -- the weight's dtype, shape ``(1,)`` / ``(out, 1)`` /
+  ``(out, in // group_size)``; ``w = (q - zero_point) * scale``;
+* ``<name>.weight_zero_point`` -- asymmetric only: int32 packed along the output
+  dimension for channel/group strategies, int8 for the tensor strategy;
+* ``<name>.weight_shape`` -- int64 ``[out, in]``.
+
+``config.json`` gains ``quantization_config`` (``quant_method: compressed-tensors``,
+``format: pack-quantized`` for int4 and int8 alike -- the weight-only format vLLM runs --
+one config group per distinct set of args, and ``ignore`` listing every Linear
+left unquantized). The tokenizer, ``recipe.yaml`` and any extra files go alongside.
+The folder is written atomically (see :mod:`layerwise.saving`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerwise.errors import LayerwiseError
+from layerwise.quantization.args import QuantizationArgs
+from layerwise.quantization.qmath import default_g_idx, quantize_weight
+from layerwise.quantization.storage import is_transposed, linear_weight, quantized_modules
+from layerwise.saving import atomic_output_dir, check_output_dir
+
+FORMAT = "pack-quantized"
+
+
+class SaveError(LayerwiseError):
+    """A model that cannot be written in the compressed-tensors format."""
+
+
+def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None,
+                    recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
+                    overwrite: bool = False) -> Path:
+    """Write ``model`` (quantized in place by layerwise) to ``output_dir``; returns the folder."""
+    check_output_dir(output_dir, overwrite)  # fail before any work
+    modules = quantized_modules(model)
+    for name, module in modules.items():
+        if is_transposed(module):
+            raise SaveError(f"layer {name!r} is a transformers Conv1D (GPT-2 style); the compressed-tensors "
+                            f"loader handles nn.Linear only, so this model cannot be saved in this format yet")
+    quant_config = build_quantization_config(model, modules)
+    state_dict = compressed_state_dict(model, modules)
+    with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        config_path = tmp / "config.json"
+        config = json.loads(config_path.read_text())
+        config["quantization_config"] = quant_config
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if recipe is not None:
+            (tmp / "recipe.yaml").write_text(recipe if isinstance(recipe, str) else _yaml(recipe))
+        for relative, content in (extra_files or {}).items():
+            path = _inside(tmp, relative)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content)
+    return Path(output_dir)
+
+
+# -- config ------------------------------------------------------------------------------
+def _ct_weight_args(args: QuantizationArgs) -> dict[str, Any]:
+    """compressed-tensors' QuantizationArgs fields for our args."""
+    fields: dict[str, Any] = {
+        "num_bits": args.num_bits,
+        "type": "int",
+        "symmetric": args.symmetric,
+        "strategy": args.strategy,
+        "group_size": args.group_size if args.strategy == "group" else None,
+        "dynamic": False,
+        "observer": args.observer,
+    }
+    if args.actorder == "static":
+        fields["actorder"] = "weight"  # compressed-tensors' name for static ordering
+    return fields
+
+
+def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, Any]:
+    """The ``quantization_config`` dict of config.json (validated by compressed-tensors' own classes)."""
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    if not modules:
+        raise SaveError("the model has no quantized module; quantize it first (e.g. recipe 'W4A16')")
+    by_args: dict[QuantizationArgs, list[str]] = defaultdict(list)
+    for name, module in modules.items():
+        by_args[module.quantization_args].append(name)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    ignore = [n for n in linears if n not in modules]
+    groups = {}
+    for i, (args, names) in enumerate(by_args.items()):
+        # one group: every Linear minus `ignore`; several: each group lists its layers exactly
+        targets = ["Linear"] if len(by_args) == 1 else [f"re:^{re.escape(n)}$" for n in names]
+        groups[f"group_{i}"] = QuantizationScheme(targets=targets, weights=CTArgs(**_ct_weight_args(args)),
+                                                  input_activations=None, output_activations=None)
+    config = QuantizationConfig(config_groups=groups, format=FORMAT, quantization_status="compressed",
+                                ignore=ignore)
+    data = config.model_dump(mode="json")
+    data["quant_method"] = "compressed-tensors"
+    return data
+
+
+# -- weights -----------------------------------------------------------------------------
+@torch.no_grad()
+def compressed_state_dict(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The model's state dict with each quantized weight replaced by its packed form."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    state = dict(model.state_dict())
+    for name, module in modules.items():
+        args: QuantizationArgs = module.quantization_args
+        prefix = f"{name}." if name else ""
+        weight = linear_weight(module).detach().to("cpu", torch.float32)
+        scale = module.weight_scale.detach().to("cpu")
+        zero_point = module.weight_zero_point.detach().to("cpu")
+        g_idx = getattr(module, "weight_g_idx", None)
+        if g_idx is not None:
+            trivial = default_g_idx(weight.shape[1], args.group_size)
+            if not torch.equal(g_idx.to("cpu", torch.int32), trivial):
+                raise SaveError(
+                    f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
+                    f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
+                    f"Use actorder='static' (same format, no g_idx) or actorder=None")
+        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+        q = q.to(torch.int8)
+        state.pop(f"{prefix}weight")
+        state[f"{prefix}weight_packed"] = pack_to_int32(q, args.num_bits)
+        state[f"{prefix}weight_scale"] = scale.to(module.weight.dtype).contiguous()
+        state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+        if not args.symmetric:
+            zp = torch.round(zero_point).to(torch.int8)
+            if args.strategy in ("channel", "group"):
+                zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
+            state[f"{prefix}weight_zero_point"] = zp.contiguous()
+    return state
+
+
+def _ct_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("compressed-tensors")
+    except Exception:  # noqa: BLE001
+        return "(installed)"
+
+
+def _inside(folder: Path, relative: str) -> Path:
+    path = (folder / relative).resolve()
+    if folder.resolve() not in path.parents:
+        raise SaveError(f"extra file name {relative!r} points outside the output folder")
+    return path
+
+
+def _yaml(data: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
