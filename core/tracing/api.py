@@ -1,0 +1,187 @@
+"""``trace()``: trace a model, retrying with autowrap and robust leaves, then partition it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from .autowrap import ForwardRewriter, WrappedStatement
+from .opaque import default_opaque_functions
+from .partition import eliminate_dead_pure_nodes, partition
+from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
+from .targets import TargetError, resolve_modules, resolve_targets
+from .tracer import LayerwiseTracer, forward_signature
+
+#: how many times a trace is retried after wrapping a statement or making a module a leaf
+MAX_ATTEMPTS = 64
+
+
+def trace(
+    model: torch.nn.Module,
+    sample_inputs: Mapping[str, Any],
+    sequential_targets: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+    targets_per_subgraph: int = 1,
+    robust: bool = True,
+    opaque_functions: Sequence[Callable[..., Any]] = (),
+    leaf_modules: Sequence[str] = (),
+) -> TraceResult:
+    """Trace ``model``'s forward on ``sample_inputs`` and cut it into per-target subgraphs.
+
+    ``sample_inputs`` are keyword arguments of the model's forward (``input_ids``, ...); only
+    their shapes and dtypes matter (they are moved to meta). Targets and ignore entries
+    are class names, qualified names or ``re:<regex>``; targets default to the model's
+    ``_no_split_modules``. Ignored modules and ``leaf_modules`` (class names) are called as
+    single nodes. Statements that cannot be traced are wrapped into opaque calls; with
+    ``robust`` a module whose forward still fails becomes a leaf (see ``failed_modules``).
+
+    The first subgraph takes the model inputs by name; the last one returns
+    ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
+    """
+    if targets_per_subgraph < 1:
+        raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
+    ignored = resolve_modules(model, list(ignore)) if ignore else {}
+    targets = {n: m for n, m in resolve_targets(model, sequential_targets).items() if n not in ignored}
+    if not targets:
+        raise TargetError(f"every sequential target of {type(model).__name__} is also ignored")
+    concrete = _concrete_args(model, sample_inputs)
+    opaque_fns = [*default_opaque_functions(), *opaque_functions]
+    rewriter = ForwardRewriter()
+    failed: dict[str, str] = {}
+
+    for _ in range(MAX_ATTEMPTS):
+        tracer = LayerwiseTracer(model, sample_inputs, concrete, [*targets, *ignored, *failed], leaf_modules,
+                                 opaque_fns, rewriter)
+        try:
+            with torch.no_grad():
+                graph = tracer.trace(model)
+            break
+        except Exception as exc:
+            culprit = getattr(exc, "_lw_culprit", None)
+            why = f"{type(exc).__name__}: {exc}"
+            if culprit is None:
+                raise TraceError(f"tracing {type(model).__name__} failed outside any module forward: {why}") from exc
+            name, module = culprit
+            fixed = _autowrap(rewriter, module, name, exc, why)
+            if isinstance(fixed, WrappedStatement):
+                continue
+            if robust and name and name not in targets:
+                failed[name] = f"{why} ({fixed})"
+                continue
+            where = repr(name) if name else f"the model ({type(model).__name__})"
+            hint = ("pass robust=True to make it a leaf" if name and not robust
+                    else "give it a traceable override in its ModelPatch, or ignore it")
+            raise TraceError(f"cannot trace {where}: {why}; autowrap: {fixed}. Fix: {hint}") from exc
+    else:
+        raise TraceError(f"tracing {type(model).__name__} did not converge after {MAX_ATTEMPTS} attempts; "
+                         f"wrapped so far: {[str(r) for r in rewriter.records]}, failed: {failed}")
+
+    if tracer.output_type is not None:
+        _rebuild_output(graph, tracer.output_type)
+    eliminate_dead_pure_nodes(graph)
+
+    target_nodes = [n for n in graph.nodes if n.op == "call_module" and n.target in targets]
+    called = {n.target for n in target_nodes}
+    missing = [t for t in targets if t not in called]
+    if missing:
+        raise SwallowedTargetsError(_swallowed_message(missing, tracer, rewriter, failed, ignored))
+    groups = [target_nodes[i:i + targets_per_subgraph] for i in range(0, len(target_nodes), targets_per_subgraph)]
+
+    attrs = {n.target: _resolve(model, tracer.constants, n.target) for n in graph.nodes
+             if n.op in ("get_attr", "call_module")}
+    graph_module = fx.GraphModule(attrs, graph, class_name=f"{type(model).__name__}Traced")
+    subgraphs = partition(graph, model, tracer.constants, groups)
+    leaves = sorted(n for n in tracer.visited if n and tracer.is_leaf_module(model.get_submodule(n), n))
+    return TraceResult(
+        model=model, graph_module=graph_module, subgraphs=subgraphs, target_names=list(targets),
+        input_names=[n.name for n in graph.nodes if n.op == "placeholder"], concrete_args=concrete,
+        wrapped=rewriter.records, failed_modules=dict(failed),
+        unvisited_modules=_unvisited(model, tracer.visited, set(leaves)), leaf_modules=leaves,
+        opaque_calls=[OpaqueCall(n.name, f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}")
+                      for n in graph.nodes if n.meta.get("is_wrapped")],
+        output_type=tracer.output_type)
+
+
+def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Values for forward arguments that are not sample inputs: caches are off while tracing."""
+    params = forward_signature(model).parameters
+    return {"use_cache": False} if "use_cache" in params and "use_cache" not in sample_inputs else {}
+
+
+def _autowrap(rewriter: ForwardRewriter, module: torch.nn.Module, name: str, exc: BaseException,
+              why: str) -> WrappedStatement | str:
+    fn = getattr(module.forward, "__func__", None)
+    if fn is None:
+        return "its forward is not a method"
+    code = rewriter.inner_code(fn)
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None:
+        return "the failure is not in the forward's own code (a decorator, hook or helper around it)"
+    return rewriter.wrap(fn, line, why, name)
+
+
+def _rebuild_output(graph: fx.Graph, output_type: type) -> None:
+    def build(fields: dict[str, Any]) -> Any:
+        return output_type(**fields)
+
+    build.__name__ = build.__qualname__ = f"build_{output_type.__name__}"
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        rebuilt = graph.call_function(build, (output.args[0],))
+    output.args = (rebuilt,)
+
+
+def _resolve(model: torch.nn.Module, constants: Mapping[str, Any], target: str) -> Any:
+    if target in constants:
+        return constants[target]
+    obj: Any = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _unvisited(model: torch.nn.Module, visited: set[str], leaves: set[str]) -> list[str]:
+    """Modules whose forward never ran while tracing (and that do not sit inside a called leaf)."""
+    out = []
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    for name, module in model.named_modules():
+        if name and not isinstance(module, containers) and name not in visited and not any(a in leaves for a in _ancestors(name)):
+            out.append(name)
+    return out
+
+
+def _swallowed_message(missing: list[str], tracer: LayerwiseTracer, rewriter: ForwardRewriter,
+                       failed: Mapping[str, str], ignored: Mapping[str, Any]) -> str:
+    reasons = []
+    records = rewriter.records
+    for target in missing:
+        anc = _ancestors(target)
+        leaf = next((a for a in reversed(anc) if a in tracer.leaf_names and a), None)
+        stmts = [r for r in records if r.module in anc]
+        if leaf is not None and leaf in failed:
+            why = f"inside module {leaf!r}, made a leaf because it failed to trace: {failed[leaf]}"
+        elif leaf is not None:
+            why = f"inside module {leaf!r}, which is {'ignored' if leaf in ignored else 'a leaf'}"
+        elif stmts:
+            why = "swallowed by wrapped statement(s): " + "; ".join(str(r) for r in stmts)
+        elif target not in tracer.visited:
+            why = "never called by the forward"
+        else:
+            why = "called inside an opaque function"
+        reasons.append(f"  {target}: {why}")
+    return ("sequential targets do not appear as their own call in the traced graph, so they cannot be "
+            "calibrated one at a time:\n" + "\n".join(reasons) +
+            "\nFix: make the swallowing code traceable (a ModelPatch override), stop ignoring it, "
+            "or choose other sequential_targets")

@@ -1,0 +1,83 @@
+"""Shape metadata for proxies: every traced value is also computed on the meta device.
+
+Why: Python control flow in a forward (``if x.shape[1] > 1``, ``len(...)``, ``.dim()``)
+needs concrete answers while tracing, but tracing must not touch real weights. Running
+each recorded operation on meta tensors gives those answers for free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: marker for "this value's metadata is unknown" (its op could not run on meta)
+UNKNOWN = object()
+
+
+def to_meta(value: Any) -> Any:
+    """Meta-device twin of a (nested) value; non-tensors are returned as they are."""
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not x.is_meta:
+            return torch.empty_like(x, device="meta")
+        return x
+
+    return pytree.tree_map(convert, value)
+
+
+class _DataDependentDefaults(TorchDispatchMode):
+    """Answers value-dependent ops on meta tensors with neutral stand-ins.
+
+    ``.item()`` gives 0/False and ``nonzero`` gives no rows, so MoE routing loops run zero
+    times and value checks pass: only the *shape* of a module's output matters here.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.is_meta:
+            if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
+                return False if first.dtype == torch.bool else (0.0 if first.is_floating_point() else 0)
+            if func in (aten.nonzero.default,):
+                return torch.empty((0, first.dim()), dtype=torch.long, device="meta")
+            if func in (aten.equal.default,):
+                return True
+        return func(*args, **kwargs)
+
+
+class _ToMetaMode(torch.overrides.TorchFunctionMode):
+    """Moves every tensor argument to meta before each torch call (real weights stay put)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        args, kwargs = to_meta((args, kwargs))
+        if kwargs.get("device") is not None and func in _FACTORIES:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.rand, torch.randn,
+              torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.eye, torch.linspace}
+
+
+def run_on_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, real_weights: bool) -> Any:
+    """``fn(*args, **kwargs)`` on meta inputs; ``UNKNOWN`` when even the fallbacks fail.
+
+    First a plain call (fast path: everything already on meta), then with tensors moved
+    to meta on the fly (real weights) and value-dependent ops stubbed.
+    """
+    if not real_weights:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            pass
+    try:
+        with _ToMetaMode(), _DataDependentDefaults():
+            return fn(*args, **kwargs)
+    except Exception:
+        return UNKNOWN

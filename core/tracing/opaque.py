@@ -1,0 +1,62 @@
+"""What the tracer calls as one opaque node instead of tracing through.
+
+Rules are generic, by where code lives, so they survive the next transformers release:
+every public function defined in ``transformers.masking_utils`` (mask builders branch on
+tensor values) or in ``transformers.integrations.*`` (kernels, attention back-ends) is opaque.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import fx
+from torch.utils import _pytree as pytree
+
+#: module-name prefixes whose functions are always called opaquely
+OPAQUE_MODULE_PREFIXES: tuple[str, ...] = ("transformers.masking_utils", "transformers.integrations")
+
+
+def _functions_of(module: types.ModuleType) -> Iterable[Callable[..., Any]]:
+    name = module.__name__
+    for attr, value in vars(module).items():
+        if not attr.startswith("_") and isinstance(value, types.FunctionType) and value.__module__ == name:
+            yield value
+
+
+def default_opaque_functions(prefixes: Sequence[str] = OPAQUE_MODULE_PREFIXES) -> list[Callable[..., Any]]:
+    """Public functions defined in already-imported modules under ``prefixes``."""
+    try:  # make sure the mask builders are imported even if no model imported them yet
+        import transformers.masking_utils  # noqa: F401
+    except Exception:  # pragma: no cover - transformers missing
+        pass
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is not None and any(mod_name == p or mod_name.startswith(p + ".") for p in prefixes):
+            found.extend(_functions_of(module))
+    return found
+
+
+def find_proxy(*values: Any) -> fx.Proxy | None:
+    """The first proxy among (nested) ``values``, if any."""
+    for leaf in pytree.tree_leaves(values):
+        if isinstance(leaf, fx.Proxy):
+            return leaf
+    return None
+
+
+def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` recorded as one ``call_function`` node when it receives traced values."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        proxy = find_proxy(args, kwargs)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
+
+    call.__layerwise_opaque__ = fn  # type: ignore[attr-defined]
+    return call

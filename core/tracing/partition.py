@@ -1,0 +1,146 @@
+"""Cutting a traced graph into one executable subgraph per target group, plus the rest.
+
+Each target group's subgraph holds the group's target calls and every not-yet-placed
+node they depend on; the final subgraph holds what is left (head, output). Values cross
+subgraph boundaries by node name, so a pipeline can cache them by name and free each
+after its last consumer.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+#: name of the single value the final subgraph produces: the model's output
+OUTPUT_NAME = "output"
+
+
+@dataclass
+class Subgraph:
+    """One executable piece of the model: named values in, named values out."""
+
+    index: int
+    module: fx.GraphModule
+    input_names: list[str]
+    output_names: list[str]
+    consumed_names: list[str]
+    target_names: list[str]
+    modules: list[str]
+    num_nodes: int = 0
+    node_names: list[str] = field(default_factory=list, repr=False)
+
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Outputs of this piece from ``values`` (a mapping holding at least ``input_names``)."""
+        missing = [n for n in self.input_names if n not in values]
+        if missing:
+            raise KeyError(f"subgraph {self.index} needs values {missing} that are not in the cache; "
+                           "run the subgraphs in order and keep values until their consumed_names says so")
+        return self.module(*(values[n] for n in self.input_names))
+
+
+def _attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
+    if target in constants:
+        return constants[target]
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, Any],
+              groups: Sequence[Sequence[fx.Node]]) -> list[Subgraph]:
+    """``len(groups) + 1`` subgraphs: one per target group (in graph order), then the rest."""
+    assign: dict[fx.Node, int] = {}
+    for index, group in enumerate(groups):
+        stack = list(group)
+        while stack:
+            node = stack.pop()
+            if node in assign or node.op in ("placeholder", "get_attr"):
+                continue
+            assign[node] = index
+            stack.extend(node.all_input_nodes)
+    last = len(groups)
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "get_attr") and node not in assign:
+            assign[node] = last
+
+    count = last + 1
+    inputs: list[list[fx.Node]] = [[] for _ in range(count)]
+    outputs: list[list[fx.Node]] = [[] for _ in range(count)]
+    last_use: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node not in assign:
+            continue
+        here = assign[node]
+        for src in node.all_input_nodes:
+            if src.op == "get_attr" or assign.get(src) == here:
+                continue
+            if src not in inputs[here]:
+                inputs[here].append(src)
+            last_use[src] = max(last_use.get(src, here), here)
+            if src.op != "placeholder" and src not in outputs[assign[src]]:
+                outputs[assign[src]].append(src)
+
+    group_targets = [[str(n.target) for n in group] for group in groups] + [[]]
+    subgraphs = []
+    for index in range(count):
+        members = [n for n in graph.nodes if assign.get(n) == index]
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for src in inputs[index]:
+            env[src] = sub.placeholder(src.name)
+
+        def lookup(node: fx.Node) -> fx.Node:
+            if node not in env:  # get_attr: every subgraph fetches its own parameters/constants
+                env[node] = sub.node_copy(node)
+            return env[node]
+
+        for node in members:
+            if node.op == "output":
+                sub.output({OUTPUT_NAME: fx.map_arg(node.args[0], lookup)})
+                continue
+            env[node] = sub.node_copy(node, lookup)
+        if index < last:
+            sub.output({src.name: env[src] for src in outputs[index]})
+            out_names = [src.name for src in outputs[index]]
+        else:
+            out_names = [OUTPUT_NAME]
+        attrs = {n.target: _attr(model, constants, n.target) for n in sub.nodes if n.op in ("get_attr", "call_module")}
+        module = fx.GraphModule(attrs, sub, class_name=f"Subgraph{index}")
+        called = list(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
+        owners = [str(n.target).rpartition(".")[0] for n in sub.nodes
+                  if n.op == "get_attr" and not str(n.target).startswith("_lw_")]
+        subgraphs.append(Subgraph(
+            index=index, module=module, input_names=[n.name for n in inputs[index]], output_names=out_names,
+            consumed_names=[n.name for n, i in last_use.items() if i == index],
+            target_names=group_targets[index],
+            modules=list(dict.fromkeys(called + [o for o in owners if o])),
+            num_nodes=len(members), node_names=[n.name for n in members]))
+    return subgraphs
+
+
+def _is_pure(node: fx.Node) -> bool:
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_method":
+        return not str(node.target).endswith("_")  # in-place methods (add_, masked_fill_) are effects
+    if node.op != "call_function" or node.meta.get("is_wrapped") or hasattr(node.target, "__layerwise_stmt__"):
+        return False
+    target = node.target
+    if target in (operator.getitem, getattr) or getattr(target, "__module__", None) == "_operator":
+        return not getattr(target, "__name__", "").startswith("i")  # iadd & co. mutate
+    name = getattr(target, "__name__", "")
+    module = getattr(target, "__module__", "") or ""
+    return module.startswith("torch") and not name.endswith("_") and not node.is_impure()
+
+
+def eliminate_dead_pure_nodes(graph: fx.Graph) -> None:
+    """Drop unused side-effect-free nodes that tracing left behind (shape probes, dead branches)."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and _is_pure(node):
+            graph.erase_node(node)

@@ -1,0 +1,115 @@
+"""Proxies that carry a meta value, so shape questions get concrete answers while tracing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from .meta import UNKNOWN
+
+
+class UntraceableError(TypeError):
+    """A traced value was used in a way the graph cannot express (e.g. ``if tensor.any():``).
+
+    A ``TypeError`` on purpose: code that probes values with ``try: iter(x) except TypeError``
+    keeps working.
+    """
+
+
+#: tensor attributes that never change between calibration batches: answered concretely
+_CONCRETE_ATTRS = frozenset({"dtype", "ndim", "is_cuda", "is_sparse", "is_quantized", "layout", "requires_grad",
+                             "is_floating_point", "is_complex"})
+#: tensor methods answered concretely for the same reason
+CONCRETE_METHODS = frozenset({"dim", "ndimension", "is_floating_point", "is_complex", "element_size",
+                              "is_contiguous", "get_device"})
+
+
+class MetaProxy(fx.Proxy):
+    """An ``fx.Proxy`` with ``meta``: the value this node computes, on the meta device.
+
+    ``bool``, ``len``, ``int``, iteration and ``isinstance(p, torch.Tensor)`` are answered
+    from ``meta``; values that depend on tensor *contents* raise :class:`UntraceableError`.
+    """
+
+    meta: Any = UNKNOWN
+
+    def _known(self, what: str) -> Any:
+        if self.meta is UNKNOWN:
+            raise UntraceableError(f"{what} of traced value {self.node.name!r}, whose shape could not be inferred")
+        return self.meta
+
+    def _concrete(self, what: str) -> Any:
+        value = self._known(what)
+        if isinstance(value, torch.Tensor):
+            raise UntraceableError(
+                f"{what} of traced tensor {self.node.name!r} depends on tensor values (data-dependent control flow)")
+        return value
+
+    def __bool__(self) -> bool:
+        return bool(self._concrete("truth value"))
+
+    def __index__(self) -> int:
+        return int(self._concrete("integer value"))
+
+    def __int__(self) -> int:
+        return int(self._concrete("integer value"))
+
+    def __float__(self) -> float:
+        return float(self._concrete("float value"))
+
+    def __len__(self) -> int:
+        value = self._known("len()")
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return len(value)
+
+    def __iter__(self):  # type: ignore[override]
+        value = self.meta
+        if value is UNKNOWN:
+            raise UntraceableError(f"iteration over traced value {self.node.name!r} of unknown length")
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return iter([self[i] for i in range(len(value))])
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._concrete("membership test")
+
+    def keys(self):  # ``**proxy`` on a traced dict
+        return self._known("keys()").keys()
+
+    @property  # type: ignore[misc]
+    def __class__(self):  # noqa: D105 - isinstance(p, torch.Tensor) follows the traced value
+        if isinstance(self.meta, torch.Tensor):
+            return torch.Tensor
+        return MetaProxy
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _CONCRETE_ATTRS and isinstance(self.meta, torch.Tensor):
+            return getattr(self.meta, name)
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return MetaAttribute(self, name)
+
+
+class MetaAttribute(MetaProxy, fx.proxy.Attribute):
+    """Lazy attribute of a proxy (``x.shape``, ``x.view``) that also knows its meta value."""
+
+    def __init__(self, root: MetaProxy, attr: str) -> None:
+        fx.proxy.Attribute.__init__(self, root, attr)
+        meta = root.meta
+        try:
+            self.meta = UNKNOWN if meta is UNKNOWN else getattr(meta, attr)
+        except Exception:
+            self.meta = UNKNOWN
+
+    @property
+    def node(self):  # type: ignore[override]
+        if self._node is None:
+            proxy = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {})
+            self._node = proxy.node
+        return self._node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
