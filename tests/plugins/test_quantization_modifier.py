@@ -1,0 +1,128 @@
+"""QuantizationModifier (round-to-nearest) on a tiny Llama, driven through the lifecycle."""
+
+import pytest
+import torch
+
+from layerwise.errors import RecipeError, UnknownNameError
+from layerwise.lifecycle import Lifecycle
+from layerwise.plugin_manager import registry
+from layerwise.quantization.presets import PRESETS
+from layerwise.quantization.qmath import fake_quantize_weight, weight_qparams
+from layerwise.quantization.storage import quantized_modules
+from layerwise.recipe import parse_recipe
+from layerwise.state import CompressionState
+from tests.conftest import build_tiny_llama
+
+
+def QuantizationModifier(**kwargs):
+    return registry("modifiers").get("QuantizationModifier")(**kwargs)
+
+
+def run(model, modifier, ignore=(), epochs=None):
+    lifecycle = Lifecycle(CompressionState(model, [modifier], ignore=list(ignore)))
+    lifecycle.initialize()
+    lifecycle.calibration_start()
+    for modules in epochs or []:
+        lifecycle.sequential_epoch_end(modules)
+    lifecycle.calibration_end()
+    lifecycle.finalize()
+    return model
+
+
+def linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("scheme, overrides", [
+    ("W4A16", {"group_size": 32}),
+    ("W4A16_ASYM", {"group_size": 16}),
+    ("W8A16", {}),
+    ("W4A16", {"strategy": "channel"}),
+])
+def test_every_target_equals_the_reference_fake_quant(scheme, overrides):
+    model = build_tiny_llama()
+    original = {n: m.weight.detach().clone() for n, m in linears(model).items()}
+    modifier = QuantizationModifier(scheme=scheme, **overrides)
+    run(model, modifier)
+    args = PRESETS[scheme].weights.replace(**overrides)
+    assert modifier.args == args
+    assert set(quantized_modules(model)) == set(original) - {"lm_head"}
+    for name, module in linears(model).items():
+        if name == "lm_head":
+            assert torch.equal(module.weight, original[name])
+            continue
+        scale, zp = weight_qparams(original[name], args)
+        assert torch.equal(module.weight, fake_quantize_weight(original[name], scale, zp, args)), name
+        assert not torch.equal(module.weight, original[name])
+        assert torch.equal(module.weight_scale, scale)
+
+
+def test_sequential_epochs_quantize_as_they_go():
+    model = build_tiny_llama()
+    modifier = QuantizationModifier(scheme="W8A16")
+    lifecycle = Lifecycle(CompressionState(model, [modifier]))
+    lifecycle.initialize()
+    lifecycle.calibration_start()
+    lifecycle.sequential_epoch_end(["model.layers.0"])
+    done = set(quantized_modules(model))
+    assert done and all(n.startswith("model.layers.0.") for n in done)
+    lifecycle.sequential_epoch_end(["model.layers.1.mlp.up_proj"])
+    assert "model.layers.1.mlp.up_proj" in quantized_modules(model)
+    assert "model.layers.1.mlp.down_proj" not in quantized_modules(model)
+    lifecycle.calibration_end()
+    assert len(quantized_modules(model)) == 14
+
+
+def test_state_ignore_and_regex_targets():
+    model = run(build_tiny_llama(), QuantizationModifier(scheme="W8A16", targets=["re:.*mlp\\..*"]),
+                ignore=["re:.*down_proj"])
+    assert set(quantized_modules(model)) == {f"model.layers.{i}.mlp.{p}" for i in (0, 1)
+                                              for p in ("gate_proj", "up_proj")}
+
+
+def test_requires_no_data():
+    assert QuantizationModifier().requires_data is False
+
+
+def test_unknown_scheme_lists_valid_ones():
+    with pytest.raises(UnknownNameError) as info:
+        QuantizationModifier(scheme="W3A16")
+    assert "W4A16_ASYM" in str(info.value) and "W8A16" in str(info.value)
+    with pytest.raises(RecipeError, match="W8A16"):  # through a recipe too
+        parse_recipe({"QuantizationModifier": {"scheme": "W3A16"}})
+
+
+def test_unknown_scheme_field_lists_valid_ones():
+    with pytest.raises(RecipeError, match="'bits'.*valid fields: num_bits"):
+        QuantizationModifier(scheme={"bits": 4})
+    with pytest.raises(RecipeError, match="valid num_bits: 4, 8"):
+        QuantizationModifier(num_bits=2)
+
+
+def test_missing_target_is_named_with_what_the_model_has():
+    with pytest.raises(RecipeError) as info:
+        run(build_tiny_llama(), QuantizationModifier(scheme="W8A16", targets=["Linear", "QKVLinear"]))
+    message = str(info.value)
+    assert "'QKVLinear'" in message and "LlamaDecoderLayer" in message and "q_proj" in message
+
+
+def test_indivisible_group_names_the_layer_and_the_fix():
+    with pytest.raises(RecipeError) as info:
+        run(build_tiny_llama(), QuantizationModifier(scheme="W4A16"))  # hidden 64, group 128
+    message = str(info.value)
+    assert "model.layers.0.self_attn.q_proj" in message and "channel" in message and "group_size 64" in message
+
+
+def test_unknown_observer_lists_registered_ones():
+    with pytest.raises(UnknownNameError, match="minmax"):
+        run(build_tiny_llama(), QuantizationModifier(scheme="W8A16", observer="mse"))
+
+
+def test_recipe_round_trip_keeps_only_given_fields():
+    from layerwise.recipe import recipe_to_yaml
+
+    (modifier,) = parse_recipe({"QuantizationModifier": {"scheme": "W4A16", "group_size": 32}})
+    text = recipe_to_yaml([modifier])
+    assert "num_bits" not in text and "group_size: 32" in text
+    (again,) = parse_recipe(text)
+    assert again.args == modifier.args
