@@ -1,0 +1,54 @@
+"""Gemma3 (vision): SigLIP encoder layers and Gemma3 decoder layers calibrated one at a time.
+
+An image is ``pixel_values`` ``(batch, channels, image_size, image_size)``; the projector pools
+the patch grid down to ``mm_tokens_per_image`` soft tokens, framed in the text by
+``boi_token_index`` / ``eoi_token_index``. ``token_type_ids`` (1 on image tokens) makes the
+decoder attend bidirectionally inside each image, as the processor does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+from . import _inputs
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Text ids, or one image per row: ``<boi>``, ``mm_tokens_per_image`` image tokens, ``<eoi>``."""
+    text = getattr(config, "text_config", config)
+    supported = (_inputs.TEXT, _inputs.IMAGE) if hasattr(config, "vision_config") else (_inputs.TEXT,)
+    _inputs.check_modality("Gemma3", modality, supported)
+    avoid = _inputs.special_ids(config, text)
+    if modality == _inputs.TEXT:
+        return _inputs.text_inputs(text.vocab_size, batch, seq_len, avoid=avoid)
+
+    vision = config.vision_config
+    run = [config.boi_token_index, *[config.image_token_index] * config.mm_tokens_per_image,
+           config.eoi_token_index]
+    input_ids = _inputs.image_prompt(text.vocab_size, run, batch, avoid=avoid)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": _inputs.pixels(batch, vision.num_channels, *_inputs.pair(vision.image_size)),
+        "token_type_ids": (input_ids == config.image_token_index).long(),
+    }
+
+
+GEMMA3 = ModelPatch(
+    name="gemma3",
+    model_types=("gemma3", "gemma3_text"),
+    architectures=("Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForCausalLM"),
+    sequential_targets=("SiglipEncoderLayer", "Gemma3DecoderLayer"),
+    ignore=("lm_head", "re:.*multi_modal_projector.*"),
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(GEMMA3)

@@ -1,0 +1,94 @@
+"""Llava (CLIP / SigLIP / Pixtral vision towers) and Mistral3: vision encoder layers and decoder
+layers calibrated one at a time.
+
+Llava pairs any vision tower with any decoder, so the targets are name patterns (every layer
+under ``vision_tower``, every layer of ``language_model``) rather than class names. Pixtral-12B
+is published as a Llava model with a Pixtral tower and a Mistral decoder; Mistral3 (Mistral
+Small 3.x) uses the same tower and merges ``spatial_merge_size**2`` patches into one token.
+
+Image tokens per image: ``(height / patch) * (width / patch)`` patch features, minus nothing and
+plus the CLS token for CLIP-style towers under ``vision_feature_select_strategy="full"``
+(``"default"`` drops CLS); Mistral3 divides by ``spatial_merge_size**2``. Pixtral towers also
+take ``image_sizes`` (``(images, 2)``, height and width in pixels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+from . import _inputs
+
+#: every transformer layer of the vision tower (CLIP/SigLIP ``encoder.layers``, Pixtral ``transformer.layers``)
+VISION_LAYERS = "re:(.*\\.)?vision_tower\\..*layers\\.\\d+"
+#: every decoder layer of the language model, whatever its class
+TEXT_LAYERS = "re:(.*\\.)?language_model\\.(model\\.)?layers\\.\\d+"
+
+
+def image_token_count(config: Any) -> int:
+    """How many image placeholder tokens one ``image_size`` image takes in the text."""
+    vision = config.vision_config
+    height, width = _inputs.pair(vision.image_size)
+    patch = _inputs.pair(vision.patch_size)[0]
+    count = (height // patch) * (width // patch)
+    if getattr(config, "model_type", "") == "mistral3":
+        return count // config.spatial_merge_size**2
+    has_cls = vision.model_type not in ("pixtral", "siglip_vision_model")
+    if has_cls and getattr(config, "vision_feature_select_strategy", "default") == "full":
+        count += 1
+    return count
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Text ids, or one ``image_size`` image per row with its run of placeholder tokens."""
+    _inputs.check_modality("Llava", modality, (_inputs.TEXT, _inputs.IMAGE))
+    text = config.text_config
+    avoid = _inputs.special_ids(config, text)
+    if modality == _inputs.TEXT:
+        return _inputs.text_inputs(text.vocab_size, batch, seq_len, avoid=avoid)
+
+    vision = config.vision_config
+    run = [config.image_token_index] * image_token_count(config)
+    input_ids = _inputs.image_prompt(text.vocab_size, run, batch, avoid=avoid)
+    height, width = _inputs.pair(vision.image_size)
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": _inputs.pixels(batch, vision.num_channels, height, width),
+    }
+    if vision.model_type == "pixtral":
+        inputs["image_sizes"] = torch.tensor([[height, width]] * batch)
+    return inputs
+
+
+_TARGETS = (VISION_LAYERS, TEXT_LAYERS)
+_IGNORE = ("lm_head", "re:.*multi_modal_projector.*")
+
+LLAVA = ModelPatch(
+    name="llava",
+    model_types=("llava",),
+    architectures=("LlavaForConditionalGeneration", "LlavaModel"),
+    sequential_targets=_TARGETS,
+    ignore=_IGNORE,
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+MISTRAL3 = ModelPatch(
+    name="mistral3",
+    model_types=("mistral3",),
+    architectures=("Mistral3ForConditionalGeneration", "Mistral3Model"),
+    sequential_targets=_TARGETS,
+    ignore=_IGNORE,
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(LLAVA)
+    register(MISTRAL3)

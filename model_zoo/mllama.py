@@ -1,0 +1,88 @@
+"""Mllama (Llama 3.2 Vision): vision encoder layers (local and global), self- and cross-attention
+decoder layers, each calibrated one at a time.
+
+An image is cut into up to ``max_num_tiles`` tiles: ``pixel_values`` is
+``(batch, images, max_num_tiles, channels, image_size, image_size)``; ``aspect_ratio_ids``
+(``(batch, images)``, 1-based index into ``supported_aspect_ratios``, 0 = padding) and
+``aspect_ratio_mask`` (``(batch, images, max_num_tiles)``) say which tiles are real; each text
+token attends to the tiles of the images it follows through ``cross_attention_mask``
+(``(batch, seq, images, max_num_tiles)``). One ``<|image|>`` token marks the image in the text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+from . import _inputs
+
+
+def _tiles_for(config: Any) -> tuple[int, list[int]]:
+    """The aspect-ratio id (1-based) of the largest supported layout that fits max_num_tiles."""
+    vision = config.vision_config
+    ratios = [list(r) for r in vision.supported_aspect_ratios]
+    best = max(range(len(ratios)), key=lambda i: (ratios[i][0] * ratios[i][1] <= vision.max_num_tiles,
+                                                  ratios[i][0] * ratios[i][1]))
+    return best + 1, ratios[best]
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Text ids, or one tiled image per row with its aspect-ratio tensors and cross-attention mask."""
+    _inputs.check_modality("Mllama", modality, (_inputs.TEXT, _inputs.IMAGE))
+    text = config.text_config
+    avoid = _inputs.special_ids(config, text)
+    if modality == _inputs.TEXT:
+        return _inputs.text_inputs(text.vocab_size, batch, seq_len, avoid=avoid)
+
+    vision = config.vision_config
+    before, after = 2, seq_len - 3
+    input_ids = _inputs.image_prompt(text.vocab_size, [config.image_token_index], batch,
+                                     text_before=before, text_after=after, avoid=avoid)
+    ratio_id, (rows, cols) = _tiles_for(config)
+    n_tiles, max_tiles = rows * cols, vision.max_num_tiles
+    size = _inputs.pair(vision.image_size)
+    pixel_values = _inputs.pixels(batch, 1, max_tiles, vision.num_channels, *size)
+    pixel_values[:, :, n_tiles:] = 0  # padded tiles are zeros, as the processor writes them
+    aspect_ratio_mask = torch.zeros(batch, 1, max_tiles, dtype=torch.long)
+    aspect_ratio_mask[:, :, :n_tiles] = 1
+    # the image token and every token after it see the image's real tiles
+    cross_attention_mask = torch.zeros(batch, input_ids.shape[1], 1, max_tiles, dtype=torch.long)
+    cross_attention_mask[:, before:, :, :n_tiles] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": pixel_values,
+        "aspect_ratio_ids": torch.full((batch, 1), ratio_id, dtype=torch.long),
+        "aspect_ratio_mask": aspect_ratio_mask,
+        "cross_attention_mask": cross_attention_mask,
+    }
+
+
+def _opaque_functions() -> tuple:
+    """The cross-attention mask builder reads mask values to find fully masked rows: opaque."""
+    from transformers.models.mllama import modeling_mllama as m
+
+    names = ("_prepare_cross_attention_mask", "_prepare_aspect_ratio_attention_mask")
+    return tuple(getattr(m, n) for n in names if hasattr(m, n))
+
+
+MLLAMA = ModelPatch(
+    name="mllama",
+    model_types=("mllama",),
+    architectures=("MllamaForConditionalGeneration", "MllamaModel"),
+    sequential_targets=("MllamaVisionEncoderLayer", "MllamaSelfAttentionDecoderLayer",
+                        "MllamaCrossAttentionDecoderLayer"),
+    # the projector maps vision features into the text width; the cross-attention gates are scalars
+    ignore=("lm_head", "re:.*multi_modal_projector.*"),
+    opaque_functions=_opaque_functions(),
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(MLLAMA)

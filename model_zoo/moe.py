@@ -1,0 +1,172 @@
+"""Shared machinery for mixture-of-experts patches: per-expert Linear layers and all-token calibration.
+
+transformers 5 stores a MoE layer's experts fused, as two 3-D parameters on one ``*Experts``
+module (``gate_up_proj``: ``(experts, 2 * intermediate, hidden)``, gate rows first;
+``down_proj``: ``(experts, hidden, intermediate)``), called as
+``experts(hidden_states, top_k_index, top_k_weights)`` on flattened tokens. There is no
+``nn.Linear`` per expert, so Linear-targeting compression (GPTQ, RTN, ...) would never see
+the experts -- the bulk of a MoE model's weights.
+
+Two tools, both generic over every experts module with that layout (Qwen3-MoE, Mixtral,
+DeepSeek-V3, ...):
+
+* :func:`unfuse_experts` (the patches' ``apply``) replaces each fused experts module with
+  :class:`LinearExperts`: one :class:`ExpertMLP` per expert holding ``gate_proj`` / ``up_proj``
+  / ``down_proj`` ``nn.Linear`` layers (the per-expert layout of the original checkpoints),
+  same call signature, same output.
+* :func:`calibrate_all_experts` (the patches' ``calibration_context``) swaps each experts
+  module's forward, for the duration of the ``with`` block, for one that runs **every** expert
+  on **every** token -- so every expert's Hessian sees all the calibration data -- and then
+  combines only the top-k routed outputs with their routing weights, in the same order as the
+  normal forward, so the layer's output is that of normal top-k routing. The original forward
+  is restored on exit, also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ExpertMLP", "LinearExperts", "is_fused_experts", "find_experts", "unfuse_experts",
+           "calibrate_all_experts", "MOE_IGNORE"]
+
+#: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear)
+MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
+
+
+class ExpertMLP(nn.Module):
+    """One expert as three Linear layers: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act_fn: Any, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LinearExperts(nn.ModuleList):
+    """Per-expert Linear layers with the fused experts' call: ``(tokens, top_k_index, top_k_weights)``."""
+
+    def __init__(self, experts: list[ExpertMLP]) -> None:
+        super().__init__(experts)
+        self.num_experts = len(experts)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _combine(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                        lambda e, x: self[e](x), all_tokens=False)
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
+            and isinstance(down, torch.Tensor) and down.dim() == 3)
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module (fused 3-D or :class:`LinearExperts`), by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearExperts) or is_fused_experts(m)}
+
+
+def _check_layout(name: str, experts: nn.Module) -> None:
+    unsupported = [flag for flag, bad in (("is_transposed", True), ("is_concatenated", False), ("has_gate", False),
+                                          ("has_bias", True), ("has_post_expert_norm", True))
+                   if getattr(experts, flag, not bad) == bad]
+    if unsupported:
+        raise NotImplementedError(f"experts module {name!r} ({type(experts).__name__}) uses a layout "
+                                  f"layerwise cannot unfuse yet: {', '.join(unsupported)}")
+
+
+def _fused_expert(experts: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+    gate, up = nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+
+def _combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             num_experts: int, run_expert, all_tokens: bool) -> torch.Tensor:
+    """Weighted sum of the routed experts' outputs, added expert by expert (transformers' order).
+
+    With ``all_tokens`` every expert runs on every token and only the routed rows are kept.
+    """
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = nn.functional.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+    for e in range(num_experts):
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        if all_tokens:
+            out = run_expert(e, hidden_states)[token_idx]
+        elif token_idx.numel() == 0:
+            continue
+        else:
+            out = run_expert(e, hidden_states[token_idx])
+        out = out * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
+
+
+def unfuse_experts(model: nn.Module) -> nn.Module:
+    """Replace every fused experts module with :class:`LinearExperts` holding the same weights."""
+    for name, experts in list(find_experts(model).items()):
+        if isinstance(experts, LinearExperts):
+            continue
+        _check_layout(name, experts)
+        num, inter2, hidden = experts.gate_up_proj.shape
+        inter = inter2 // 2
+        weight = experts.gate_up_proj
+        mlps = []
+        for e in range(num):
+            mlp = ExpertMLP(hidden, inter, experts.act_fn)
+            mlp.to(device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                mlp.gate_proj.weight.copy_(weight[e, :inter])
+                mlp.up_proj.weight.copy_(weight[e, inter:])
+                mlp.down_proj.weight.copy_(experts.down_proj[e])
+            mlps.append(mlp)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, LinearExperts(mlps))
+    return model
+
+
+def _all_tokens_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    if isinstance(self, LinearExperts):
+        run, num = (lambda e, x: self[e](x)), self.num_experts
+    else:
+        run, num = (lambda e, x: _fused_expert(self, e, x)), self.gate_up_proj.shape[0]
+    return _combine(hidden_states, top_k_index, top_k_weights, num, run, all_tokens=True)
+
+
+@contextlib.contextmanager
+def calibrate_all_experts(model: nn.Module) -> Iterator[list[str]]:
+    """Within the block every expert computes every token; outputs stay top-k routed.
+
+    Yields the names of the experts modules it swapped. Restores each module's forward on
+    exit, whether the block finished or raised.
+    """
+    swapped: list[tuple[nn.Module, Any]] = []
+    try:
+        for name, experts in find_experts(model).items():
+            if not isinstance(experts, LinearExperts):
+                _check_layout(name, experts)
+            swapped.append((experts, experts.__dict__.get("forward", _MISSING)))
+            experts.forward = types.MethodType(_all_tokens_forward, experts)
+        yield [n for n, m in find_experts(model).items() if any(m is s for s, _ in swapped)]
+    finally:
+        for experts, previous in reversed(swapped):
+            if previous is _MISSING:
+                experts.__dict__.pop("forward", None)
+            else:
+                experts.forward = previous
+
+
+_MISSING = object()

@@ -1,0 +1,108 @@
+"""Qwen2-VL and Qwen2.5-VL: every vision block and every decoder layer calibrated one at a time.
+
+Images enter as flattened patches: ``pixel_values`` is ``(sum of t*h*w over images,
+channels * temporal_patch * patch * patch)`` with ``image_grid_thw`` giving ``(t, h, w)`` in
+patches per image; the merger folds ``spatial_merge_size**2`` patches into one text-side
+image token, so an image contributes ``t*h*w / merge**2`` ``<|image_pad|>`` tokens, framed by
+``<|vision_start|>`` / ``<|vision_end|>``. ``mm_token_type_ids`` (1 on image tokens) lets the
+model build its 3-D M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+from . import _inputs
+
+IMAGE_SIDE_PATCHES = 4  # a 56x56 image at patch 14: a 4x4 patch grid, 4 tokens after a 2x2 merge
+
+
+def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Text ids, or one small image per row with its placeholder run, grid and token types."""
+    _inputs.check_modality("Qwen2-VL", modality, (_inputs.TEXT, _inputs.IMAGE))
+    text = config.text_config
+    avoid = _inputs.special_ids(config, text)
+    if modality == _inputs.TEXT:
+        return _inputs.text_inputs(text.vocab_size, batch, seq_len, avoid=avoid)
+
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    t, h, w = 1, IMAGE_SIDE_PATCHES, IMAGE_SIDE_PATCHES
+    n_tokens = t * h * w // merge**2
+    run = [config.vision_start_token_id, *[config.image_token_id] * n_tokens, config.vision_end_token_id]
+    input_ids = _inputs.image_prompt(text.vocab_size, run, batch, avoid=avoid)
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixel_values = _inputs.pixels(batch * t * h * w, patch_dim)
+    mm_token_type_ids = (input_ids == config.image_token_id).int()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": pixel_values,
+        "image_grid_thw": torch.tensor([[t, h, w]] * batch),
+        "mm_token_type_ids": mm_token_type_ids,
+    }
+
+
+def _opaque_functions() -> tuple:
+    """Helpers whose Python loops read tensor values (grids, cu_seqlens): called opaquely."""
+    from transformers import vision_utils
+    from transformers.utils import generic
+
+    names = ("get_vision_position_ids", "get_vision_attention_seqlens", "get_vision_window_index")
+    found = [getattr(vision_utils, n) for n in names if hasattr(vision_utils, n)]
+    if hasattr(generic, "get_max_seqlen"):
+        found.append(generic.get_max_seqlen)
+    return tuple(found)
+
+
+def _rope_index_functions() -> tuple:
+    """M-RoPE position building walks the token types with itertools.groupby: opaque."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m25
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as m2
+
+    return (m2.Qwen2VLModel.compute_3d_position_ids, m25.Qwen2_5_VLModel.compute_3d_position_ids)
+
+
+_IGNORE = ("lm_head", "re:.*visual\\.merger.*")
+_OPAQUE = _opaque_functions() + _rope_index_functions()
+_VERIFIED = ("5.23.0",)
+
+QWEN2_VL = ModelPatch(
+    name="qwen2_vl",
+    model_types=("qwen2_vl",),
+    architectures=("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
+    sequential_targets=("Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"),
+    ignore=_IGNORE,
+    opaque_functions=_OPAQUE,
+    sample_inputs=sample_inputs,
+    smoothing_mappings=(
+        # text decoder only: the vision blocks norm with norm1/norm2 and fuse qkv
+        (("re:.*language_model.*q_proj", "re:.*language_model.*k_proj", "re:.*language_model.*v_proj"),
+         "re:.*language_model.*input_layernorm"),
+        (("re:.*language_model.*gate_proj", "re:.*language_model.*up_proj"),
+         "re:.*language_model.*post_attention_layernorm"),
+    ),
+    verified_transformers=_VERIFIED,
+)
+
+QWEN2_5_VL = ModelPatch(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
+    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"),
+    ignore=_IGNORE,
+    opaque_functions=_OPAQUE,
+    sample_inputs=sample_inputs,
+    smoothing_mappings=QWEN2_VL.smoothing_mappings,
+    verified_transformers=_VERIFIED,
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(QWEN2_VL)
+    register(QWEN2_5_VL)

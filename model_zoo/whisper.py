@@ -1,0 +1,44 @@
+"""Whisper: every encoder layer and every decoder layer calibrated one at a time.
+
+Audio enters as log-mel ``input_features`` ``(batch, num_mel_bins, 2 * max_source_positions)``
+(the two stride-2 convolutions halve the frames to ``max_source_positions``); the decoder
+needs ``decoder_input_ids`` starting with ``decoder_start_token_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerwise import ModelPatch, hookimpl
+
+from . import _inputs
+
+
+def sample_inputs(config: Any, modality: str = "audio", batch: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor]:
+    """Random log-mel features for a full window and a short decoder prompt."""
+    _inputs.check_modality("Whisper", modality, (_inputs.AUDIO,))
+    frames = 2 * config.max_source_positions
+    features = _inputs.pixels(batch, config.num_mel_bins, frames)
+    seq_len = min(seq_len, config.max_target_positions)
+    decoder_input_ids = _inputs.text_ids(config.vocab_size, batch, seq_len, avoid=_inputs.special_ids(config))
+    decoder_input_ids[:, 0] = config.decoder_start_token_id
+    return {"input_features": features, "decoder_input_ids": decoder_input_ids}
+
+
+WHISPER = ModelPatch(
+    name="whisper",
+    model_types=("whisper",),
+    architectures=("WhisperForConditionalGeneration", "WhisperModel"),
+    sequential_targets=("WhisperEncoderLayer", "WhisperDecoderLayer"),
+    # proj_out is the (tied) vocabulary head
+    ignore=("proj_out",),
+    sample_inputs=sample_inputs,
+    verified_transformers=("5.23.0",),
+)
+
+
+@hookimpl
+def layerwise_register_model_patches(register):
+    register(WHISPER)
