@@ -147,3 +147,37 @@ def test_empty_existing_folder_is_fine(tmp_path):
     (tmp_path / "out").mkdir()
     save(quantize(build_tiny_llama(), "W8A16"), tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_two_schemes_become_two_config_groups_and_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    qm = registry("modifiers").get("QuantizationModifier")
+    model = build_tiny_llama()
+    modifiers = [qm(scheme="W8A16", targets=["re:.*mlp.*"]),
+                 qm(scheme={"num_bits": 4, "group_size": 32, "actorder": "static"}, targets=["re:.*self_attn.*"],
+                    ignore=["lm_head", "re:.*o_proj"])]
+    lifecycle = Lifecycle(CompressionState(model, modifiers))
+    lifecycle.initialize()
+    lifecycle.calibration_end()
+    save(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert sorted(config["ignore"]) == ["lm_head", "model.layers.0.self_attn.o_proj",
+                                        "model.layers.1.self_attn.o_proj"]
+    bits = sorted(group["weights"]["num_bits"] for group in config["config_groups"].values())
+    assert bits == [4, 8]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0,
+                                   atol=1e-5 * expected.abs().max().item())
+
+
+def test_reordered_group_index_is_refused_with_the_fix(tmp_path):
+    model = quantize(build_tiny_llama(), "W4A16", group_size=32)
+    module = model.model.layers[0].mlp.up_proj
+    module.register_buffer("weight_g_idx", torch.arange(64, dtype=torch.int32).flip(0) // 32, persistent=False)
+    with pytest.raises(Exception, match="actorder='static'"):
+        save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
