@@ -1,0 +1,144 @@
+"""``layerwise trace``: trace a local model folder and show its subgraphs (``attempt_trace``).
+
+Wire-up: ``add_parser(subparsers)`` registers the subcommand, ``run(args)`` executes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``trace`` on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "trace", help="trace a model into per-target subgraphs and report what was wrapped or failed",
+        description="Trace a local model folder (config.json; weights optional: built on meta when absent).")
+    parser.add_argument("--model", required=True, help="local folder holding config.json (and optionally weights)")
+    parser.add_argument("--modality", choices=["text", "image", "audio"], default=None,
+                        help="which sample inputs to build (default: guessed from the config)")
+    parser.add_argument("--targets", nargs="+", default=None,
+                        help="sequential targets: class names or 're:<regex>' (default: patch, else _no_split_modules)")
+    parser.add_argument("--ignore", nargs="+", default=None, help="modules kept as single calls")
+    parser.add_argument("--targets-per-subgraph", type=int, default=1)
+    parser.add_argument("--no-robust", action="store_true", help="fail instead of making untraceable modules leaves")
+    parser.add_argument("--verify", action="store_true",
+                        help="replay the subgraphs and print the max abs diff (random seeded weights if none saved)")
+    parser.add_argument("--graph", default=None, help="write the graph: out.dot, or out.svg/out.png (needs graphviz)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
+    """The model in ``path``: its weights if saved, else random seeded weights or meta tensors."""
+    import transformers
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; pass a local model folder")
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    names = list(getattr(config, "architectures", None) or [])
+    cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    has_weights = any(any(folder.glob(g)) for g in _WEIGHT_GLOBS)
+    if cls is None:  # config saved without architectures: the first auto class that knows it
+        for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModel"):
+            mapping = getattr(transformers, auto)._model_mapping
+            if type(config) in mapping:
+                cls = mapping[type(config)]
+                break
+        else:
+            raise ValueError(f"no transformers model class for {type(config).__name__}; set 'architectures' in config.json")
+    if has_weights:
+        model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    elif materialise:
+        torch.manual_seed(0)
+        model = cls(config)
+    else:
+        with torch.device("meta"):
+            model = cls(config)
+    return model.eval()
+
+
+def _patch_inputs(model: torch.nn.Module, modality: str | None) -> dict[str, Any] | None:
+    try:
+        from ..model_patch import find_patch
+
+        patch = find_patch(model)
+    except Exception:
+        return None
+    if patch is None or patch.sample_inputs is None:
+        return None
+    from .samples import default_modality
+
+    return patch.sample_inputs(model.config, modality or default_modality(model.config))
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Execute ``layerwise trace``; 0 on success, 1 when the trace or verification fails."""
+    from . import trace
+    from .result import TraceError
+    from .samples import sample_inputs
+
+    out = out or sys.stdout
+    model = load_for_tracing(args.model, materialise=args.verify)
+    inputs = _patch_inputs(model, args.modality) or sample_inputs(model.config, args.modality)
+    try:
+        result = trace(model, inputs, sequential_targets=args.targets, ignore=args.ignore,
+                       targets_per_subgraph=args.targets_per_subgraph, robust=not args.no_robust)
+    except (TraceError, ValueError) as exc:
+        print(f"Tracing {type(model).__name__} failed: {exc}", file=out)
+        return 1
+    print(f"Traced {type(model).__name__} into {len(result.subgraphs)} subgraphs", file=out)
+    print(result.summary(), file=out)
+    print(f"Wrapped statements: {len(result.wrapped)}", file=out)
+    for rec in result.wrapped:
+        print(f"  {rec}", file=out)
+    print(f"Failed modules (made leaves): {len(result.failed_modules)}", file=out)
+    for name, why in result.failed_modules.items():
+        print(f"  {name}: {why}", file=out)
+    if result.opaque_calls:
+        print("Opaque calls: " + ", ".join(sorted({c.function for c in result.opaque_calls})), file=out)
+    if result.unvisited_modules:
+        print("Never called: " + ", ".join(result.unvisited_modules), file=out)
+    if args.graph:
+        print(write_graph(result, args.graph), file=out)
+    if args.verify:
+        print(f"max abs diff: {result.verify(inputs):.3e}", file=out)
+    return 0
+
+
+def write_graph(result: Any, path: str | Path) -> str:
+    """Write DOT, or render SVG/PNG with graphviz's ``dot``; returns what was written."""
+    path = Path(path)
+    dot = result.to_dot()
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt in ("svg", "png"):
+        exe = shutil.which("dot")
+        if exe is not None:
+            subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot.encode(), check=True)
+            return f"Graph written to {path}"
+        fallback = path.with_suffix(".dot")
+        fallback.write_text(dot)
+        return f"graphviz 'dot' not found (apt install graphviz); DOT written to {fallback} instead"
+    path.write_text(dot)
+    return f"Graph written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m layerwise.tracing.cli``) until ``layerwise`` wires it in."""
+    parser = argparse.ArgumentParser(prog="layerwise")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
