@@ -183,6 +183,13 @@ class IntermediatesCache:
             return name in self._values.get(batch, {})  # type: ignore[operator]
         return False
 
+    def rename(self, old: str, new: str) -> None:
+        """Every batch's ``old`` value becomes its ``new`` value (replacing it); nothing is copied."""
+        for batch, values in self._values.items():
+            if old in values:
+                self._drop(batch, new)
+                values[new] = values.pop(old)
+
     # -- freeing ---------------------------------------------------------------------
     def free(self, names: Iterable[str], batch: int | None = None) -> None:
         """Drop ``names`` from every batch (or from one ``batch``); their disk files too."""
