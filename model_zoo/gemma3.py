@@ -49,6 +49,10 @@ GEMMA3 = ModelPatch(
 )
 
 
+#: text-only calibration never runs the vision tower
+TARGETS_BY_MODALITY = {"gemma3": {"text": ("Gemma3DecoderLayer",), "image": GEMMA3.sequential_targets}}
+
+
 @hookimpl
 def layerwise_register_model_patches(register):
     register(GEMMA3)

@@ -60,6 +60,10 @@ IDEFICS3 = ModelPatch(
 )
 
 
+#: text-only calibration never runs the vision encoder
+TARGETS_BY_MODALITY = {"idefics3": {"text": (TEXT_LAYERS,), "image": IDEFICS3.sequential_targets}}
+
+
 @hookimpl
 def layerwise_register_model_patches(register):
     register(IDEFICS3)

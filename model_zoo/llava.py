@@ -88,6 +88,10 @@ MISTRAL3 = ModelPatch(
 )
 
 
+#: text-only calibration never runs the vision tower
+TARGETS_BY_MODALITY = {name: {"text": (TEXT_LAYERS,), "image": _TARGETS} for name in ("llava", "mistral3")}
+
+
 @hookimpl
 def layerwise_register_model_patches(register):
     register(LLAVA)

@@ -83,6 +83,10 @@ MLLAMA = ModelPatch(
 )
 
 
+#: without an image neither the vision encoder nor the cross-attention layers run
+TARGETS_BY_MODALITY = {"mllama": {"text": ("MllamaSelfAttentionDecoderLayer",), "image": MLLAMA.sequential_targets}}
+
+
 @hookimpl
 def layerwise_register_model_patches(register):
     register(MLLAMA)

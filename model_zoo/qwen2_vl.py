@@ -102,6 +102,13 @@ QWEN2_5_VL = ModelPatch(
 )
 
 
+#: text-only calibration never runs the vision tower: its blocks are targets only with images
+TARGETS_BY_MODALITY = {
+    "qwen2_vl": {"text": ("Qwen2VLDecoderLayer",), "image": QWEN2_VL.sequential_targets},
+    "qwen2_5_vl": {"text": ("Qwen2_5_VLDecoderLayer",), "image": QWEN2_5_VL.sequential_targets},
+}
+
+
 @hookimpl
 def layerwise_register_model_patches(register):
     register(QWEN2_VL)

@@ -1,0 +1,120 @@
+"""MoE: unfused per-expert Linear layers and the all-expert calibration swap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerwise.model_zoo import moe
+from zoo_tiny_models import ARCHS
+
+MOE = ["qwen3_moe", "mixtral", "deepseek_v3"]
+
+
+def _inputs(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, use_cache=False).logits
+
+
+def _count_rows(model):
+    """Forward hooks on every expert Linear: rows seen per expert module name."""
+    seen, handles = {}, []
+    for name, experts in moe.find_experts(model).items():
+        for e, mlp in enumerate(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                key = f"{name}.{e}.{proj}"
+                seen[key] = 0
+
+                def hook(_m, args, _out, key=key):
+                    seen[key] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
+
+                handles.append(getattr(mlp, proj).register_forward_hook(hook))
+    return seen, handles
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_unfused_experts_are_linear_and_give_the_same_output(name):
+    model = ARCHS[name].build()
+    inputs = _inputs(model)
+    fused = _logits(model, inputs)
+    assert moe.find_experts(model) and all(moe.is_fused_experts(m) for m in moe.find_experts(model).values())
+    moe.unfuse_experts(model)
+    experts = moe.find_experts(model)
+    assert experts and all(isinstance(m, moe.LinearExperts) for m in experts.values())
+    assert all(isinstance(mlp.gate_proj, torch.nn.Linear) for m in experts.values() for mlp in m)
+    torch.testing.assert_close(_logits(model, inputs), fused, atol=1e-6, rtol=1e-6)
+    moe.unfuse_experts(model)  # idempotent
+    assert set(moe.find_experts(model)) == set(experts)
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("unfused", [True, False], ids=["linear", "fused"])
+def test_calibration_swap_keeps_outputs_and_restores_forward(name, unfused):
+    model = ARCHS[name].build()
+    if unfused:
+        moe.unfuse_experts(model)
+    inputs = _inputs(model)
+    normal = _logits(model, inputs)
+    with moe.calibrate_all_experts(model) as swapped:
+        assert set(swapped) == set(moe.find_experts(model))
+        torch.testing.assert_close(_logits(model, inputs), normal, atol=1e-6, rtol=1e-6)
+    assert all("forward" not in m.__dict__ for m in moe.find_experts(model).values())
+    with pytest.raises(RuntimeError, match="boom"):
+        with moe.calibrate_all_experts(model):
+            raise RuntimeError("boom")
+    assert all("forward" not in m.__dict__ for m in moe.find_experts(model).values())
+    torch.testing.assert_close(_logits(model, inputs), normal, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_every_expert_sees_every_token_only_while_calibrating(name):
+    model = ARCHS[name].build()
+    moe.unfuse_experts(model)
+    inputs = _inputs(model)
+    tokens = inputs["input_ids"].numel()
+
+    seen, handles = _count_rows(model)
+    try:
+        _logits(model, inputs)
+        routed = dict(seen)
+        seen.update({k: 0 for k in seen})
+        with moe.calibrate_all_experts(model):
+            _logits(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(v == tokens for v in seen.values()), seen
+    # normal routing is really top-k: the experts together see top_k * tokens rows per layer
+    top_k = model.config.num_experts_per_tok
+    per_layer = {}
+    for key, rows in routed.items():
+        if key.endswith("gate_proj"):
+            layer = key.split(".experts.")[0]
+            per_layer[layer] = per_layer.get(layer, 0) + rows
+    assert per_layer and all(v == top_k * tokens for v in per_layer.values())
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_patch_unfuses_on_apply_and_calibrates_through_its_context(name):
+    from layerwise.model_patch import apply_patch
+    import importlib
+
+    patch = getattr(importlib.import_module(f"layerwise.model_zoo.{name}"), name.upper())
+    model = ARCHS[name].build()
+    inputs = _inputs(model)
+    normal = _logits(model, inputs)
+    apply_patch(model, patch)
+    assert all(isinstance(m, moe.LinearExperts) for m in moe.find_experts(model).values())
+    with patch.calibrating(model):
+        torch.testing.assert_close(_logits(model, inputs), normal, atol=1e-6, rtol=1e-6)
+    # routers stay out of compression
+    from layerwise.matching import find_modules
+    linears = find_modules(model, ["Linear"], patch.ignore)
+    assert any(".experts.0.gate_proj" in n for n in linears)
+    assert not any(n.endswith("mlp.gate") for n in linears)

@@ -1,0 +1,141 @@
+"""Every zoo architecture: patch chosen automatically, sample inputs valid, targets present, traces."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from layerwise.matching import find_modules, unmatched
+from layerwise.model_patch import apply_patch, find_patch
+from layerwise.plugin_manager import PluginHost
+
+from zoo_tiny_models import ARCHS
+
+MODULES = sorted({arch.module for arch in ARCHS.values()})
+MODALITY_CASES = [(name, modality) for name, arch in ARCHS.items() for modality in arch.modalities]
+
+#: where each family's towers live: every prefix must hold at least one sequential target
+TOWERS = {
+    "qwen2_vl": ("model.visual.", "model.language_model."),
+    "qwen2_5_vl": ("model.visual.", "model.language_model."),
+    "mllama": ("model.vision_model.transformer.", "model.vision_model.global_transformer.",
+               "model.language_model."),
+    "llava": ("model.vision_tower.", "model.language_model."),
+    "pixtral": ("model.vision_tower.", "model.language_model."),
+    "mistral3": ("model.vision_tower.", "model.language_model."),
+    "idefics3": ("model.vision_model.", "model.text_model."),
+    "gemma3": ("model.vision_tower.", "model.language_model."),
+    "whisper": ("model.encoder.", "model.decoder."),
+    "qwen3_moe": ("model.layers.",),
+    "mixtral": ("model.layers.",),
+    "deepseek_v3": ("model.layers.",),
+}
+
+#: traces the tracer cannot do yet, with the precise reason (feedback for layerwise.tracing)
+_NO_USE_CACHE = ("LlavaForConditionalGeneration.forward takes use_cache only through **kwargs, so trace() does not "
+                 "pin use_cache=False; LlamaModel/MistralModel build a DynamicCache on meta that is baked into the "
+                 "graph as constants _lw_const_*; replay then appends real K/V to it: 'Tensor on device cpu is "
+                 "not on the expected device meta' (passes with config.text_config.use_cache=False)")
+TRACE_XFAIL = {
+    ("llava", "text"): _NO_USE_CACHE,
+    ("pixtral", "text"): _NO_USE_CACHE,
+    ("gemma3", "text"): "Gemma3Model builds its mask mapping (a dict) with the opaque create_masks_for_generate; "
+                        "the result is a single Proxy, so Gemma3TextModel's isinstance(attention_mask, dict) is "
+                        "False while tracing and it builds masks again from the dict; at replay masking_utils "
+                        "gets a dict: AttributeError 'dict' object has no attribute 'ndim'",
+    ("llava", "image"): "use_cache as for text, and: CLIP hidden_states are captured by transformers' output-capturing forward hooks; the "
+                        "hooks fire during the leaf layers' meta inference and record meta tensors, so the "
+                        "projector input is baked in as constant _lw_tensor_0 (meta) and verify fails",
+    ("pixtral", "image"): "Pixtral tower slices patch embeddings by image_sizes *values*; shapes unknown on meta, "
+                          "meshgrid/generate_block_attention_mask fail, get_image_features is wrapped whole and "
+                          "swallows the vision layers",
+    ("mistral3", "image"): "same Pixtral tower as pixtral: data-dependent shapes from image_sizes values",
+    ("idefics3", "image"): "get_image_features drops padding images by value (boolean indexing) and is wrapped "
+                           "whole; the wrapped statement `mm_encoder_outputs['image'] = ...` loses its dict "
+                           "mutation (KeyError 'image'), so model becomes a leaf and swallows every target",
+}
+
+
+@pytest.fixture(scope="module")
+def patches():
+    host = PluginHost(load_entry_points=False)
+    for module in MODULES:
+        host.register(importlib.import_module(f"layerwise.model_zoo.{module}"), name=f"zoo_{module}")
+    assert not host.broken()
+    return {name: patch for name, patch in host.registries["model_patches"].items()}
+
+
+def _built(name, patches):
+    model = ARCHS[name].build()
+    patch = find_patch(model, list(patches.values()))
+    apply_patch(model, patch)
+    return model, patch
+
+
+def _modality_targets(patch, modality):
+    module = importlib.import_module(f"layerwise.model_zoo.{ARCHS_BY_PATCH[patch.name]}")
+    table = getattr(module, "TARGETS_BY_MODALITY", {}).get(patch.name, {})
+    return tuple(table.get(modality, patch.sequential_targets))
+
+
+ARCHS_BY_PATCH = {arch.patch: arch.module for arch in ARCHS.values()}
+
+
+def test_every_patch_registers_with_a_verified_version(patches):
+    assert set(patches) == {arch.patch for arch in ARCHS.values()}
+    for patch in patches.values():
+        assert "5.23.0" in patch.verified_transformers, patch.name
+        assert patch.sample_inputs is not None and patch.sequential_targets, patch.name
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_patch_is_chosen_and_targets_cover_every_tower(name, patches):
+    model, patch = _built(name, patches)
+    assert patch is not None and patch.name == ARCHS[name].patch
+    assert unmatched(model, patch.sequential_targets) == []
+    found = find_modules(model, patch.sequential_targets, patch.ignore)
+    for prefix in TOWERS[name]:
+        assert any(n.startswith(prefix) for n in found), f"no sequential target under {prefix}"
+    # targets are whole layers, never a Linear inside one, and never nested in each other
+    assert not any(isinstance(m, torch.nn.Linear) for m in found.values())
+    assert not any(a != b and b.startswith(a + ".") for a in found for b in found)
+    # every ignore entry selects something real
+    ignored = find_modules(model, ["Linear"]) .keys() - find_modules(model, ["Linear"], patch.ignore).keys()
+    assert ignored, f"{name}: the ignore list selects no Linear"
+
+
+@pytest.mark.parametrize("name,modality", MODALITY_CASES)
+def test_sample_inputs_run_through_the_plain_forward(name, modality, patches):
+    model, patch = _built(name, patches)
+    inputs = patch.sample_inputs(model.config, modality)
+    with torch.no_grad():
+        out = model(**inputs)
+    logits = out.logits
+    assert torch.isfinite(logits).all()
+    first = next(iter(inputs.values()))
+    assert logits.shape[0] == first.shape[0] or name.startswith("qwen2")  # qwen2-vl pixels are flat
+
+
+@pytest.mark.parametrize("name", [n for n, a in ARCHS.items() if "image" in a.modalities])
+def test_unsupported_modality_is_a_clear_error(name, patches):
+    model, patch = _built(name, patches)
+    with pytest.raises(ValueError, match="audio"):
+        patch.sample_inputs(model.config, "audio")
+
+
+@pytest.mark.parametrize("name,modality", MODALITY_CASES)
+def test_trace_has_one_subgraph_per_target_and_replays_exactly(name, modality, patches, request):
+    tracing = pytest.importorskip("layerwise.tracing")
+    if (name, modality) in TRACE_XFAIL:
+        request.applymarker(pytest.mark.xfail(reason=TRACE_XFAIL[name, modality], strict=True))
+    model, patch = _built(name, patches)
+    targets = _modality_targets(patch, modality)
+    inputs = patch.sample_inputs(model.config, modality)
+    result = tracing.trace(model, inputs, targets, patch.ignore, opaque_functions=patch.opaque_functions,
+                           leaf_modules=patch.leaf_modules)
+    expected = find_modules(model, targets, patch.ignore)
+    assert len(result.subgraphs) == len(expected) + 1
+    assert sorted(result.target_names) == sorted(expected)
+    assert result.verify(inputs) <= 1e-5
