@@ -49,7 +49,10 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
     cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     has_weights = any(any(folder.glob(g)) for g in _WEIGHT_GLOBS)
     if cls is None:  # config saved without architectures: the first auto class that knows it
-        for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModel"):
+        order = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModel")
+        if getattr(config, "is_encoder_decoder", False):
+            order = order[1:]
+        for auto in order:
             mapping = getattr(transformers, auto)._model_mapping
             if type(config) in mapping:
                 cls = mapping[type(config)]

@@ -29,13 +29,21 @@ CONCRETE_METHODS = frozenset({"dim", "ndimension", "is_floating_point", "is_comp
 class MetaProxy(fx.Proxy):
     """An ``fx.Proxy`` with ``meta``: the value this node computes, on the meta device.
 
-    ``bool``, ``len``, ``int``, iteration and ``isinstance(p, torch.Tensor)`` are answered
-    from ``meta``; values that depend on tensor *contents* raise :class:`UntraceableError`.
+    ``bool``, ``len``, ``int`` and iteration are answered from ``meta``; values that depend
+    on tensor *contents* raise :class:`UntraceableError`. ``isinstance(p, torch.Tensor)``
+    stays False on purpose: faking ``__class__`` makes torch's C argument parser treat the
+    proxy as a real tensor and crash.
     """
 
     meta: Any = UNKNOWN
+    #: derived from an opaque call, whose result may differ in kind at run time (a mask
+    #: builder returns None or a tensor depending on the data): never answered concretely
+    uncertain: bool = False
 
     def _known(self, what: str) -> Any:
+        if self.uncertain:
+            raise UntraceableError(f"{what} of traced value {self.node.name!r}, which comes from an opaque call "
+                                   "whose result can differ at run time")
         if self.meta is UNKNOWN:
             raise UntraceableError(f"{what} of traced value {self.node.name!r}, whose shape could not be inferred")
         return self.meta
@@ -79,14 +87,8 @@ class MetaProxy(fx.Proxy):
     def keys(self):  # ``**proxy`` on a traced dict
         return self._known("keys()").keys()
 
-    @property  # type: ignore[misc]
-    def __class__(self):  # noqa: D105 - isinstance(p, torch.Tensor) follows the traced value
-        if isinstance(self.meta, torch.Tensor):
-            return torch.Tensor
-        return MetaProxy
-
     def __getattr__(self, name: str) -> Any:
-        if name in _CONCRETE_ATTRS and isinstance(self.meta, torch.Tensor):
+        if name in _CONCRETE_ATTRS and isinstance(self.meta, torch.Tensor) and not self.uncertain:
             return getattr(self.meta, name)
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
@@ -98,6 +100,7 @@ class MetaAttribute(MetaProxy, fx.proxy.Attribute):
 
     def __init__(self, root: MetaProxy, attr: str) -> None:
         fx.proxy.Attribute.__init__(self, root, attr)
+        self.uncertain = root.uncertain
         meta = root.meta
         try:
             self.meta = UNKNOWN if meta is UNKNOWN else getattr(meta, attr)

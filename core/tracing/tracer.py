@@ -40,6 +40,7 @@ class LayerwiseTracer(fx.Tracer):
         opaque_functions: Iterable[Callable[..., Any]] = (),
         rewriter: ForwardRewriter | None = None,
     ) -> None:
+        opaque_functions = list(opaque_functions)
         super().__init__(autowrap_modules=(math,), autowrap_functions=tuple(opaque_functions))
         self.proxy_buffer_attributes = True
         self.model = model
@@ -48,6 +49,7 @@ class LayerwiseTracer(fx.Tracer):
         self.leaf_names = set(leaf_names)
         self.leaf_classes = set(leaf_classes)
         self.rewriter = rewriter or ForwardRewriter()
+        self._opaque_ids = {id(f) for f in opaque_functions}
         self.constants: dict[str, Any] = {}
         self.visited: set[str] = set()
         self.module_stack: list[tuple[str, torch.nn.Module]] = []
@@ -66,10 +68,13 @@ class LayerwiseTracer(fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):  # type: ignore[override]
         if kind == "call_method" and target in CONCRETE_METHODS:
             receiver = getattr(args[0], "meta", UNKNOWN)
-            if isinstance(receiver, torch.Tensor):
+            if isinstance(receiver, torch.Tensor) and not getattr(args[0], "uncertain", False):
                 return getattr(receiver, target)(*_metas(args[1:]), **_metas(kwargs))
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         proxy.meta = self._infer(kind, target, args, kwargs)
+        if kind in ("call_function", "call_method"):
+            proxy.uncertain = (id(target) in self._opaque_ids or hasattr(target, "__layerwise_stmt__")
+                               or any(getattr(x, "uncertain", False) for x in pytree.tree_leaves((args, kwargs))))
         return proxy
 
     def _infer(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
