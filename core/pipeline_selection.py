@@ -89,7 +89,8 @@ def run_pipeline(model: torch.nn.Module, batches: Sequence[dict[str, Any]], life
             if position == len(chain) - 1:
                 raise
             following = chain[position + 1]
-            message = f"pipeline {name!r} cannot calibrate {type(model).__name__}: {exc}; falling back to {following!r}"
+            message = (f"pipeline {name!r} cannot calibrate {type(model).__name__}, falling back to {following!r}. "
+                       f"Why: {exc}")
             log.warning(message)
             warnings.warn(message, PipelineFallbackWarning, stacklevel=2)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -25,7 +25,7 @@ class RoundingModifier(Modifier):
 
     def linears(self, state):
         return {n: m for n, m in state.model.named_modules()
-                if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
+                if isinstance(m, torch.nn.Linear) and "layers." in n}
 
     def on_calibration_start(self, state):
         self.events.append(("calibration_start",))
