@@ -59,16 +59,11 @@ def _opaque_functions() -> tuple:
     return tuple(found)
 
 
-def _rope_index_functions() -> tuple:
-    """M-RoPE position building walks the token types with itertools.groupby: opaque."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m25
-    from transformers.models.qwen2_vl import modeling_qwen2_vl as m2
-
-    return (m2.Qwen2VLModel.compute_3d_position_ids, m25.Qwen2_5_VLModel.compute_3d_position_ids)
-
-
 _IGNORE = ("lm_head", "re:.*visual\\.merger.*")
-_OPAQUE = _opaque_functions() + _rope_index_functions()
+# compute_3d_position_ids (M-RoPE positions via itertools.groupby over token types) and
+# get_placeholder_mask are methods: the tracer's autowrap turns their call statements into
+# opaque calls by itself, so they need no entry here
+_OPAQUE = _opaque_functions()
 _VERIFIED = ("5.23.0",)
 
 QWEN2_VL = ModelPatch(
