@@ -1,0 +1,117 @@
+"""Pipeline details: independent runs, the patch's calibration context, progress, registration."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from layerwise.model_patch import ModelPatch
+from layerwise.modifier import Modifier
+from layerwise.pipeline import PipelineOptions
+from layerwise.plugin_manager import registry
+from tests.conftest import build_tiny_llama
+from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
+
+
+def run(pipeline, model, lifecycle, **kw):
+    options = PipelineOptions(sequential_targets=["LlamaDecoderLayer"], show_progress=kw.pop("show_progress", False),
+                              **kw)
+    registry("pipelines").get(pipeline)().run(model, make_batches(), lifecycle, options)
+
+
+def test_every_builtin_pipeline_is_registered():
+    assert set(registry("pipelines").names()) >= {"basic", "layer_sequential", "sequential", "independent",
+                                                  "datafree"}
+
+
+@dataclass
+class Recorder(Modifier):
+    requires_data: ClassVar[bool] = True
+    log: list = None
+
+    def on_calibration_start(self, state):
+        self.log.append((id(self), "start"))
+
+    def on_sequential_epoch_end(self, state, modules):
+        self.log.append((id(self), "epoch"))
+
+    def on_calibration_end(self, state):
+        self.log.append((id(self), "end"))
+
+
+def test_independent_gives_each_modifier_its_own_calibration_run():
+    log = []
+    first, second = Recorder(log=log), Recorder(log=log)
+    model = build_tiny_llama()
+    run("independent", model, make_lifecycle(model, first, second))
+    owners = [owner for owner, _ in log]
+    # all of first's events, then all of second's: two separate passes (sequential: 2 layers + head)
+    assert owners == [id(first)] * 5 + [id(second)] * 5
+    assert [e for _, e in log][:5] == ["start", "epoch", "epoch", "epoch", "end"]
+
+
+def test_independent_later_modifier_sees_the_earlier_ones_compressed_model():
+    model = build_tiny_llama()
+    coarse, spy = RoundingModifier(grid=0.5), RoundingModifier(grid=1e-9)
+    run("independent", model, make_lifecycle(model, coarse, spy))
+    reference = build_tiny_llama()
+    alone = RoundingModifier(grid=1e-9)
+    run("sequential", reference, make_lifecycle(reference, alone))
+    first = "model.layers.0.self_attn.q_proj"
+    # same inputs reach layer 0 either way; layer 1 sees the coarse-rounded layer 0 only in the independent run
+    assert torch.equal(spy.seen[first][0], alone.seen[first][0])
+    assert not torch.equal(spy.seen["model.layers.1.self_attn.q_proj"][0],
+                           alone.seen["model.layers.1.self_attn.q_proj"][0])
+
+
+@pytest.mark.parametrize("pipeline", ["basic", "layer_sequential", "sequential", "datafree"])
+def test_patch_calibration_context_wraps_calibration(pipeline):
+    entered = []
+
+    @contextlib.contextmanager
+    def context(model):
+        entered.append("in")
+        try:
+            yield
+        finally:
+            entered.append("out")
+
+    model = build_tiny_llama()
+    patch = ModelPatch(name="test", calibration_context=context)
+    modifier = RoundingModifier()
+    run(pipeline, model, make_lifecycle(model, modifier, patch=patch))
+    assert entered == ["in", "out"]
+    assert modifier.events[0] == ("calibration_start",) and modifier.events[-1] == ("calibration_end",)
+
+
+def test_progress_bar_per_target(capsys):
+    model = build_tiny_llama()
+    run("layer_sequential", model, make_lifecycle(model, RoundingModifier()), show_progress=True)
+    err = capsys.readouterr().err
+    assert "calibrating targets" in err and "capturing inputs" in err
+
+
+def test_sequential_frees_each_value_after_its_last_consumer(monkeypatch):
+    from layerwise.cache import IntermediatesCache
+    from layerwise.plugins.pipelines import sequential
+
+    held = []
+
+    class Watched(IntermediatesCache):
+        def free(self, names, batch=None):
+            super().free(names, batch)
+            held.append((sorted(self.names(0)), self.size_bytes()))
+
+    monkeypatch.setattr(sequential, "IntermediatesCache", Watched)
+    model = build_tiny_llama(num_hidden_layers=3)
+    run("sequential", model, make_lifecycle(model, RoundingModifier()))
+    assert len(held) == 4  # one free per subgraph
+    names = [n for n, _ in held]
+    assert "input_ids" not in names[0]
+    assert not any("model_layers_0" in n for n in names[1:])  # layer 0's output gone once layer 1 ran
+    assert names[-1] == [] and held[-1][1] == 0  # nothing left after the head
+    assert held[0][1] > 0
