@@ -208,8 +208,9 @@ class IntermediatesCache:
                 pass
 
     def clear(self) -> None:
-        for batch in list(self._values):
-            self.free(list(self._values[batch]), batch)
+        for batch, values in list(self._values.items()):
+            for name in list(values):
+                self._drop(batch, name)
         self._values.clear()
 
     def close(self) -> None:
