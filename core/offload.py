@@ -119,11 +119,16 @@ class ModuleOffloader:
 
 
 def _replace(table: dict, key: str, old: torch.Tensor, new: torch.Tensor) -> None:
-    """Put ``new`` in ``table[key]``; a Parameter keeps its identity where the types allow it."""
-    if isinstance(old, nn.Parameter):
-        if torch._has_compatible_shallow_copy_type(old, new):  # cpu <-> cuda: swap the data in place
-            old.data = new
-        else:  # e.g. meta: a new Parameter (as nn.Module._apply does)
-            table[key] = nn.Parameter(new, requires_grad=old.requires_grad)
+    """Put ``new`` in ``table[key]``, keeping the tensor object where the tensor types allow it.
+
+    cpu <-> cuda: ``old.data`` is swapped in place, so every holder of the tensor (a
+    modifier's reference, a traced subgraph's ``get_attr`` of a parameter or buffer)
+    sees the moved data. Otherwise (e.g. meta) a new tensor replaces it, as
+    ``nn.Module._apply`` does.
+    """
+    if torch._has_compatible_shallow_copy_type(old, new):
+        old.data = new
+    elif isinstance(old, nn.Parameter):
+        table[key] = nn.Parameter(new, requires_grad=old.requires_grad)
     else:
         table[key] = new

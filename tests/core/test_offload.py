@@ -92,3 +92,12 @@ def test_parameter_identity_kept_when_tensor_types_allow():
     weight = lin.weight
     _replace(lin._parameters, "weight", weight, torch.zeros(2, 2))  # like cpu <-> cuda
     assert lin.weight is weight and torch.equal(lin.weight, torch.zeros(2, 2))
+
+
+def test_buffer_identity_kept_when_tensor_types_allow():
+    from layerwise.offload import _replace
+
+    block = Block()
+    scale = block.scale
+    _replace(block._buffers, "scale", scale, torch.zeros(4))
+    assert block.scale is scale and torch.equal(scale, torch.zeros(4))
