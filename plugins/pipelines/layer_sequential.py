@@ -41,7 +41,6 @@ class _StopForward(Exception):
 class _Call:
     args: tuple
     kwargs: dict
-    output: Any = None
 
 
 def _main(output: Any) -> Any:
@@ -88,58 +87,67 @@ class LayerSequentialPipeline(Pipeline):
     def _check_chain(self, model: torch.nn.Module, batch: dict[str, Any], targets: list[str],
                      modules: dict[str, torch.nn.Module], offloader: ModuleOffloader,
                      device: torch.device) -> list[str]:
-        calls: dict[str, list[_Call]] = {name: [] for name in targets}
+        """The targets in the order they run; PipelineFailed unless they form a simple chain.
+
+        Compares as the forward goes, holding only the first target's arguments and
+        the latest output (not every block's activations).
+        """
         order: list[str] = []
-        handles = []
+        first: list[_Call] = []
+        last_output: list[Any] = [None]
+        problems: list[str] = []
         onloads: dict[str, Any] = {}
+
+        def stop(problem: str) -> None:
+            problems.append(problem)
+            raise _StopForward
 
         def pre(name):
             def hook(module, args, kwargs):
-                calls[name].append(_Call(args, dict(kwargs)))
-                if name not in order:
-                    order.append(name)
+                if name in order:
+                    stop(f"target {name!r} runs more than once per forward; the blocks are not a simple chain")
+                if not first:
+                    if not args or not isinstance(args[0], torch.Tensor):
+                        stop(f"target {name!r} does not take its hidden states as the first positional argument")
+                    first.append(_Call(args, dict(kwargs)))
+                else:
+                    prev = order[-1]
+                    if not args or not _same(args[0], last_output[0]):
+                        stop(f"the input of target {name!r} is not the output of {prev!r}: something runs "
+                             "between the blocks, so they are not a simple chain")
+                    if not _same(args[1:], first[0].args[1:]) or not _same(dict(kwargs), first[0].kwargs):
+                        stop(f"target {name!r} gets other arguments than {order[0]!r} (e.g. a per-layer "
+                             "attention mask), so one captured set of arguments cannot feed every block")
+                order.append(name)
                 onloads[name] = offloader.onloaded([name])
                 onloads[name].__enter__()
             return hook
 
         def post(name):
             def hook(module, args, kwargs, output):
-                calls[name][-1].output = output
+                last_output[0] = _main(output)
                 onloads.pop(name).__exit__(None, None, None)
             return hook
 
+        handles = []
         try:
             for name in targets:
                 handles.append(modules[name].register_forward_pre_hook(pre(name), with_kwargs=True))
                 handles.append(modules[name].register_forward_hook(post(name), with_kwargs=True))
             with offloader.onloaded([""]):
-                model(**forward_kwargs(model, batch, device))
+                try:
+                    model(**forward_kwargs(model, batch, device))
+                except _StopForward:
+                    pass
         finally:
             for handle in handles:
                 handle.remove()
             for cm in onloads.values():
                 cm.__exit__(None, None, None)
-
+        if problems:
+            raise PipelineFailed(problems[0])
         if not order:
             raise PipelineFailed(f"no sequential target ({', '.join(targets[:3])}, ...) ran in the forward pass")
-        repeated = [n for n in order if len(calls[n]) > 1]
-        if repeated:
-            raise PipelineFailed(f"targets {repeated} run more than once per forward; the blocks are not a simple "
-                                 "chain")
-        first = calls[order[0]][0]
-        if not first.args or not isinstance(first.args[0], torch.Tensor):
-            raise PipelineFailed(f"target {order[0]!r} does not take its hidden states as the first positional "
-                                 "argument")
-        for prev, name in zip(order, order[1:]):
-            call = calls[name][0]
-            if not call.args or not _same(call.args[0], _main(calls[prev][0].output)):
-                raise PipelineFailed(
-                    f"the input of target {name!r} is not the output of {prev!r}: something runs between the "
-                    "blocks, so they are not a simple chain")
-            if not _same(call.args[1:], first.args[1:]) or not _same(call.kwargs, first.kwargs):
-                raise PipelineFailed(
-                    f"target {name!r} gets other arguments than {order[0]!r} (e.g. a per-layer attention mask), "
-                    "so one captured set of arguments cannot feed every block")
         return order
 
     # -- 2. inputs of the first target ---------------------------------------------------------

@@ -115,3 +115,44 @@ def test_sequential_frees_each_value_after_its_last_consumer(monkeypatch):
     assert not any("model_layers_0" in n for n in names[1:])  # layer 0's output gone once layer 1 ran
     assert names[-1] == [] and held[-1][1] == 0  # nothing left after the head
     assert held[0][1] > 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0):
+        return self.fc(x) * scale
+
+
+class _Reused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block()])
+
+    def forward(self, x):
+        return self.blocks[0](self.blocks[0](x))
+
+
+class _PerLayerArgs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x, scale=1.0), scale=0.5)
+
+
+@pytest.mark.parametrize("model, why", [(_Reused(), "runs more than once"),
+                                        (_PerLayerArgs(), "gets other arguments than 'blocks.0'")])
+def test_layer_sequential_refuses_non_chains_before_calibration(model, why):
+    from layerwise.pipeline import PipelineFailed
+
+    modifier = RoundingModifier()
+    options = PipelineOptions(sequential_targets=["_Block"], show_progress=False)
+    with pytest.raises(PipelineFailed, match=why):
+        registry("pipelines").get("layer_sequential")().run(model, [{"x": torch.randn(2, 4)}],
+                                                            make_lifecycle(model, modifier), options)
+    assert modifier.events == []
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
