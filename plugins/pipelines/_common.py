@@ -73,18 +73,19 @@ def all_module_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name]
 
 
-def resolve_targets(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
-    """Qualified names of the outermost modules matching ``patterns`` (definition order).
+def resolve_targets(model: torch.nn.Module, patterns: Iterable[str], ignore: Iterable[str] = ()) -> list[str]:
+    """Qualified names of the outermost modules matching ``patterns`` and not ``ignore`` (definition order).
 
-    Empty patterns fall back to the model's ``_no_split_modules``.
+    Empty patterns fall back to the model's ``_no_split_modules`` (as the tracer does).
     """
+    ignore = list(ignore)
     patterns = list(patterns) or list(getattr(model, "_no_split_modules", None) or [])
     if not patterns:
         raise PipelineFailed(f"{type(model).__name__} has no sequential targets: pass sequential_targets=[...] "
                              "(class names or 're:<regex>')")
     found: list[str] = []
     for name, module in model.named_modules():
-        if not name or not matches(name, module, patterns):
+        if not name or not matches(name, module, patterns) or matches(name, module, ignore):
             continue
         if any(name.startswith(parent + ".") for parent in found):
             continue

@@ -68,7 +68,7 @@ class LayerSequentialPipeline(Pipeline):
             options: PipelineOptions) -> None:
         if not batches:
             raise PipelineFailed("layer_sequential needs at least one calibration batch")
-        targets = resolve_targets(model, options.sequential_targets)
+        targets = resolve_targets(model, options.sequential_targets, options.ignore)
         modules = dict(model.named_modules())
         device = execution_device(model, lifecycle, options)
         offloader = ModuleOffloader(model, device, protected=targets)

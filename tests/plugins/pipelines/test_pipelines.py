@@ -156,3 +156,16 @@ def test_layer_sequential_refuses_non_chains_before_calibration(model, why):
                                                             make_lifecycle(model, modifier), options)
     assert modifier.events == []
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_layer_sequential_skips_ignored_targets():
+    model = build_tiny_llama(num_hidden_layers=3)
+    modifier = RoundingModifier()
+    options = PipelineOptions(sequential_targets=["LlamaDecoderLayer"], ignore=["model.layers.1"],
+                              show_progress=False)
+    # layers.1 ignored: layers.2's input is no longer layers.0's output, so this is not a chain any more
+    from layerwise.pipeline import PipelineFailed
+
+    with pytest.raises(PipelineFailed, match="not the output of 'model.layers.0'"):
+        registry("pipelines").get("layer_sequential")().run(model, make_batches(), make_lifecycle(model, modifier),
+                                                            options)
