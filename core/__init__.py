@@ -22,10 +22,10 @@ __all__ = ["compress", "trace", "load_model", "hookimpl", "ModelPatch", "Modifie
 
 # compress/trace/load_model pull in transformers; import them on first use so that
 # `import layerwise` (and plugin discovery) stays cheap.
-_LAZY = {"compress": ".compress", "load_model": ".loading", "trace": ".tracing"}
+_LAZY = {"compress": ".compression", "load_model": ".loading", "trace": ".tracing"}
 
 if TYPE_CHECKING:
-    from .compress import compress
+    from .compression import compress
     from .loading import load_model
     from .tracing import trace
 

@@ -65,7 +65,7 @@ def _run_compress(args: argparse.Namespace) -> int:
               f"(nearest-neighbour agreement {agreement.nearest_neighbour_agreement:.3f}, "
               f"{agreement.sentences} held-out sentences)")
         return 0
-    from .compress import compress
+    from .compression import compress
 
     model = compress(args.model, args.recipe, dataset=args.dataset, num_calibration_samples=args.num_samples,
                      max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,

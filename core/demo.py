@@ -38,7 +38,7 @@ def evaluate_against(reference, compressed, tokenizer) -> EmbeddingAgreement:
 def run_demo(recipe: str = "W4A16", output_dir: str | None = None, overwrite: bool = False,
              show_progress: bool = True):
     """Compress MiniLM with ``recipe``; return (compressed model, agreement with fp32)."""
-    from .compress import compress
+    from .compression import compress
     from .loading import load_model, load_tokenizer
 
     path = demo_model_path()

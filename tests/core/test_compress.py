@@ -10,12 +10,26 @@ from layerwise.errors import DatasetError
 from tests.conftest import build_tiny_llama
 
 
+WIDE = dict(hidden_size=128, intermediate_size=256)  # group size 128 must divide every in_features
+
+
+@pytest.fixture
+def wide_llama_dir(tmp_path):
+    from tests.conftest import make_word_tokenizer
+
+    model = build_tiny_llama(**WIDE)
+    folder = tmp_path / "wide-llama"
+    model.save_pretrained(folder)
+    make_word_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
 def _linear_names(model):
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 def test_preset_quantizes_every_linear_but_the_head():
-    model = build_tiny_llama()
+    model = build_tiny_llama(**WIDE)
     original = {n: p.clone() for n, p in model.named_parameters()}
     out = layerwise.compress(model, "W4A16", show_progress=False)
     assert out is model
@@ -54,14 +68,14 @@ def test_existing_output_folder_is_never_overwritten_silently(tmp_path):
     out_dir.mkdir()
     (out_dir / "keep.txt").write_text("mine")
     with pytest.raises(Exception, match="overwrite"):
-        layerwise.compress(build_tiny_llama(), "W4A16", output_dir=out_dir, show_progress=False)
+        layerwise.compress(build_tiny_llama(**WIDE), "W4A16", output_dir=out_dir, show_progress=False)
     assert (out_dir / "keep.txt").read_text() == "mine"
 
 
-def test_gptq_recipe_on_text_data_runs_sequentially(tiny_llama_dir, tmp_path):
+def test_gptq_recipe_on_text_data_runs_sequentially(wide_llama_dir, tmp_path):
     texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(40)) for i in range(8)]
     recipe = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
-    model = layerwise.compress(str(tiny_llama_dir), recipe, dataset=texts, max_seq_length=32,
+    model = layerwise.compress(str(wide_llama_dir), recipe, dataset=texts, max_seq_length=32,
                                num_calibration_samples=8, output_dir=tmp_path / "gptq", show_progress=False)
     report = model.layerwise_report
     assert report.pipeline == "sequential"

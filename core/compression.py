@@ -19,6 +19,7 @@ from .model_patch import ModelPatch, apply_patch, resolve_patch
 from .pipeline import PipelineOptions
 from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
+from .saving import check_output_dir
 from .state import CompressionState
 
 log = logging.getLogger("layerwise")
@@ -73,6 +74,8 @@ def compress(
     The run's summary is ``model.layerwise_report``.
     """
     start = time.perf_counter()
+    if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
+        check_output_dir(output_dir, overwrite)
     source = None
     if not isinstance(model, torch.nn.Module):
         source = str(model)
@@ -103,10 +106,14 @@ def compress(
                               offload=offload, execution_device=state.execution_device,
                               show_progress=show_progress)
     lifecycle = Lifecycle(state)
-    lifecycle.initialize()
     from .pipeline_selection import run_pipeline
 
-    pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+    try:
+        lifecycle.initialize()
+        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+    except BaseException:
+        lifecycle.remove_hooks()  # no modifier hook outlives a failed run
+        raise
     lifecycle.finalize()
 
     from .quantization.storage import quantized_modules
