@@ -86,13 +86,13 @@ def _parse_mapping(mapping: dict, path: str) -> list[Modifier]:
         where = f"{path}.{key}"
         if key in known:
             modifiers.append(_build(key, value or {}, where))
+        elif isinstance(key, str) and key.endswith("Modifier"):
+            raise UnknownNameError("modifier", key, known.names(), hint=f"(at {where})")
         elif isinstance(value, dict):
             modifiers.extend(_parse_mapping(value, where))
         elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
             for i, item in enumerate(value):
                 modifiers.extend(_parse_mapping(item, f"{where}[{i}]"))
-        elif key.endswith("Modifier"):
-            raise UnknownNameError("modifier", key, known.names(), hint=f"(at {where})")
         # other scalar keys (version, metadata, ...) describe the recipe and are ignored
     return modifiers
 

@@ -7,7 +7,7 @@ from layerwise.cli import main
 
 def test_compress_a_local_model_prints_a_summary(tiny_llama_dir, tmp_path, capsys):
     out_dir = tmp_path / "out"
-    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W4A16",
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W8A16",
                  "--output-dir", str(out_dir), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "modules compressed: 14" in printed

@@ -9,8 +9,9 @@ from layerwise.plugin_manager import get_host
 
 def tiny_starcoder2():
     torch.manual_seed(0)
-    config = Starcoder2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    config = Starcoder2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              bos_token_id=0, eos_token_id=0)
     return Starcoder2ForCausalLM(config).eval()
 
 
