@@ -60,4 +60,9 @@ def layerwise_register_savers(register: Register) -> None:
 
 @hookspec(firstresult=True)
 def layerwise_select_pipeline(model: Any, modifiers: list[Any]) -> str | None:
-    """Return a pipeline name to override the host's default choice, or ``None`` to abstain."""
+    """Return a registered pipeline name to override the host's default choice, or ``None`` to abstain.
+
+    Every plugin is asked (order does not matter): two plugins choosing different pipelines
+    for one model is a ``PluginError`` naming both; a choice that raises or names no
+    registered pipeline is ignored with a warning (an error with ``LAYERWISE_STRICT_PLUGINS=1``).
+    """

@@ -17,8 +17,9 @@ class Registry(Generic[T]):
     :class:`DuplicateNameError` naming both owners, never silently replaces.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, plural: str | None = None) -> None:
         self.kind = kind
+        self.plural = plural or f"{kind}s"
         self._entries: dict[str, T] = {}
         self._owners: dict[str, str] = {}
 
@@ -42,7 +43,10 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownNameError(self.kind, name, self._entries) from None
+            error = UnknownNameError(self.kind, name, self._entries)
+            if self.plural != f"{self.kind}s":  # "model patch" -> "model patches", not "model patchs"
+                error.args = (error.args[0].replace(f"valid {self.kind}s:", f"valid {self.plural}:", 1),)
+            raise error from None
 
     def owner(self, name: str) -> str:
         return self._owners[name]
