@@ -9,11 +9,13 @@ pixel shuffle folds ``scale_factor**2`` patches into one token, so an image take
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.tracing import opaque
 
 from . import _inputs
 
@@ -47,6 +49,57 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
     }
 
 
+@opaque
+def drop_padding_images(pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None, patch_size: int,
+                        dtype: torch.dtype, keep_one: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real images of ``(batch, images, C, H, W)`` pixels and their patch mask.
+
+    Padding images (all zeros) are dropped by value, so the result's length depends on the data:
+    one opaque call, run at replay. ``keep_one`` keeps an empty first image when no image is
+    real (SmolVLM).
+    """
+    batch, images = pixel_values.shape[:2]
+    pixel_values = pixel_values.to(dtype=dtype).view(batch * images, *pixel_values.shape[2:])
+    real = (pixel_values == 0.0).sum(dim=(-1, -2, -3)) != pixel_values.shape[1:].numel()
+    if keep_one:
+        real[0] |= ~torch.any(real)
+    pixel_values = pixel_values[real].contiguous()
+    if pixel_attention_mask is None:
+        mask = torch.ones([pixel_values.shape[i] for i in (0, 2, 3)], dtype=torch.bool, device=pixel_values.device)
+    else:
+        mask = pixel_attention_mask.view(batch * images, *pixel_attention_mask.shape[2:])[real].contiguous()
+    subgrid = mask.unfold(dimension=1, size=patch_size, step=patch_size)
+    subgrid = subgrid.unfold(dimension=2, size=patch_size, step=patch_size)
+    return pixel_values, (subgrid.sum(dim=(-1, -2)) > 0).bool()
+
+
+def _get_image_features(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None = None,
+                        return_dict: bool | None = True, **kwargs: Any) -> Any:
+    """``get_image_features`` with the vision encoder traced, layer by layer.
+
+    transformers' version drops padding images by value and splits the features per sample
+    by value (``tolist``) around the encoder, so the tracer would wrap the whole call, vision
+    layers included. Here the dropping is one opaque call and ``pooler_output`` holds one
+    tensor of every real image's tokens (the model's forward concatenates the per-sample list
+    anyway, so its result is the same).
+    """
+    pixel_values, patch_attention_mask = drop_padding_images(
+        pixel_values, pixel_attention_mask, self.config.vision_config.patch_size, self.dtype,
+        type(self).__name__.startswith("SmolVLM"))
+    image_outputs = self.vision_model(pixel_values=pixel_values, patch_attention_mask=patch_attention_mask,
+                                      return_dict=True, **kwargs)
+    features = self.connector(image_outputs.last_hidden_state)
+    image_outputs.pooler_output = [features.reshape(-1, features.shape[-1])]
+    return image_outputs if return_dict is not False else image_outputs.to_tuple()
+
+
+def traceable_image_features(model: torch.nn.Module) -> None:
+    """Give every Idefics3/SmolVLM base model the traceable ``get_image_features`` (instance attribute)."""
+    for module in model.modules():
+        if type(module).__name__ in ("Idefics3Model", "SmolVLMModel"):
+            module.get_image_features = types.MethodType(_get_image_features, module)
+
+
 IDEFICS3 = ModelPatch(
     name="idefics3",
     model_types=("idefics3", "smolvlm"),
@@ -55,6 +108,7 @@ IDEFICS3 = ModelPatch(
     sequential_targets=(VISION_LAYERS, TEXT_LAYERS),
     # the connector (pixel shuffle + projection) maps vision features into the text width
     ignore=("lm_head", "re:.*connector.*"),
+    apply=traceable_image_features,
     sample_inputs=sample_inputs,
     verified_transformers=("5.23.0",),
 )

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from .api import trace
 from .autowrap import WrappedStatement
+from .opaque import opaque
 from .partition import OUTPUT_NAME, Subgraph
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult, VerifyError
 from .targets import TargetError
 
-__all__ = ["trace", "TraceResult", "Subgraph", "WrappedStatement", "OpaqueCall", "OUTPUT_NAME", "TraceError",
+__all__ = ["trace", "opaque", "TraceResult", "Subgraph", "WrappedStatement", "OpaqueCall", "OUTPUT_NAME", "TraceError",
            "SwallowedTargetsError", "TargetError", "VerifyError"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,8 @@ def trace(
     targets = {n: m for n, m in resolve_targets(model, sequential_targets).items() if n not in ignored}
     if not targets:
         raise TargetError(f"every sequential target of {type(model).__name__} is also ignored")
-    concrete = _concrete_args(model, sample_inputs)
+    notes: list[str] = []
+    concrete = _concrete_args(model, sample_inputs, notes)
     opaque_fns = [*default_opaque_functions(), *opaque_functions]
     rewriter = ForwardRewriter()
     failed: dict[str, str] = {}
@@ -102,13 +104,38 @@ def trace(
         unvisited_modules=_unvisited(model, tracer.visited, set(leaves)), leaf_modules=leaves,
         opaque_calls=[OpaqueCall(n.name, f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}")
                       for n in graph.nodes if n.meta.get("is_wrapped")],
-        output_type=tracer.output_type)
+        output_type=tracer.output_type, notes=[*notes, *tracer.notes])
 
 
-def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Values for forward arguments that are not sample inputs: caches are off while tracing."""
+def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Values for forward arguments that are not sample inputs: caches are off while tracing.
+
+    ``use_cache=False`` is pinned when the forward declares it, and also when the forward only
+    takes ``**kwargs`` but a submodule's forward declares ``use_cache`` (composite models such
+    as Llava forward their kwargs to the language model, which would otherwise build a cache
+    from its config while tracing and bake it into the graph).
+    """
+    if "use_cache" in sample_inputs:
+        return {}
     params = forward_signature(model).parameters
-    return {"use_cache": False} if "use_cache" in params and "use_cache" not in sample_inputs else {}
+    if "use_cache" in params:
+        return {"use_cache": False}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {}
+    seen: set[type] = set()
+    for name, module in model.named_modules():
+        if not name or type(module) in seen:
+            continue
+        seen.add(type(module))
+        try:
+            declares = "use_cache" in forward_signature(module).parameters
+        except (TypeError, ValueError):
+            declares = False
+        if declares:
+            notes.append(f"pinned use_cache=False: {type(model).__name__}.forward takes it only through **kwargs "
+                         f"and {type(module).__name__} ({name}) declares it (a cache must not be built while tracing)")
+            return {"use_cache": False}
+    return {}
 
 
 def _autowrap(rewriter: ForwardRewriter, module: torch.nn.Module, name: str, exc: BaseException,

@@ -102,6 +102,23 @@ def _names(node: ast.AST, ctx: type) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
 
 
+def _mutated(node: ast.AST) -> set[str]:
+    """Locals changed in place by item/attribute assignment (``d[k] = v``, ``o.x += 1``, ``del d[k]``).
+
+    They are outputs of a wrapped statement too: while tracing the statement is not run, so
+    the caller would otherwise keep the unchanged object.
+    """
+    found = set()
+    for n in ast.walk(node):
+        if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            base = n.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                found.add(base.id)
+    return found
+
+
 def _local_names(fdef: ast.FunctionDef) -> set[str]:
     a = fdef.args
     params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]
@@ -185,6 +202,8 @@ def _build(fn: Callable[..., Any], lines: list[tuple[int, int]]) -> Callable[...
     fdef, inner = _parse(fn)
     fdef.decorator_list = []
     locals_ = _local_names(fdef)
+    # ``self.x = ...`` is not rebound from a wrapped statement's result (it is the module)
+    receiver = {a.arg for a in fdef.args.args[:1]}
     helpers: dict[str, Any] = {"_lw_pick": _pick}
     stmt_defs: list[ast.stmt] = []
     for line, depth in sorted(lines, reverse=True):  # later (inner) statements first
@@ -193,7 +212,7 @@ def _build(fn: Callable[..., Any], lines: list[tuple[int, int]]) -> Callable[...
         name = f"_lw_stmt_L{line}"
         is_return = isinstance(stmt, ast.Return)
         reads = _names(stmt, ast.Load) & locals_
-        writes = set() if is_return else (_names(stmt, ast.Store) & locals_)
+        writes = set() if is_return else ((_names(stmt, ast.Store) | (_mutated(stmt) - receiver)) & locals_)
         params = sorted(reads | writes)
         outs = sorted(writes)
         result = stmt.value if is_return else ast.Tuple([ast.Name(o, ast.Load()) for o in outs], ast.Load())

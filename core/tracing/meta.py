@@ -33,7 +33,8 @@ class _DataDependentDefaults(TorchDispatchMode):
     """Answers value-dependent ops on meta tensors with neutral stand-ins.
 
     ``.item()`` gives 0/False and ``nonzero`` gives no rows, so MoE routing loops run zero
-    times and value checks pass: only the *shape* of a module's output matters here.
+    times and value checks pass: only the *shape* of a module's output matters here. Boolean
+    mask indexing (``x[keep]``) keeps every row: the common case (no padding dropped).
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -47,7 +48,16 @@ class _DataDependentDefaults(TorchDispatchMode):
                 return torch.empty((0, first.dim()), dtype=torch.long, device="meta")
             if func in (aten.equal.default,):
                 return True
+            if func in (aten.index.Tensor, aten._unsafe_index.Tensor):
+                with _assume_all_nonzero():
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _assume_all_nonzero() -> Any:
+    from torch.fx.experimental import _config
+
+    return _config.patch(meta_nonzero_assume_all_nonzero=True)
 
 
 class _ToMetaMode(torch.overrides.TorchFunctionMode):

@@ -49,13 +49,21 @@ def find_proxy(*values: Any) -> fx.Proxy | None:
 
 
 def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` recorded as one ``call_function`` node when it receives traced values."""
+    """``fn`` recorded as one ``call_function`` node when it receives traced values.
+
+    A decorator for model patches: helpers whose shapes depend on tensor values (dropping
+    padding images, splitting per sample) run at replay instead of being traced. Without
+    traced arguments (the plain forward) ``fn`` simply runs.
+    """
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         proxy = find_proxy(args, kwargs)
         if proxy is None:
             return fn(*args, **kwargs)
+        call_opaque = getattr(proxy.tracer, "call_opaque", None)
+        if call_opaque is not None:  # the layerwise tracer: dict/tuple results keep their structure
+            return call_opaque(fn, args, kwargs, listed=not hasattr(fn, "__layerwise_stmt__"))
         return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
 
     call.__layerwise_opaque__ = fn  # type: ignore[attr-defined]

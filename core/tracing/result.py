@@ -50,6 +50,8 @@ class TraceResult:
     leaf_modules: list[str] = field(default_factory=list)
     opaque_calls: list[OpaqueCall] = field(default_factory=list)
     output_type: type | None = None
+    #: what the tracer decided beyond plain tracing, and why (pinned arguments, baked inputs, ...)
+    notes: list[str] = field(default_factory=list)
 
     # ---- replay ---------------------------------------------------------------------
     def replay(self, inputs: Mapping[str, Any]) -> Any:

@@ -8,11 +8,14 @@ in global state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from .autowrap import ForwardRewriter
 from .meta import UNKNOWN, run_on_meta, to_meta
+from .opaque import find_proxy
 from .proxy import CONCRETE_METHODS, MetaProxy
 
 _PURE_FUNCTIONS = {getattr, math.sqrt}
@@ -41,7 +45,9 @@ class LayerwiseTracer(fx.Tracer):
         rewriter: ForwardRewriter | None = None,
     ) -> None:
         opaque_functions = list(opaque_functions)
-        super().__init__(autowrap_modules=(math,), autowrap_functions=tuple(opaque_functions))
+        # opaque functions are patched by this tracer itself (``_autowrap_globals``), not by fx,
+        # so that their results keep the structure of their meta value (a dict stays a dict)
+        super().__init__(autowrap_modules=(math,))
         self.proxy_buffer_attributes = True
         self.model = model
         self.sample_inputs = dict(sample_inputs)
@@ -50,6 +56,9 @@ class LayerwiseTracer(fx.Tracer):
         self.leaf_classes = set(leaf_classes)
         self.rewriter = rewriter or ForwardRewriter()
         self._opaque_ids = {id(f) for f in opaque_functions}
+        self._patched_globals: set[int] = set()
+        #: what this attempt decided beyond plain tracing (deduplicated, in order)
+        self.notes: dict[str, None] = {}
         self.constants: dict[str, Any] = {}
         self.visited: set[str] = set()
         self.module_stack: list[tuple[str, torch.nn.Module]] = []
@@ -103,7 +112,8 @@ class LayerwiseTracer(fx.Tracer):
             return UNKNOWN
         self._meta_depth += 1
         try:
-            return run_on_meta(fn, margs, mkwargs, real_weights=real)
+            with _capture_suspended():  # hooks must not record the meta values
+                return run_on_meta(fn, margs, mkwargs, real_weights=real)
         finally:
             self._meta_depth -= 1
 
@@ -164,15 +174,18 @@ class LayerwiseTracer(fx.Tracer):
             return forward(*args, **kwargs)
         self.visited.add(name)
         if self.is_leaf_module(m, name):
-            return _structured(self.create_proxy("call_module", name, args, kwargs))
+            out = structured(self.create_proxy("call_module", name, args, kwargs))
+            return self._run_capture_hooks(m, args, kwargs, out)
         self.module_stack.append((name, m))
         try:
             fn = getattr(m.forward, "__func__", None)
             self._autowrap_globals(fn)
             override = self.rewriter.forward_for(fn) if fn is not None else None
             if override is not None and override is not fn:
-                return override(m, *args, **kwargs)
-            return forward(*args, **kwargs)
+                out = override(m, *args, **kwargs)
+            else:
+                out = forward(*args, **kwargs)
+            return self._run_capture_hooks(m, args, kwargs, out)
         except Exception as exc:
             if not hasattr(exc, "_lw_culprit"):
                 exc._lw_culprit = (name, m)  # type: ignore[attr-defined]
@@ -180,16 +193,72 @@ class LayerwiseTracer(fx.Tracer):
         finally:
             self.module_stack.pop()
 
+    def _run_capture_hooks(self, m: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Call transformers' output-capturing forward hooks with the traced output.
+
+        fx calls a module's forward without its hooks. Most hooks are better off that way (they
+        run again at replay, where the graph calls the module), but transformers records
+        ``hidden_states``/``attentions`` through forward hooks into a collector that the
+        decorated model forward reads back: that data flow must go through the graph, so those
+        hooks see the proxies here (and at replay find no active collector: a no-op).
+        """
+        for hook_id, hook in list(m._forward_hooks.items()):
+            if not is_output_capturing_hook(hook):
+                continue
+            if _capture_active():
+                self.notes[f"transformers' output-capturing hooks on {type(m).__name__} were called with the traced "
+                           "outputs (they feed hidden_states/attentions back into the forward)"] = None
+            if hook_id in m._forward_hooks_with_kwargs:
+                result = hook(m, args, kwargs, out)
+            else:
+                result = hook(m, args, out)
+            if result is not None:
+                out = result
+        return out
+
     def _autowrap_globals(self, fn: Callable[..., Any] | None) -> None:
-        """Patch opaque functions in the globals of the *undecorated* forward's module.
+        """Patch opaque functions in the globals of the forward and of the *undecorated* forward.
 
         fx only looks at the globals of the outermost wrapper, which for decorated HF
         forwards is ``transformers.utils.generic``, not the modeling file.
         """
         patcher = _fx_trace.CURRENT_PATCHER
-        inner = inspect.unwrap(fn) if fn is not None else None
-        if patcher is not None and inner is not None and hasattr(inner, "__globals__"):
-            _fx_trace._autowrap_check(patcher, inner.__globals__, self._autowrap_function_ids)
+        if patcher is None or fn is None:
+            return
+        for f in (fn, inspect.unwrap(fn)):
+            frame = getattr(f, "__globals__", None)
+            if frame is None or id(frame) in self._patched_globals:
+                continue
+            self._patched_globals.add(id(frame))
+            for name, value in list(frame.items()):
+                if not name.startswith("_") and id(value) in self._opaque_ids:
+                    patcher.patch(frame, name, self._opaque_call(value))
+
+    def _opaque_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            proxy = find_proxy(args, kwargs)
+            if proxy is None:
+                return fn(*args, **kwargs)
+            return self.call_opaque(fn, args, kwargs, listed=True)
+
+        return call
+
+    def call_opaque(self, fn: Callable[..., Any], args: tuple, kwargs: dict, listed: bool = False) -> Any:
+        """``fn`` as one graph node; a dict/tuple/ModelOutput result comes back as a container of proxies.
+
+        The container's structure (keys, length) is read from the meta result, so code such as
+        ``isinstance(mask, dict)`` or ``a, b = helper(x)`` sees what it would at run time.
+        ``listed`` marks the node as an opaque helper call (``TraceResult.opaque_calls``).
+        """
+        proxy = self.create_proxy("call_function", fn, args, kwargs)
+        if listed:
+            proxy.node.meta["is_wrapped"] = True
+        out = structured(proxy)
+        if listed and out is not proxy:
+            self.notes[f"opaque {getattr(fn, '__name__', fn)} returns a {type(proxy.meta).__name__}: kept as that "
+                       "container of per-item nodes (structure from its meta result)"] = None
+        return out
 
     # ---- the root call: sample inputs by name, concrete values for the rest ----------
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
@@ -242,13 +311,77 @@ def _metas(value: Any) -> Any:
     return pytree.tree_map(meta, value)
 
 
-def _structured(proxy: MetaProxy) -> Any:
-    """A leaf call returning a tuple/list gives a tuple/list of proxies (``isinstance`` keeps working)."""
+def structured(proxy: MetaProxy) -> Any:
+    """A call whose meta value is a tuple/list/dict/ModelOutput as that container of proxies.
+
+    ``isinstance`` checks and unpacking keep working; unused items are dropped later as dead
+    code. Anything else (a tensor, ``None``, an unknown value) stays one proxy.
+    """
     meta = proxy.meta
     if type(meta) in (tuple, list):
-        items = [proxy[i] for i in range(len(meta))]
-        return type(meta)(items)
+        return type(meta)(structured(proxy[i]) for i in range(len(meta)))
+    if type(meta) is dict:
+        return {k: structured(proxy[k]) for k in meta}
+    if _is_model_output(meta):
+        return _model_output(type(meta), {f.name: structured(getattr(proxy, f.name)) if getattr(meta, f.name) is not None
+                                          else None for f in dataclasses.fields(meta)})
     return proxy
+
+
+def _is_model_output(value: Any) -> bool:
+    try:
+        from transformers.utils import ModelOutput
+    except ImportError:  # pragma: no cover - transformers missing
+        return False
+    return isinstance(value, ModelOutput) and dataclasses.is_dataclass(value)
+
+
+def _model_output(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` without ``__post_init__`` (it probes the first field's iterability)."""
+    out = cls.__new__(cls)
+    OrderedDict.__init__(out)
+    for name, value in values.items():
+        object.__setattr__(out, name, value)
+        if value is not None:
+            OrderedDict.__setitem__(out, name, value)
+    return out
+
+
+def _collector() -> Any:
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - other transformers versions
+        return None
+    return _active_collector
+
+
+def _capture_active() -> bool:
+    collector = _collector()
+    return collector is not None and bool(collector.get())
+
+
+@contextlib.contextmanager
+def _capture_suspended() -> Iterator[None]:
+    """No active transformers output collector inside the block (its hooks become no-ops).
+
+    Shape inference runs leaf modules on meta tensors; their output-capturing hooks would
+    otherwise append those meta tensors to the collector of the forward being traced.
+    """
+    collector = _collector()
+    if collector is None or collector.get() is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
+
+
+def is_output_capturing_hook(hook: Any) -> bool:
+    """Is ``hook`` one of transformers' output-capturing forward hooks (``capture_outputs``)?"""
+    module = getattr(hook, "__module__", "") or ""
+    return module.startswith("transformers.utils") and "output_capturing_hook" in getattr(hook, "__qualname__", "")
 
 
 def forward_signature(model: torch.nn.Module) -> inspect.Signature:

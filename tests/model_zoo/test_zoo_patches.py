@@ -33,29 +33,9 @@ TOWERS = {
     "deepseek_v3": ("model.layers.",),
 }
 
-#: traces the tracer cannot do yet, with the precise reason (feedback for layerwise.tracing)
-_NO_USE_CACHE = ("LlavaForConditionalGeneration.forward takes use_cache only through **kwargs, so trace() does not "
-                 "pin use_cache=False; LlamaModel/MistralModel build a DynamicCache on meta that is baked into the "
-                 "graph as constants _lw_const_*; replay then appends real K/V to it: 'Tensor on device cpu is "
-                 "not on the expected device meta' (passes with config.text_config.use_cache=False)")
-TRACE_XFAIL = {
-    ("llava", "text"): _NO_USE_CACHE,
-    ("pixtral", "text"): _NO_USE_CACHE,
-    ("gemma3", "text"): "Gemma3Model builds its mask mapping (a dict) with the opaque create_masks_for_generate; "
-                        "the result is a single Proxy, so Gemma3TextModel's isinstance(attention_mask, dict) is "
-                        "False while tracing and it builds masks again from the dict; at replay masking_utils "
-                        "gets a dict: AttributeError 'dict' object has no attribute 'ndim'",
-    ("llava", "image"): "use_cache as for text, and: CLIP hidden_states are captured by transformers' output-capturing forward hooks; the "
-                        "hooks fire during the leaf layers' meta inference and record meta tensors, so the "
-                        "projector input is baked in as constant _lw_tensor_0 (meta) and verify fails",
-    ("pixtral", "image"): "Pixtral tower slices patch embeddings by image_sizes *values*; shapes unknown on meta, "
-                          "meshgrid/generate_block_attention_mask fail, get_image_features is wrapped whole and "
-                          "swallows the vision layers",
-    ("mistral3", "image"): "same Pixtral tower as pixtral: data-dependent shapes from image_sizes values",
-    ("idefics3", "image"): "get_image_features drops padding images by value (boolean indexing) and is wrapped "
-                           "whole; the wrapped statement `mm_encoder_outputs['image'] = ...` loses its dict "
-                           "mutation (KeyError 'image'), so model becomes a leaf and swallows every target",
-}
+#: traces the tracer cannot do yet, with the precise reason (feedback for layerwise.tracing); each
+#: entry is a strict xfail, so a fix shows up as an XPASS failure until the entry goes
+TRACE_XFAIL: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
