@@ -29,6 +29,7 @@ def trace(
     robust: bool = True,
     opaque_functions: Sequence[Callable[..., Any]] = (),
     leaf_modules: Sequence[str] = (),
+    skip_uncalled_targets: bool = False,
 ) -> TraceResult:
     """Trace ``model``'s forward on ``sample_inputs`` and cut it into per-target subgraphs.
 
@@ -38,6 +39,8 @@ def trace(
     ``_no_split_modules``. Ignored modules and ``leaf_modules`` (class names) are called as
     single nodes. Statements that cannot be traced are wrapped into opaque calls; with
     ``robust`` a module whose forward still fails becomes a leaf (see ``failed_modules``).
+    A target the forward never calls with these inputs (a vision tower given text only) is an
+    error, or with ``skip_uncalled_targets`` left out of ``target_names`` (and noted).
 
     The first subgraph takes the model inputs by name; the last one returns
     ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
@@ -87,9 +90,15 @@ def trace(
 
     target_nodes = [n for n in graph.nodes if n.op == "call_module" and n.target in targets]
     called = {n.target for n in target_nodes}
-    missing = [t for t in targets if t not in called]
+    missing = {t: _why_missing(t, tracer, rewriter, failed, ignored) for t in targets if t not in called}
+    uncalled = [t for t, why in missing.items() if why == _NEVER_CALLED]
+    if skip_uncalled_targets and uncalled and len(uncalled) < len(targets):
+        for t in uncalled:
+            del targets[t], missing[t]
+        notes.append(f"{len(uncalled)} sequential target(s) not run by these inputs, left out: "
+                     f"{_name_ranges(uncalled)}")
     if missing:
-        raise SwallowedTargetsError(_swallowed_message(missing, tracer, rewriter, failed, ignored))
+        raise SwallowedTargetsError(_swallowed_message(missing))
     groups = [target_nodes[i:i + targets_per_subgraph] for i in range(0, len(target_nodes), targets_per_subgraph)]
 
     attrs = {n.target: _resolve(model, tracer.constants, n.target) for n in graph.nodes
@@ -189,26 +198,51 @@ def _unvisited(model: torch.nn.Module, visited: set[str], leaves: set[str]) -> l
     return out
 
 
-def _swallowed_message(missing: list[str], tracer: LayerwiseTracer, rewriter: ForwardRewriter,
-                       failed: Mapping[str, str], ignored: Mapping[str, Any]) -> str:
-    reasons = []
-    records = rewriter.records
-    for target in missing:
-        anc = _ancestors(target)
-        leaf = next((a for a in reversed(anc) if a in tracer.leaf_names and a), None)
-        stmts = [r for r in records if r.module in anc]
-        if leaf is not None and leaf in failed:
-            why = f"inside module {leaf!r}, made a leaf because it failed to trace: {failed[leaf]}"
-        elif leaf is not None:
-            why = f"inside module {leaf!r}, which is {'ignored' if leaf in ignored else 'a leaf'}"
-        elif stmts:
-            why = "swallowed by wrapped statement(s): " + "; ".join(str(r) for r in stmts)
-        elif target not in tracer.visited:
-            why = "never called by the forward"
-        else:
-            why = "called inside an opaque function"
-        reasons.append(f"  {target}: {why}")
+_NEVER_CALLED = "never called by the forward with these inputs"
+
+
+def _why_missing(target: str, tracer: LayerwiseTracer, rewriter: ForwardRewriter, failed: Mapping[str, str],
+                 ignored: Mapping[str, Any]) -> str:
+    """Why ``target`` has no call of its own in the graph."""
+    anc = _ancestors(target)
+    leaf = next((a for a in reversed(anc) if a in tracer.leaf_names and a), None)
+    stmts = [r for r in rewriter.records if r.module in anc]
+    if leaf is not None and leaf in failed:
+        return f"inside module {leaf!r}, made a leaf because it failed to trace: {failed[leaf]}"
+    if leaf is not None:
+        return f"inside module {leaf!r}, which is {'ignored' if leaf in ignored else 'a leaf'}"
+    if stmts:
+        return "swallowed by wrapped statement(s): " + "; ".join(str(r) for r in stmts)
+    if target not in tracer.visited:
+        return _NEVER_CALLED
+    return "called inside an opaque function"
+
+
+def _swallowed_message(missing: Mapping[str, str]) -> str:
+    reasons = "\n".join(f"  {target}: {why}" for target, why in missing.items())
+    if all(why == _NEVER_CALLED for why in missing.values()):
+        return ("sequential targets are not run by these inputs, so they cannot be calibrated with them:\n" + reasons +
+                "\nFix: give inputs that run them (e.g. images for a vision tower), or leave them out of "
+                "sequential_targets")
     return ("sequential targets do not appear as their own call in the traced graph, so they cannot be "
-            "calibrated one at a time:\n" + "\n".join(reasons) +
+            "calibrated one at a time:\n" + reasons +
             "\nFix: make the swallowing code traceable (a ModelPatch override), stop ignoring it, "
             "or choose other sequential_targets")
+
+
+def _name_ranges(names: Sequence[str]) -> str:
+    """``a.0, a.1, a.2, b.0`` -> ``a.0-2, b.0`` (numbered siblings folded)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        key = prefix if last.isdigit() else name
+        groups.setdefault(key, []).append(last if last.isdigit() else "")
+    parts = []
+    for key, items in groups.items():
+        if items == [""]:
+            parts.append(key)
+        elif len(items) > 2 and [int(i) for i in items] == list(range(int(items[0]), int(items[-1]) + 1)):
+            parts.append(f"{key}.{items[0]}-{items[-1]}")
+        else:
+            parts.extend(f"{key}.{i}" if i else key for i in items)
+    return ", ".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
 import types
 from collections.abc import Callable
@@ -43,7 +44,13 @@ class WrappedStatement:
 
     def __str__(self) -> str:
         where = self.module or "<model>"
-        return f"{self.file}:{self.line} in {where}: {self.statement.splitlines()[0]}  ({self.why})"
+        return f"{short_path(self.file)}:{self.line} in {where}: {self.statement.splitlines()[0]}  ({self.why})"
+
+
+def short_path(path: str) -> str:
+    """``.../site-packages/transformers/x.py`` -> ``transformers/x.py``; other paths as they are."""
+    marker = os.sep + "site-packages" + os.sep
+    return path.rsplit(marker, 1)[1] if marker in path else path
 
 
 def _pick(namespace: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

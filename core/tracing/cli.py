@@ -70,36 +70,68 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
     return model.eval()
 
 
-def _patch_inputs(model: torch.nn.Module, modality: str | None) -> dict[str, Any] | None:
+def _find_patch(model: torch.nn.Module) -> Any:
+    """The registered model patch for ``model`` (``None`` when none matches or plugins fail)."""
     try:
         from ..model_patch import find_patch
 
-        patch = find_patch(model)
-    except Exception:
+        return find_patch(model)
+    except Exception:  # noqa: BLE001 - tracing works without a patch
         return None
-    if patch is None or patch.sample_inputs is None:
-        return None
-    from .samples import default_modality
 
-    return patch.sample_inputs(model.config, modality or default_modality(model.config))
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)}"
+    return repr(value)
+
+
+#: the replayed subgraphs must match the plain forward within this (fp32 weights)
+VERIFY_TOLERANCE = 1e-5
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Execute ``layerwise trace``; 0 on success, 1 when the trace or verification fails."""
+    from ..model_patch import apply_patch
     from . import trace
     from .result import TraceError
-    from .samples import sample_inputs
+    from .samples import default_modality, sample_inputs
 
     out = out or sys.stdout
     model = load_for_tracing(args.model, materialise=args.verify)
-    inputs = _patch_inputs(model, args.modality) or sample_inputs(model.config, args.modality)
+    patch = _find_patch(model)
+    apply_patch(model, patch)
+    modality = args.modality or default_modality(model.config)
     try:
-        result = trace(model, inputs, sequential_targets=args.targets, ignore=args.ignore,
-                       targets_per_subgraph=args.targets_per_subgraph, robust=not args.no_robust)
+        if patch is not None and patch.sample_inputs is not None:
+            inputs = patch.sample_inputs(model.config, modality)
+        else:
+            inputs = sample_inputs(model.config, modality)
+    except ValueError as exc:  # a modality the model does not take
+        print(f"Cannot build {modality} inputs for {type(model).__name__}: {exc}", file=out)
+        return 1
+    targets = args.targets or (list(patch.sequential_targets) if patch is not None and patch.sequential_targets
+                               else None)
+    ignore = args.ignore if args.ignore is not None else (list(patch.ignore) if patch is not None else None)
+    source = "--targets" if args.targets else ("patch" if targets else "_no_split_modules")
+    weights = "saved weights" if any(any(Path(args.model).glob(g)) for g in _WEIGHT_GLOBS) else (
+        "random seeded weights" if args.verify else "meta tensors, no weights")
+    print(f"Model: {type(model).__name__} ({weights}); patch: {patch.name if patch is not None else 'none'}",
+          file=out)
+    print(f"Inputs ({modality}): " + ", ".join(f"{k} {_describe(v)}" for k, v in inputs.items()), file=out)
+    print(f"Targets ({source}): {', '.join(targets) if targets else ', '.join(_default_targets(model))}", file=out)
+    extra: dict[str, Any] = {}
+    if patch is not None:
+        extra = {"opaque_functions": tuple(patch.opaque_functions), "leaf_modules": tuple(patch.leaf_modules)}
+    try:
+        result = trace(model, inputs, sequential_targets=targets, ignore=ignore,
+                       targets_per_subgraph=args.targets_per_subgraph, robust=not args.no_robust,
+                       skip_uncalled_targets=not args.targets, **extra)
     except (TraceError, ValueError) as exc:
         print(f"Tracing {type(model).__name__} failed: {exc}", file=out)
         return 1
-    print(f"Traced {type(model).__name__} into {len(result.subgraphs)} subgraphs", file=out)
+    print(f"Traced {type(model).__name__} into {len(result.subgraphs)} subgraphs "
+          f"({len(result.target_names)} targets, {args.targets_per_subgraph} per subgraph, + the rest)", file=out)
     print(result.summary(), file=out)
     print(f"Wrapped statements: {len(result.wrapped)}", file=out)
     for rec in result.wrapped:
@@ -109,13 +141,34 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"  {name}: {why}", file=out)
     if result.opaque_calls:
         print("Opaque calls: " + ", ".join(sorted({c.function for c in result.opaque_calls})), file=out)
+    if result.notes:
+        print("Notes:", file=out)
+        for note in result.notes:
+            print(f"  {note}", file=out)
     if result.unvisited_modules:
-        print("Never called: " + ", ".join(result.unvisited_modules), file=out)
+        names = set(result.unvisited_modules)
+        outermost = [n for n in result.unvisited_modules
+                     if not any(n.startswith(other + ".") for other in names)]
+        print("Never called (with what they hold): " + ", ".join(outermost), file=out)
     if args.graph:
         print(write_graph(result, args.graph), file=out)
     if args.verify:
-        print(f"max abs diff: {result.verify(inputs):.3e}", file=out)
+        diff = result.verify(inputs)
+        verdict = "ok" if diff <= VERIFY_TOLERANCE else "MISMATCH"
+        print(f"max abs diff: {diff:.3e} (replayed subgraphs vs the plain forward; {verdict}, "
+              f"tolerance {VERIFY_TOLERANCE:.0e})", file=out)
+        if diff > VERIFY_TOLERANCE:
+            return 1
     return 0
+
+
+def _default_targets(model: torch.nn.Module) -> list[str]:
+    from .targets import TargetError, default_targets
+
+    try:
+        return default_targets(model)
+    except TargetError:
+        return ["(none)"]
 
 
 def write_graph(result: Any, path: str | Path) -> str:

@@ -191,3 +191,34 @@ def test_leaf_module_results_keep_their_structure(kind: str) -> None:
     x = torch.randn(2, 8)
     result = trace(model, {"x": x}, sequential_targets=["Block"], leaf_modules=["Pair"])
     assert result.verify({"x": x}) <= TOL
+
+
+# ---- targets the inputs never run ------------------------------------------------------------------
+class Towers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.ModuleList([Block(), Block()])
+        self.text = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        if image is not None:
+            for layer in self.vision:
+                image = layer(image)
+            x = x + image
+        for layer in self.text:
+            x = layer(x)
+        return x
+
+
+def test_targets_not_run_by_the_inputs() -> None:
+    from layerwise.tracing import SwallowedTargetsError
+
+    x = {"x": torch.randn(2, 8)}
+    with pytest.raises(SwallowedTargetsError, match="not run by these inputs") as info:
+        trace(Towers(), x, sequential_targets=["Block"])
+    assert "vision.0" in str(info.value) and "text.0" not in str(info.value)
+    result = trace(Towers(), x, sequential_targets=["Block"], skip_uncalled_targets=True)
+    assert result.target_names == ["text.0", "text.1"] and len(result.subgraphs) == 3
+    assert any("left out: vision.0, vision.1" in n for n in result.notes)
+    both = trace(Towers(), {**x, "image": torch.randn(2, 8)}, sequential_targets=["Block"], skip_uncalled_targets=True)
+    assert len(both.target_names) == 4 and not both.notes

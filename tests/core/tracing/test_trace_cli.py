@@ -45,3 +45,43 @@ def test_bad_targets_report_failure(tmp_path) -> None:
     models.build("GPT2LMHeadModel").config.save_pretrained(tmp_path)
     code, text = _run(["trace", "--model", str(tmp_path), "--targets", "NoSuchLayer"])
     assert code == 1 and "match no module" in text
+
+
+def _tiny_qwen2_vl_config():
+    import transformers as tf
+
+    return tf.Qwen2VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+        architectures=["Qwen2VLForConditionalGeneration"])
+
+
+def test_vision_language_model_uses_its_patch_and_an_svg_falls_back_to_dot(tmp_path, monkeypatch) -> None:
+    _tiny_qwen2_vl_config().save_pretrained(tmp_path)
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # as on a machine without graphviz
+    code, text = _run(["trace", "--model", str(tmp_path), "--modality", "image", "--verify",
+                       "--graph", str(tmp_path / "g.svg")])
+    assert code == 0, text
+    assert "patch: qwen2_vl" in text and "Inputs (image): input_ids" in text
+    assert "into 5 subgraphs (4 targets" in text
+    rows = [line.split()[1] for line in text.splitlines() if line[:1].isdigit()]
+    assert rows == ["model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0",
+                    "model.language_model.layers.1", "(rest)"]
+    assert "graphviz 'dot' not found" in text and (tmp_path / "g.dot").read_text().startswith("digraph")
+    assert "/site-packages/" not in text  # wrapped statements name files from the package root
+    assert "max abs diff: 0.000e+00" in text and "ok, tolerance" in text
+
+
+def test_text_inputs_leave_vision_targets_out_with_a_note(tmp_path) -> None:
+    _tiny_qwen2_vl_config().save_pretrained(tmp_path)
+    code, text = _run(["trace", "--model", str(tmp_path), "--modality", "text"])
+    assert code == 0, text
+    assert "into 3 subgraphs" in text
+    assert "not run by these inputs, left out: model.visual.blocks.0, model.visual.blocks.1" in text
+    assert "Never called (with what they hold): model.visual\n" in text
+    code, text = _run(["trace", "--model", str(tmp_path), "--modality", "audio"])
+    assert code == 1 and "Cannot build audio inputs" in text
