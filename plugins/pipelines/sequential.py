@@ -12,6 +12,8 @@ with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +39,18 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
     if patch is not None:
         extra = {"opaque_functions": tuple(patch.opaque_functions), "leaf_modules": tuple(patch.leaf_modules)}
     try:
-        return trace(model, sample, sequential_targets=options.sequential_targets or None,
-                     ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph, **extra)
+        result = trace(model, sample, sequential_targets=options.sequential_targets or None,
+                       ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph,
+                       skip_uncalled_targets=True, **extra)
     except FATAL_ERRORS:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure means "try another pipeline"
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
+    for note in result.notes:
+        if "not run by these inputs" in note:
+            # e.g. a vision tower calibrated on text only: its modules see no samples
+            warnings.warn(f"sequential: {note}; modifiers get no samples for them", stacklevel=2)
+    return result
 
 
 class SequentialPipeline(Pipeline):
