@@ -126,6 +126,8 @@ def compress(
     )
     if saver is not None:
         extra = {"layerwise_log.json": _json(state.log)} if state.log else {}
+        for modifier in modifiers:
+            extra.update(modifier.output_files())
         saver(model, output_dir, tokenizer=tokenizer, recipe=recipe_to_yaml(modifiers),
               extra_files=extra, overwrite=overwrite)
         report.output_dir = str(Path(output_dir))

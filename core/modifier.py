@@ -59,6 +59,11 @@ class Modifier:
         while self._hooks:
             self._hooks.pop().remove()
 
+    # -- output --------------------------------------------------------------------------
+    def output_files(self) -> dict[str, str | bytes]:
+        """Extra files to save next to the compressed model: name (relative to the folder) -> content."""
+        return {}
+
     # -- recipe round trip -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The modifier's fields as a recipe entry (``{ClassName: {field: value}}``)."""

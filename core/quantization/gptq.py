@@ -1,0 +1,346 @@
+"""The GPTQ solver: quantize a weight column by column, pushing each column's error onto the rest.
+
+Pure tensor math, no modules: :func:`accumulate_hessian` (or :func:`add_gram` then
+:func:`gram_to_hessian`) builds the layer's Hessian from its inputs, :func:`gptq_quantize` turns a ``(out, in)`` weight and that Hessian
+into fake-quantized values plus compressed-tensors qparams.
+
+For a linear layer with inputs ``X`` (``in x n``), GPTQ minimises ``||W X - Q X||^2``
+one input column at a time: column ``j`` is rounded to the grid, and the rounding
+error, weighted by the inverse Hessian ``H^-1 = (2 X X^T / n)^-1``, is subtracted from
+the columns not quantized yet. With an upper Cholesky factor ``U`` of ``H^-1`` the
+update for column ``j`` is ``W[:, j+1:] -= ((w_j - q_j) / U[j, j]) U[j, j+1:]``.
+Columns are processed in blocks of ``block_size``; inside a block the updates are
+applied column by column, to the columns after the block once per block (one matrix
+product: the "lazy batch" update). The result equals the column-by-column algorithm
+up to floating-point rounding.
+
+Details, in the order they are applied:
+
+* dead inputs: a column whose Hessian diagonal is 0 never saw a nonzero input; its
+  diagonal becomes 1 and its weights 0 (exact on the grid, and harmless);
+* activation order (``args.actorder``): ``"static"`` solves the columns in descending
+  order of the Hessian diagonal but keeps groups of contiguous original columns, so
+  the checkpoint needs no group index; ``"group"`` also forms the groups in that
+  order, which needs a group index (``g_idx``) per column;
+* dampening: ``dampening_frac`` times the mean diagonal is added to the diagonal;
+  when a Cholesky factorisation still fails the dampening is raised tenfold, twice,
+  before :class:`GPTQError` is raised (the caller falls back to round-to-nearest);
+* qparams: ``tensor`` / ``channel`` scales, and the groups of ``"static"``, come
+  from the whole (dead-column-zeroed) weight up front; other groups are observed
+  when the solve reaches their first column, on the weights already updated by the
+  error of every earlier column (the original GPTQ recipe).
+
+The integer grid, rounding and ranges are those of :mod:`.qmath`, so with an identity
+Hessian (no correlation between inputs) the result equals round-to-nearest bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import LayerwiseError
+from .args import QuantizationArgs
+from .qmath import _check_weight, fake_quantize_weight, qrange, weight_qparams
+
+__all__ = ["GPTQError", "GPTQResult", "accumulate_hessian", "add_gram", "gram_to_hessian", "gptq_quantize",
+           "rtn_quantize", "DAMPENING_RETRIES"]
+
+#: how often the dampening is multiplied by 10 when a Cholesky factorisation fails
+DAMPENING_RETRIES = 2
+#: columns whose rank-1 updates are applied one by one inside a block; then one product for the rest
+_SUB_BLOCK = 16
+
+
+class GPTQError(LayerwiseError, ArithmeticError):
+    """The Hessian cannot be factorised (not finite, or not positive definite even when dampened)."""
+
+
+@dataclass
+class GPTQResult:
+    """A quantized weight and what the saver needs to pack it."""
+
+    #: fake-quantized ``(out, in)`` weight, float32, original column order
+    weight: Tensor
+    scale: Tensor
+    zero_point: Tensor
+    #: group index per input column (``actorder="group"`` only), int32
+    g_idx: Tensor | None
+    #: GPTQ's objective: half the sum over columns of ``((w - q) / U[j, j])**2``
+    loss: float
+    #: the dampening fraction finally used (larger than asked after a failed factorisation)
+    dampening_frac: float
+
+
+def accumulate_hessian(hessian: Tensor | None, num_samples: int, inputs: Tensor) -> tuple[Tensor, int]:
+    """Fold ``inputs`` (``(..., in)``) into the running mean ``H = 2/n sum x x^T``.
+
+    ``num_samples`` counts the rows (tokens) already in ``hessian``; returns the
+    updated Hessian (float32, updated in place when given) and the new count.
+    """
+    x = inputs.detach().reshape(-1, inputs.shape[-1])
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    columns = x.shape[1]
+    if hessian is None:
+        hessian = torch.zeros(columns, columns, dtype=torch.float32, device=x.device)
+    rows = x.shape[0]
+    if rows == 0:
+        return hessian, num_samples
+    total = num_samples + rows
+    # H <- n/(n+m) H + 2/(n+m) X^T X, one BLAS call, no temporary
+    hessian.addmm_(x.t(), x, beta=num_samples / total, alpha=2.0 / total)
+    return hessian, total
+
+
+#: column strips of the Gram matrix: only the blocks on or above the diagonal are computed
+GRAM_STRIPS = 4
+
+
+def add_gram(gram: Tensor, x: Tensor) -> Tensor:
+    """``gram += X^T X`` on and above the diagonal only (``x``: ``(rows, in)`` float32).
+
+    The Gram matrix is symmetric; computing it as ``GRAM_STRIPS`` row strips of its
+    upper triangle does about 5/8 of the full product's work. Only the entries on and
+    above the diagonal are meaningful: read the result with :func:`gram_to_hessian`.
+    """
+    columns = x.shape[1]
+    step = max(64, -(-columns // GRAM_STRIPS))
+    for i in range(0, columns, step):
+        gram[i:i + step, i:].addmm_(x[:, i:i + step].t(), x[:, i:])
+    return gram
+
+
+def gram_to_hessian(gram: Tensor, num_samples: int) -> Tensor:
+    """``H = 2/n X^T X`` (a new, full, symmetric matrix) from the upper triangle of a Gram matrix."""
+    upper = torch.triu(gram)
+    hessian = upper + torch.triu(gram, diagonal=1).t()
+    return hessian.mul_(2.0 / max(num_samples, 1))
+
+
+# -- the solver ----------------------------------------------------------------------------
+def _inverse_hessian_factor(reversed_hessian: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
+    """Upper triangular ``U`` with ``U^T U`` = the dampened ``H^-1``; retries with more dampening.
+
+    Takes ``J H J`` (``H`` with rows and columns in reverse order; ``J`` is the exchange
+    matrix) and overwrites it. With ``J H J = L L^T`` (lower Cholesky factor ``L``),
+    ``H = R R^T`` for the upper triangular ``R = J L J``, so ``H^-1 = (R^-1)^T R^-1`` and
+    ``U = R^-1 = J L^-1 J``: one factorisation and one triangular inverse, instead of
+    factorising ``H``, inverting it and factorising the inverse.
+    """
+    diagonal = torch.diagonal(reversed_hessian)
+    diag_mean = torch.mean(diagonal).item()
+    frac = dampening_frac
+    for _ in range(DAMPENING_RETRIES + 1):
+        damp = frac * diag_mean
+        diagonal.add_(damp)
+        lower, info = torch.linalg.cholesky_ex(reversed_hessian)
+        if int(info) == 0:
+            upper = _lower_triangular_inverse(lower).flip(0, 1)
+            if bool(torch.isfinite(torch.diagonal(upper)).all()):
+                return upper, frac
+        diagonal.sub_(damp)
+        frac = frac * 10 if frac > 0 else 1e-4
+    raise GPTQError(f"the Hessian is not positive definite even with dampening {frac / 10:g} of its mean "
+                    f"diagonal (Cholesky factorisation failed)")
+
+
+def _lower_triangular_inverse(lower: Tensor, leaf: int = 128) -> Tensor:
+    """``L^-1`` by halves: ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``.
+
+    Matrix products instead of a triangular solve against the identity, which would do
+    three times the work on zeros.
+    """
+    n = lower.shape[0]
+    if n <= leaf:
+        eye = torch.eye(n, dtype=lower.dtype, device=lower.device)
+        return torch.linalg.solve_triangular(lower, eye, upper=False)
+    h = n // 2
+    a_inv = _lower_triangular_inverse(lower[:h, :h], leaf)
+    c_inv = _lower_triangular_inverse(lower[h:, h:], leaf)
+    out = torch.empty_like(lower)
+    out[:h, :h] = a_inv
+    out[:h, h:] = 0
+    out[h:, h:] = c_inv
+    torch.neg(c_inv @ (lower[h:, :h] @ a_inv), out=out[h:, :h])
+    return out
+
+
+@torch.no_grad()
+def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, observer: Any = None,
+                  block_size: int = 128, dampening_frac: float = 0.01,
+                  scale_dtype: torch.dtype | None = None) -> GPTQResult:
+    """Quantize a ``(out, in)`` weight with GPTQ given its layer's ``(in, in)`` Hessian.
+
+    ``observer(weight) -> (min, max)`` measures ranges as for round-to-nearest
+    (``None``: min-max). ``scale_dtype`` is the dtype the scales will be stored in
+    (the model's weight dtype); the solve quantizes with scales already rounded to it,
+    so storing them changes nothing. ``hessian`` is not modified.
+
+    Raises :class:`GPTQError` when the Hessian has non-finite entries or cannot be
+    factorised; the caller decides what to do (round-to-nearest, usually).
+    """
+    _check_weight(weight, args)
+    rows, columns = weight.shape
+    if tuple(hessian.shape) != (columns, columns):
+        raise ValueError(f"the Hessian has shape {tuple(hessian.shape)}, the weight has {columns} input columns")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    H = hessian.detach()
+    if H.dtype != torch.float32:
+        H = H.to(torch.float32)
+    low, high = torch.aminmax(H)  # one pass; NaN propagates into both
+    if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+        raise GPTQError("the Hessian has non-finite entries (NaN or inf inputs during calibration)")
+    W = weight.detach().to(device=H.device, dtype=torch.float32).clone()
+
+    diag = torch.diagonal(H)
+    dead = diag == 0
+    any_dead = bool(dead.any())
+    if any_dead:
+        W[:, dead] = 0.0
+    actorder = args.actorder
+    # solve order: decreasing Hessian diagonal (dead columns, 0, last) or the original one
+    perm = torch.argsort(diag, descending=True, stable=True) if actorder is not None else None
+    group = args.strategy == "group"
+    gs = args.group_size if group else None
+
+    # up-front qparams: tensor / channel, and static groups (contiguous in the original order)
+    upfront = not group or actorder == "static"
+    if upfront:
+        scale, zero_point = weight_qparams(W, args, observer)
+        scale, zero_point = _stored(scale, scale_dtype), zero_point.to(torch.float32)
+    else:
+        scale = torch.empty(rows, columns // gs, dtype=torch.float32, device=W.device)
+        zero_point = torch.empty_like(scale)
+
+    order = perm if perm is not None else torch.arange(columns, device=H.device)
+    reverse = order.flip(0)
+    H_reversed = H.index_select(0, reverse).index_select(1, reverse)  # a copy: ``hessian`` stays as it was
+    if any_dead:
+        H_reversed.diagonal()[dead[reverse]] = 1.0
+    U, used_frac = _inverse_hessian_factor(H_reversed, dampening_frac)
+    del H_reversed
+    # rows of Wt are input columns in solve order: the per-column work touches contiguous memory
+    Wt = (W.index_select(1, perm) if perm is not None else W).t().contiguous()
+    del W
+
+    # static groups: the (original-order) group of each column, in solve order
+    column_group = torch.div(perm, gs, rounding_mode="floor") if group and upfront else None
+    dynamic_groups = group and not upfront
+    sub_block = _SUB_BLOCK
+    if dynamic_groups:  # (sub-)blocks start on group boundaries: a group is observed up to date
+        block_size = max(gs, block_size // gs * gs)
+        sub_block = math.gcd(gs, _SUB_BLOCK)
+    group_args = args.replace(strategy="group", group_size=gs, actorder=None) if dynamic_groups else None
+
+    qmin, qmax = qrange(args)
+    symmetric = args.symmetric
+    loss = torch.zeros((), dtype=torch.float64, device=Wt.device)
+    if not group:  # one scale (and zero point) row for every column
+        s_row = scale.reshape(-1).expand(rows).contiguous()
+        z_row = zero_point.reshape(-1).expand(rows).contiguous()
+    width = min(block_size, columns)
+    Q1_buffer = torch.empty(width, rows, dtype=torch.float32, device=Wt.device)
+    E1_buffer = torch.empty_like(Q1_buffer)
+
+    for i1 in range(0, columns, block_size):
+        i2 = min(i1 + block_size, columns)
+        count = i2 - i1
+        W1 = Wt[i1:i2]            # (count, out) view; updated in place, then overwritten with Q1
+        Q1, E1 = Q1_buffer[:count], E1_buffer[:count]
+        U1 = U[i1:i2, i1:i2]
+        d = torch.diagonal(U1).unsqueeze(1)
+        # rows scaled by 1/U[j, j]: inside the block the errors stay raw (w - q) and are scaled once at the end
+        V1 = U1 / d
+        # per-column views made once per block (indexing one by one costs more than the math)
+        w_rows, q_rows, e_rows, v_rows = W1.unbind(0), Q1.unbind(0), E1.unbind(0), V1.unbind(0)
+        if not group:
+            s_rows, z_rows = (s_row,) * count, (z_row,) * count
+        elif upfront:
+            block_groups = column_group[i1:i2]
+            s_rows = scale.t()[block_groups].unbind(0)
+            z_rows = zero_point.t()[block_groups].unbind(0)
+        with _single_thread():  # many tiny ops: a second thread only adds synchronisation
+            for j1 in range(0, count, sub_block):
+                j2 = min(j1 + sub_block, count)
+                for i in range(j1, j2):
+                    w, q, e = w_rows[i], q_rows[i], e_rows[i]
+                    if dynamic_groups:
+                        if i % gs == 0:  # a group's first column: observe the group as updated so far
+                            g = (i1 + i) // gs
+                            s, z = weight_qparams(W1[i:i + gs].t(), group_args, observer)
+                            scale[:, g:g + 1] = _stored(s, scale_dtype)
+                            zero_point[:, g:g + 1] = z
+                            s_col, z_col = scale[:, g].contiguous(), zero_point[:, g].contiguous()
+                    else:
+                        s_col, z_col = s_rows[i], z_rows[i]
+                    # fake-quantize the column exactly as qmath does: round(w / s + z) clamped, (q - z) * s
+                    torch.div(w, s_col, out=q)
+                    if not symmetric:
+                        q.add_(z_col)
+                    q.round_().clamp_(qmin, qmax)
+                    if not symmetric:
+                        q.sub_(z_col)
+                    q.mul_(s_col)
+                    torch.sub(w, q, out=e)
+                    if i + 1 < j2:
+                        W1[i + 1:j2].addr_(v_rows[i][i + 1:j2], e, alpha=-1.0)
+                if j2 < count:  # the sub-block's errors reach the rest of the block at once
+                    W1[j2:].addmm_(V1[j1:j2, j2:].t(), E1[j1:j2], alpha=-1.0)
+        E1.div_(d)
+        W1.copy_(Q1)
+        loss += E1.square().sum(dtype=torch.float64) / 2
+        if i2 < columns:  # lazy update of every later column with this block's errors
+            Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
+
+    g_idx = None
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        Q = Wt[inverse].t().contiguous()
+        if group and actorder == "group":
+            g_idx = torch.div(inverse, gs, rounding_mode="floor").to(torch.int32)
+    else:
+        Q = Wt.t().contiguous()
+    return GPTQResult(weight=Q, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=float(loss),
+                      dampening_frac=used_frac)
+
+
+@contextlib.contextmanager
+def _single_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stored(scale: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """The scale as float32, after rounding to the dtype it will be stored in."""
+    if dtype is not None and dtype != torch.float32:
+        scale = scale.to(dtype)
+        # a scale that underflows to 0 in the storage dtype would divide by zero
+        scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(dtype).eps), scale)
+    return scale.to(torch.float32)
+
+
+def rtn_quantize(weight: Tensor, args: QuantizationArgs, observer: Any = None,
+                 scale_dtype: torch.dtype | None = None) -> GPTQResult:
+    """Round-to-nearest with the same result type (the fallback when GPTQ cannot run)."""
+    W = weight.detach().to(torch.float32)
+    scale, zero_point = weight_qparams(W, args, observer)
+    scale = _stored(scale, scale_dtype)
+    zero_point = zero_point.to(torch.float32)
+    return GPTQResult(weight=fake_quantize_weight(W, scale, zero_point, args), scale=scale,
+                      zero_point=zero_point, g_idx=None, loss=math.nan, dampening_frac=math.nan)
+
