@@ -32,6 +32,10 @@ class Lifecycle:
         for m in self.modifiers:
             m.on_sequential_epoch_end(self.state, modules)
 
+    def needs_data(self, modules: list[str]) -> bool:
+        """Does any modifier need the calibration forward through ``modules``?"""
+        return any(m.needs_data(modules) for m in self.modifiers)
+
     def calibration_end(self) -> None:
         try:
             for m in self.modifiers:

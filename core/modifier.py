@@ -45,6 +45,15 @@ class Modifier:
     def on_finalize(self, state: CompressionState) -> None:
         """Last chance to tidy the model before saving."""
 
+    def needs_data(self, modules: list[str]) -> bool:
+        """Does the calibration forward through ``modules`` (one piece's qualified names) matter to it?
+
+        A pipeline may skip running a piece whose outputs nobody reads (the model's
+        tail, e.g. an LLM's ``lm_head``) when no modifier needs data from it.
+        Default: whenever the modifier requires data at all.
+        """
+        return self.requires_data
+
     # -- hooks -------------------------------------------------------------------
     def register_hook(self, module: torch.nn.Module, fn: Callable[..., Any], kind: str = "forward",
                       **kwargs: Any) -> torch.utils.hooks.RemovableHandle:

@@ -120,6 +120,10 @@ class GPTQModifier(QuantizationModifier):
             if name not in self._done:
                 self.quantize_module(name, module, state)
 
+    def needs_data(self, modules: list[str]) -> bool:
+        """Only pieces holding a layer still to be quantized need the calibration forward."""
+        return any(name not in self._done and _in_piece(name, modules) for name in self._modules)
+
     def remove_hooks(self) -> None:
         """Remove the Hessian hooks and free every Hessian still held (also after an error)."""
         super().remove_hooks()

@@ -82,8 +82,11 @@ class SequentialPipeline(Pipeline):
         compressed = False
         for position, sub in enumerate(progress(subgraphs, "calibrating subgraphs", options.show_progress)):
             keep = position < last and not options.propagate_error
+            # the tail's outputs are never used: run it only when a modifier needs its data (an LLM's
+            # lm_head, usually ignored, costs more than a decoder layer)
+            run = position < last or lifecycle.needs_data(list(sub.modules))
             with offloader.onloaded(sub.modules):
-                for i in range(num_batches):
+                for i in range(num_batches if run else 0):
                     try:
                         outputs = sub.run(cache.fetch(i, sub.input_names))
                     except FATAL_ERRORS:

@@ -397,3 +397,16 @@ def test_actorder_defaults_to_static_unless_the_scheme_names_one():
     assert gptq(scheme={"preset": "W4A16", "actorder": "static"}, actorder="static").args.actorder == "static"
     with pytest.raises(RecipeError, match="contradicts"):
         gptq(scheme={"preset": "W4A16", "actorder": "group"}, actorder=None)
+
+
+def test_sequential_skips_the_tail_unless_a_layer_in_it_needs_data():
+    calls = []
+    for ignore in (["lm_head"], []):
+        model = build_tiny_llama()
+        handle = model.lm_head.register_forward_pre_hook(  # (tracing runs it on the meta device)
+            lambda m, a: calls.append(len(ignore)) if a[0].device.type != "meta" else None)
+        modifier = gptq(scheme="W4A16", strategy="channel", ignore=ignore)
+        run_pipeline(model, modifier, "sequential")
+        handle.remove()
+        assert ("lm_head" in [r["name"] for r in modifier.summary]) == (not ignore)
+    assert calls == [0, 0, 0]  # three batches, all for the run that quantizes lm_head
