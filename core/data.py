@@ -68,7 +68,7 @@ def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 5
         samples = [_as_batch(r, max_seq_length) for r in records]
     if shuffle:
         random.Random(seed).shuffle(samples)
-    samples = [s for s in samples if s["input_ids"].shape[-1] > 0][:num_samples]
+    samples = [s for s in samples if "input_ids" not in s or s["input_ids"].shape[-1] > 0][:num_samples]
     if not samples:
         raise DatasetError(f"the calibration dataset {_describe(source)} produced no tokens")
     return samples
@@ -104,14 +104,23 @@ def _tokenize(texts: list[str], tokenizer: Any, num_samples: int, max_seq_length
 
 
 def _as_batch(record: Mapping[str, Any], max_seq_length: int) -> Batch:
-    if "input_ids" not in record:
-        raise DatasetError(f"a tokenized sample needs 'input_ids'; got keys {sorted(record)}")
+    if not any(key in record for key in MODEL_INPUT_KEYS):
+        raise DatasetError(f"a tokenized sample needs one of {', '.join(MODEL_INPUT_KEYS)}; "
+                           f"got keys {sorted(record)}")
+    # image / audio samples are passed through whole: cutting their token ids would cut
+    # the image placeholders out of step with the pixel values
+    multimodal = any(key not in TEXT_KEYS for key in record)
     batch = {}
     for key, value in record.items():
         tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-        if tensor.dim() == 1:
+        if tensor.dim() == 1 and key in TEXT_KEYS:
             tensor = tensor.unsqueeze(0)
-        if key in ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels"):
+        if key in TEXT_KEYS and not multimodal:
             tensor = tensor[..., :max_seq_length]
         batch[key] = tensor
     return batch
+
+
+#: keys that make a record a model input: text ids, or an image / audio tower's input
+MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "input_features", "pixel_values")
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")

@@ -121,6 +121,19 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
             target_names=group_targets[index],
             modules=list(dict.fromkeys(called + [o for o in owners if o])),
             num_nodes=len(members), node_names=[n.name for n in members]))
+    return _without_containers(subgraphs)
+
+
+def _without_containers(subgraphs: list[Subgraph]) -> list[Subgraph]:
+    """Drop from each ``modules`` list the containers of modules called elsewhere.
+
+    A subgraph that reads an attribute of ``model`` itself (a buffer, a config tensor)
+    must not claim all of ``model``: consumers treat ``modules`` as prefixes, and the
+    layers inside belong to the subgraphs that call them.
+    """
+    called = {m for sub in subgraphs for m in sub.modules}
+    for sub in subgraphs:
+        sub.modules = [m for m in sub.modules if not any(c.startswith(m + ".") for c in called)]
     return subgraphs
 
 

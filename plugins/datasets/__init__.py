@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from layerwise import hookimpl
-from layerwise.data import DatasetLoader
+from layerwise.data import MODEL_INPUT_KEYS, TEXT_KEYS, DatasetLoader
 from layerwise.errors import DatasetError
 
 
@@ -50,22 +50,30 @@ def _texts_or_samples(records: list[Any], where: str) -> list[str] | list[Mappin
     first = records[0]
     if isinstance(first, str):
         return records
-    if isinstance(first, Mapping) and "input_ids" in first:
+    if isinstance(first, Mapping) and _is_model_input(first):
         return records
     if isinstance(first, Mapping) and "text" in first:
         return [r["text"] for r in records]
-    raise DatasetError(f"records in {where} need a 'text' field or 'input_ids'; the first has "
+    raise DatasetError(f"records in {where} need a 'text' field or model inputs "
+                       f"({', '.join(MODEL_INPUT_KEYS)}); the first has "
                        f"{sorted(first) if isinstance(first, Mapping) else type(first).__name__}")
+
+
+def _is_model_input(record: Mapping[str, Any]) -> bool:
+    """Token ids, or what an image / audio tower reads: passed to the model as they are."""
+    return any(key in record for key in MODEL_INPUT_KEYS)
 
 
 def _is_tokenized(source: Any) -> bool:
     if isinstance(source, Mapping):
-        return "input_ids" in source
+        return _is_model_input(source)
     return isinstance(source, (list, tuple)) and bool(source) and isinstance(source[0], Mapping)
 
 
 def _load_tokenized(source: Any) -> list[Mapping[str, Any]]:
     if isinstance(source, Mapping):  # one dict of batched tensors: split into samples
+        if "input_ids" not in source or set(source) - set(TEXT_KEYS):
+            return [source]  # image / audio inputs: one model-ready batch, passed whole
         ids = source["input_ids"]
         count = len(ids) if getattr(ids, "dim", lambda: 2)() > 1 else 1
         if count == 1:

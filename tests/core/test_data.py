@@ -75,3 +75,17 @@ def test_missing_file_and_unknown_kind_are_named(tmp_path, tokenizer):
 def test_text_without_tokenizer_says_what_to_pass():
     with pytest.raises(DatasetError, match="tokenizer"):
         calibration_batches(["hello"], None)
+
+
+def test_image_and_audio_batches_pass_through_whole():
+    from layerwise.data import calibration_batches
+
+    image = {"input_ids": torch.arange(40).reshape(1, 40), "pixel_values": torch.randn(16, 12),
+             "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    audio = {"input_features": torch.randn(1, 8, 30), "decoder_input_ids": torch.tensor([[1, 2]])}
+    batches = calibration_batches([image, audio], max_seq_length=16)
+    assert [sorted(b) for b in batches] == [sorted(image), sorted(audio)]
+    assert batches[0]["input_ids"].shape == (1, 40)  # not cut: the image placeholders stay in step
+    assert torch.equal(batches[1]["input_features"], audio["input_features"])
+    with pytest.raises(DatasetError, match="input_features"):
+        calibration_batches([{"labels": torch.tensor([[1]])}])
