@@ -28,6 +28,8 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
     p.add_argument("--max-seq-length", type=int, default=2048, help="tokens per sample (default 2048)")
     p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
+    p.add_argument("--targets-per-subgraph", type=int, default=1, metavar="N",
+                   help="calibrate N consecutive targets as one piece (fewer passes, more memory)")
     p.add_argument("--ignore", nargs="+", help="modules left uncompressed (names, classes or re:patterns)")
     p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")
     p.add_argument("--no-propagate-error", action="store_true",
@@ -69,6 +71,7 @@ def _run_compress(args: argparse.Namespace) -> int:
 
     model = compress(args.model, args.recipe, dataset=args.dataset, num_calibration_samples=args.num_samples,
                      max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,
+                     targets_per_subgraph=args.targets_per_subgraph,
                      output_dir=args.output_dir, pipeline=args.pipeline,
                      propagate_error=not args.no_propagate_error, offload=args.offload,
                      overwrite=args.overwrite, show_progress=not args.quiet)

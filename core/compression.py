@@ -63,6 +63,7 @@ def compress(
     packing: str | None = None,
     propagate_error: bool = True,
     offload: str = "cpu",
+    targets_per_subgraph: int = 1,
     overwrite: bool = False,
     save_format: str = "compressed-tensors",
     show_progress: bool = True,
@@ -104,7 +105,7 @@ def compress(
                              execution_device=_execution_device())
     options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
                               offload=offload, execution_device=state.execution_device,
-                              show_progress=show_progress)
+                              targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
     lifecycle = Lifecycle(state)
     from .pipeline_selection import run_pipeline
 

@@ -82,3 +82,20 @@ def test_gptq_recipe_on_text_data_runs_sequentially(wide_llama_dir, tmp_path):
     assert report.calibration_samples == 8
     assert len(report.compressed_modules) == 14  # 2 layers x 7 Linear
     assert (tmp_path / "gptq" / "layerwise_log.json").is_file()
+
+
+@pytest.mark.parametrize("per_subgraph,pieces", [(1, 3), (2, 2)])
+def test_targets_per_subgraph_groups_layers_into_fewer_pieces(per_subgraph, pieces, monkeypatch):
+    from layerwise.lifecycle import Lifecycle
+
+    seen = []
+    original = Lifecycle.sequential_epoch_end
+    monkeypatch.setattr(Lifecycle, "sequential_epoch_end",
+                        lambda self, modules: (seen.append(modules), original(self, modules))[1])
+    batches = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(2)]
+    model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches,
+                               targets_per_subgraph=per_subgraph, show_progress=False)
+    assert model.layerwise_report.pipeline == "sequential"
+    assert len(seen) == pieces
+    assert sum(any(m.startswith("model.layers.") for m in piece) for piece in seen) == 2 // per_subgraph
