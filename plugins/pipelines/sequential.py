@@ -80,11 +80,13 @@ class SequentialPipeline(Pipeline):
                    lifecycle: Lifecycle, options: PipelineOptions, num_batches: int) -> None:
         last = len(subgraphs) - 1
         compressed = False
+        tail = list(subgraphs[last].modules)
         for position, sub in enumerate(progress(subgraphs, "calibrating subgraphs", options.show_progress)):
-            keep = position < last and not options.propagate_error
-            # the tail's outputs are never used: run it only when a modifier needs its data (an LLM's
-            # lm_head, usually ignored, costs more than a decoder layer)
-            run = position < last or lifecycle.needs_data(list(sub.modules))
+            # the tail's outputs are never used: it runs only when a modifier needs its data (an LLM's
+            # lm_head, usually ignored, costs more than a decoder layer), and so does what feeds it
+            feeds_next = position + 1 < last or (position + 1 == last and lifecycle.needs_data(tail))
+            keep = feeds_next and not options.propagate_error
+            run = position < last or lifecycle.needs_data(tail)
             with offloader.onloaded(sub.modules):
                 for i in range(num_batches if run else 0):
                     try:
@@ -101,7 +103,7 @@ class SequentialPipeline(Pipeline):
                         cache.update(i, outputs)
                 lifecycle.sequential_epoch_end(list(sub.modules))
                 compressed = True
-                if position < last and options.propagate_error:  # re-run with the compressed weights
+                if feeds_next and options.propagate_error:  # re-run with the compressed weights
                     with calibration_hooks_paused(lifecycle):
                         for i in range(num_batches):
                             cache.update(i, sub.run(cache.fetch(i, sub.input_names)))

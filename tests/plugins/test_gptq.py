@@ -410,3 +410,12 @@ def test_sequential_skips_the_tail_unless_a_layer_in_it_needs_data():
         handle.remove()
         assert ("lm_head" in [r["name"] for r in modifier.summary]) == (not ignore)
     assert calls == [0, 0, 0]  # three batches, all for the run that quantizes lm_head
+
+
+def test_the_last_layer_is_not_re_run_when_the_tail_does_not_run():
+    model = build_tiny_llama()
+    last_layer = model.model.layers[-1]
+    calls = []
+    last_layer.register_forward_pre_hook(lambda m, a: calls.append(1) if a[0].device.type != "meta" else None)
+    run_pipeline(model, gptq(scheme="W4A16", strategy="channel"), "sequential")
+    assert len(calls) == 3  # the calibration pass only: its outputs would feed nothing
