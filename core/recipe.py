@@ -26,6 +26,17 @@ from .plugin_manager import registry
 RecipeLike = Modifier | list | dict | str | Path
 
 
+#: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
+ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier"}
+
+
+def preset_names() -> list[str]:
+    """Every recipe preset name: the schemes (round-to-nearest) and ``<ALGORITHM>_<SCHEME>``."""
+    from .quantization.presets import PRESETS
+
+    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in ALGORITHM_PRESETS for scheme in PRESETS)]
+
+
 def parse_recipe(recipe: RecipeLike) -> list[Modifier]:
     """The list of modifier instances a recipe describes, in order."""
     if isinstance(recipe, Modifier):
@@ -51,13 +62,16 @@ def _parse_string(text: str) -> list[Modifier]:
     stripped = text.strip()
     if stripped in PRESETS:
         return [_build("QuantizationModifier", {"scheme": stripped}, "recipe")]
+    algorithm, _, scheme = stripped.partition("_")
+    if algorithm in ALGORITHM_PRESETS and scheme in PRESETS:
+        return [_build(ALGORITHM_PRESETS[algorithm], {"scheme": scheme}, "recipe")]
     if stripped.endswith((".yaml", ".yml")) or (("\n" not in stripped) and Path(stripped).is_file()):
         return _parse_file(Path(stripped))
     if ":" not in stripped and "\n" not in stripped:
         if stripped in registry("modifiers"):
             return [_build(stripped, {}, "recipe")]
         raise UnknownNameError(
-            "recipe", stripped, [*PRESETS, *registry("modifiers").names()],
+            "recipe", stripped, [*preset_names(), *registry("modifiers").names()],
             hint="pass a preset name, a modifier name, YAML text, or the path of a YAML file",
         )
     try:

@@ -32,3 +32,24 @@ def test_demo_w8a16_keeps_minilm_embeddings(minilm_path, tmp_path, capsys, monke
     cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
     assert cosine > 0.98
     assert (tmp_path / "layerwise-minilm-w8a16" / "config.json").is_file()
+
+
+def test_demo_default_is_gptq_calibrated_on_the_shipped_sentences(minilm_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compress", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "GPTQ_W4A16" in printed and "GPTQModifier" in printed and "pipeline:           sequential" in printed
+    samples = int(printed.split("calibration:")[1].split()[0])
+    assert samples == 320
+    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    assert cosine > 0.975  # round-to-nearest W4A16 gives ~0.948 on the same sentences
+    assert (tmp_path / "layerwise-minilm-gptq_w4a16" / "config.json").is_file()
+    assert (tmp_path / "layerwise-minilm-gptq_w4a16" / "gptq_summary.json").is_file()
+
+
+def test_demo_folder_name_from_a_yaml_recipe_file(minilm_path, tmp_path, capsys, monkeypatch):
+    from layerwise.cli import _slug
+
+    assert _slug("GPTQ_W4A16") == "gptq_w4a16"
+    assert _slug(str(tmp_path / "my recipe" / "gptq-int4.yaml")) == "gptq-int4"
+    assert _slug("GPTQModifier:\n  scheme: W4A16\n") == "custom"

@@ -58,3 +58,12 @@ def test_saved_recipe_round_trips():
     modifiers = parse_recipe({"QuantizationModifier": {"scheme": "W8A16", "ignore": ["lm_head", "re:.*gate"]}})
     (again,) = parse_recipe(recipe_to_yaml(modifiers))
     assert again.scheme == "W8A16" and again.ignore == ["lm_head", "re:.*gate"]
+
+
+def test_algorithm_presets_name_the_modifier_and_scheme():
+    (gptq,) = parse_recipe("GPTQ_W4A16")
+    assert type(gptq).__name__ == "GPTQModifier" and gptq.scheme == "W4A16" and gptq.requires_data
+    (rtn,) = parse_recipe("W8A16")
+    assert type(rtn).__name__ == "QuantizationModifier" and not rtn.requires_data
+    with pytest.raises(UnknownNameError, match="GPTQ_W4A16_ASYM"):
+        parse_recipe("GPTQ_W3A16")
