@@ -5,27 +5,11 @@ Linear MLPs and are calibrated as usual; the router's correction bias is left al
 
 from __future__ import annotations
 
-from layerwise import ModelPatch, hookimpl
+from layerwise import hookimpl
 
-from . import _inputs, moe
+from .moe import text_moe_patch
 
-
-def sample_inputs(config, modality: str = "text", batch: int = 2, seq_len: int = 16):
-    _inputs.check_modality("DeepSeek-V3", modality, (_inputs.TEXT,))
-    return _inputs.text_inputs(config.vocab_size, batch, seq_len, avoid=_inputs.special_ids(config))
-
-
-DEEPSEEK_V3 = ModelPatch(
-    name="deepseek_v3",
-    model_types=("deepseek_v3",),
-    architectures=("DeepseekV3ForCausalLM", "DeepseekV3Model"),
-    sequential_targets=("DeepseekV3DecoderLayer",),
-    ignore=moe.MOE_IGNORE,
-    apply=moe.unfuse_experts,
-    calibration_context=moe.calibrate_all_experts,
-    sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
-)
+DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "DeepseekV3")
 
 
 @hookimpl

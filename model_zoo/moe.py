@@ -32,8 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerwise.model_patch import ModelPatch
+
+from . import _inputs
+
 __all__ = ["ExpertMLP", "LinearExperts", "is_fused_experts", "find_experts", "unfuse_experts",
-           "calibrate_all_experts", "MOE_IGNORE"]
+           "calibrate_all_experts", "MOE_IGNORE", "text_moe_patch"]
 
 #: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear)
 MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
@@ -170,3 +174,24 @@ def calibrate_all_experts(model: nn.Module) -> Iterator[list[str]]:
 
 
 _MISSING = object()
+
+
+def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str) -> ModelPatch:
+    """The patch every text MoE family shares: one ``<prefix>DecoderLayer`` at a time,
+    fused experts unfused into Linear layers, every expert calibrated on every token."""
+
+    def sample_inputs(config, modality: str = "text", batch: int = 2, seq_len: int = 16):
+        _inputs.check_modality(family, modality, (_inputs.TEXT,))
+        return _inputs.text_inputs(config.vocab_size, batch, seq_len, avoid=_inputs.special_ids(config))
+
+    return ModelPatch(
+        name=name,
+        model_types=(model_type,),
+        architectures=(f"{class_prefix}ForCausalLM", f"{class_prefix}Model"),
+        sequential_targets=(f"{class_prefix}DecoderLayer",),
+        ignore=MOE_IGNORE,
+        apply=unfuse_experts,
+        calibration_context=calibrate_all_experts,
+        sample_inputs=sample_inputs,
+        verified_transformers=("5.23.0",),
+    )
