@@ -14,6 +14,8 @@ take ``image_sizes`` (``(images, 2)``, height and width in pixels).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -77,15 +79,9 @@ LLAVA = ModelPatch(
     verified_transformers=("5.23.0",),
 )
 
-MISTRAL3 = ModelPatch(
-    name="mistral3",
-    model_types=("mistral3",),
-    architectures=("Mistral3ForConditionalGeneration", "Mistral3Model"),
-    sequential_targets=_TARGETS,
-    ignore=_IGNORE,
-    sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
-)
+# Mistral3 (Pixtral tower + Mistral decoder) takes the same path under other class names
+MISTRAL3 = dataclasses.replace(LLAVA, name="mistral3", model_types=("mistral3",),
+                               architectures=("Mistral3ForConditionalGeneration", "Mistral3Model"))
 
 
 #: text-only calibration never runs the vision tower

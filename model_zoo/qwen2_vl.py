@@ -10,6 +10,8 @@ model build its 3-D M-RoPE positions.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -84,17 +86,11 @@ QWEN2_VL = ModelPatch(
     verified_transformers=_VERIFIED,
 )
 
-QWEN2_5_VL = ModelPatch(
-    name="qwen2_5_vl",
-    model_types=("qwen2_5_vl",),
+# the same model one release later: only the class names change
+QWEN2_5_VL = dataclasses.replace(
+    QWEN2_VL, name="qwen2_5_vl", model_types=("qwen2_5_vl",),
     architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
-    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"),
-    ignore=_IGNORE,
-    opaque_functions=_OPAQUE,
-    sample_inputs=sample_inputs,
-    smoothing_mappings=QWEN2_VL.smoothing_mappings,
-    verified_transformers=_VERIFIED,
-)
+    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"))
 
 
 #: text-only calibration never runs the vision tower: its blocks are targets only with images
