@@ -216,9 +216,9 @@ class GPTQModifier(QuantizationModifier):
                  "n/a" if record["loss"] is None else f"{record['loss']:.4g}", record["seconds"], samples)
 
 
-#: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: large products
-#: run near the machine's peak, and the matrix is read and written once per fold, not per batch
-FLUSH_ROWS = 1024
+#: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this
+#: tall run near the machine's peak, and the matrix is read and written once per fold, not per batch
+FLUSH_ROWS = 256
 
 
 class _SharedGram:
