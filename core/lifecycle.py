@@ -32,9 +32,15 @@ class Lifecycle:
         for m in self.modifiers:
             m.on_sequential_epoch_end(self.state, modules)
 
-    def needs_data(self, modules: list[str]) -> bool:
-        """Does any modifier need the calibration forward through ``modules``?"""
-        return any(m.needs_data(modules) for m in self.modifiers)
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """The modules (of ``modules``) whose inputs some modifier reads; ``None``: the whole forward matters."""
+        needed: set[str] = set()
+        for m in self.modifiers:
+            names = m.calibration_inputs(modules)
+            if names is None:
+                return None
+            needed.update(names)
+        return needed
 
     def calibration_end(self) -> None:
         try:

@@ -45,14 +45,16 @@ class Modifier:
     def on_finalize(self, state: CompressionState) -> None:
         """Last chance to tidy the model before saving."""
 
-    def needs_data(self, modules: list[str]) -> bool:
-        """Does the calibration forward through ``modules`` (one piece's qualified names) matter to it?
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """Which modules' inputs this modifier reads while calibration data runs through ``modules``.
 
-        A pipeline may skip running a piece whose outputs nobody reads (the model's
-        tail, e.g. an LLM's ``lm_head``) when no modifier needs data from it.
-        Default: whenever the modifier requires data at all.
+        ``modules`` are the qualified names of one piece of the model. Return the names
+        (among them) whose *inputs* the modifier's hooks read, or ``None`` when it needs the
+        whole forward (outputs, other activations). Pipelines use the answer to skip a piece
+        nobody reads from and to end a forward whose outputs are not used as soon as every
+        needed input was seen. Default: ``None`` for a modifier that requires data, else none.
         """
-        return self.requires_data
+        return None if self.requires_data else set()
 
     # -- hooks -------------------------------------------------------------------
     def register_hook(self, module: torch.nn.Module, fn: Callable[..., Any], kind: str = "forward",

@@ -120,9 +120,9 @@ class GPTQModifier(QuantizationModifier):
             if name not in self._done:
                 self.quantize_module(name, module, state)
 
-    def needs_data(self, modules: list[str]) -> bool:
-        """Only pieces holding a layer still to be quantized need the calibration forward."""
-        return any(name not in self._done and _in_piece(name, modules) for name in self._modules)
+    def calibration_inputs(self, modules: list[str]) -> set[str]:
+        """GPTQ reads only the inputs of its layers still to be quantized."""
+        return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
 
     def remove_hooks(self) -> None:
         """Remove the Hessian hooks and free every Hessian still held (also after an error)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import warnings
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -81,26 +82,37 @@ class SequentialPipeline(Pipeline):
         last = len(subgraphs) - 1
         compressed = False
         tail = list(subgraphs[last].modules)
+        tail_inputs = lifecycle.calibration_inputs(tail)
+        tail_runs = tail_inputs is None or bool(tail_inputs)
         for position, sub in enumerate(progress(subgraphs, "calibrating subgraphs", options.show_progress)):
-            # the tail's outputs are never used: it runs only when a modifier needs its data (an LLM's
+            # the tail's outputs are never used: it runs only when a modifier reads data in it (an LLM's
             # lm_head, usually ignored, costs more than a decoder layer), and so does what feeds it
-            feeds_next = position + 1 < last or (position + 1 == last and lifecycle.needs_data(tail))
+            feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
             keep = feeds_next and not options.propagate_error
-            run = position < last or lifecycle.needs_data(tail)
+            run = position < last or tail_runs
             with offloader.onloaded(sub.modules):
-                for i in range(num_batches if run else 0):
-                    try:
-                        outputs = sub.run(cache.fetch(i, sub.input_names))
-                    except FATAL_ERRORS:
-                        raise
-                    except Exception as exc:
-                        if compressed:
+                # outputs not kept: the forward may end once every input the modifiers read was seen
+                stop = None if keep or not run else _EarlyStop.for_piece(offloader.model, sub, lifecycle)
+                try:
+                    for i in range(num_batches if run else 0):
+                        try:
+                            with stop.batch() if stop is not None else contextlib.nullcontext():
+                                outputs = sub.run(cache.fetch(i, sub.input_names))
+                        except _StopPiece:
+                            continue
+                        except FATAL_ERRORS:
                             raise
-                        # nothing compressed yet: another pipeline can still take over
-                        raise PipelineFailed(f"subgraph {sub.index} ({', '.join(sub.target_names) or 'head'}) "
-                                             f"failed to run: {type(exc).__name__}: {exc}") from exc
-                    if keep:
-                        cache.update(i, outputs)
+                        except Exception as exc:
+                            if compressed:
+                                raise
+                            # nothing compressed yet: another pipeline can still take over
+                            raise PipelineFailed(f"subgraph {sub.index} ({', '.join(sub.target_names) or 'head'}) "
+                                                 f"failed to run: {type(exc).__name__}: {exc}") from exc
+                        if keep:
+                            cache.update(i, outputs)
+                finally:
+                    if stop is not None:
+                        stop.close()
                 lifecycle.sequential_epoch_end(list(sub.modules))
                 compressed = True
                 if feeds_next and options.propagate_error:  # re-run with the compressed weights
@@ -108,3 +120,62 @@ class SequentialPipeline(Pipeline):
                         for i in range(num_batches):
                             cache.update(i, sub.run(cache.fetch(i, sub.input_names)))
             cache.free(sub.consumed_names)
+
+
+class _StopPiece(BaseException):
+    """Ends a calibration forward whose outputs are not used (raised by :class:`_EarlyStop`).
+
+    A BaseException, so that model code catching ``Exception`` cannot swallow it.
+    """
+
+
+class _EarlyStop:
+    """Ends a piece's calibration forward once every input the modifiers read has been seen.
+
+    When the outputs of the calibration forward are thrown away (the piece re-runs with
+    compressed weights to feed the next one), computing past the last module whose input
+    a modifier reads is wasted -- e.g. a decoder layer's ``down_proj`` and residual add.
+    The first batch runs in full and records the order the needed modules run in; if
+    each ran exactly once, later batches stop at the pre-hook of the last of them --
+    after the modifiers' own hooks on it ran -- provided every needed module ran in
+    that batch too. Otherwise (a module called twice, one not called) nothing stops.
+    """
+
+    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
+        self.needed = set(modules)
+        self.calls: dict[str, int] = {}
+        self.last: str | None = None
+        self.learning = True
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
+
+    @classmethod
+    def for_piece(cls, model: torch.nn.Module, sub: Any, lifecycle: Lifecycle) -> _EarlyStop | None:
+        names = lifecycle.calibration_inputs(list(sub.modules))
+        if not names:  # None: a modifier needs the whole forward; empty: nobody reads anything
+            return None
+        try:
+            return cls({n: model.get_submodule(n) for n in sorted(names)})
+        except AttributeError:
+            return None
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if (name == self.last and len(self.calls) == len(self.needed)
+                    and all(count == 1 for count in self.calls.values())):
+                raise _StopPiece
+        return hook
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        self.calls = {}
+        yield
+        if self.learning:  # the first complete forward decides where later ones may stop
+            self.learning = False
+            if set(self.calls) == self.needed and all(c == 1 for c in self.calls.values()):
+                self.last = list(self.calls)[-1]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

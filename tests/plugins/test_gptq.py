@@ -399,7 +399,7 @@ def test_actorder_defaults_to_static_unless_the_scheme_names_one():
         gptq(scheme={"preset": "W4A16", "actorder": "group"}, actorder=None)
 
 
-def test_sequential_skips_the_tail_unless_a_layer_in_it_needs_data():
+def test_sequential_skips_the_tail_unless_a_layer_in_it_is_calibrated():
     calls = []
     for ignore in (["lm_head"], []):
         model = build_tiny_llama()
@@ -419,3 +419,24 @@ def test_the_last_layer_is_not_re_run_when_the_tail_does_not_run():
     last_layer.register_forward_pre_hook(lambda m, a: calls.append(1) if a[0].device.type != "meta" else None)
     run_pipeline(model, gptq(scheme="W4A16", strategy="channel"), "sequential")
     assert len(calls) == 3  # the calibration pass only: its outputs would feed nothing
+
+
+def test_calibration_forward_ends_after_the_last_input_gptq_reads():
+    # the calibration forward's outputs are thrown away (the layer re-runs quantized): it stops at down_proj
+    model = build_tiny_llama()
+    calls = {"down_proj": [], "post_attention_layernorm": [], "layer_out": []}
+    layer = model.model.layers[0]
+    real = lambda a: a[0].device.type != "meta"  # noqa: E731
+    layer.mlp.down_proj.register_forward_hook(lambda m, a, o: calls["down_proj"].append(1) if real(a) else None)
+    layer.register_forward_hook(lambda m, a, o: calls["layer_out"].append(1) if real(a) else None)
+    reference = build_tiny_llama()
+    modifier = gptq(scheme="W4A16", strategy="channel")
+    run_pipeline(model, modifier, "sequential")
+    # first batch in full, two stopped before down_proj ran; then the re-run (3 batches)
+    assert len(calls["down_proj"]) == 1 + 3 and len(calls["layer_out"]) == 1 + 3
+    # and the Hessians are those of the full forward: same result as the basic pipeline without stops
+    expected = gptq(scheme="W4A16", strategy="channel")
+    run_pipeline(reference, expected, "sequential", propagate_error=False)
+    got, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], want["model.layers.0.mlp.down_proj.weight"])
+    assert [r["samples"] for r in modifier.summary] == [r["samples"] for r in expected.summary]
