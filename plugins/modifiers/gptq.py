@@ -1,13 +1,16 @@
 """GPTQ weight quantization, calibrated with data, layer by layer.
 
-Every targeted ``Linear`` (and transformers' ``Conv1D``) gets a forward hook that
-folds its inputs into a float32 Hessian ``H = 2/n sum x x^T`` (a running mean over
-tokens). When the pipeline reports that a piece of the model was calibrated
-(``sequential_epoch_end``), the piece's layers are quantized with the GPTQ solver
-(:mod:`layerwise.quantization.gptq`), their hooks removed and Hessians freed;
-``calibration_end`` quantizes whatever is left (with the ``basic`` pipeline, every
-layer). Layers that read the same input tensor (q/k/v projections, gate/up) share
-one ``X^T X`` product per batch.
+Every targeted ``Linear`` (and transformers' ``Conv1D``) gets a forward pre-hook that
+collects its inputs for the Hessian ``H = 2/n sum x x^T`` (``n`` counts tokens), kept
+in float32 as the upper triangle of ``sum x x^T``, folded in every 256 tokens and
+scaled at the end. Layers that read the very same tensor (q/k/v projections,
+gate/up) share one such matrix. When the pipeline reports that a piece of the model
+was calibrated (``sequential_epoch_end``), the piece's layers are quantized with the
+GPTQ solver (:mod:`layerwise.quantization.gptq`), their hooks removed and their
+matrices freed; ``calibration_end`` quantizes whatever is left (with the ``basic``
+pipeline, every layer). :meth:`GPTQModifier.calibration_inputs` tells pipelines
+that only these inputs matter, so they may skip or shorten forwards whose outputs
+nobody uses.
 
 Schemes, targets, ignore lists and overrides are those of
 :class:`~layerwise.plugins.modifiers.quantization.QuantizationModifier`; GPTQ adds
@@ -145,12 +148,17 @@ class GPTQModifier(QuantizationModifier):
     @torch.no_grad()
     def _accumulate(self, name: str, x: torch.Tensor) -> None:
         last = self._last
+        gram = self._grams.get(name)
+        if gram is not None and gram.alone_and_idle() and x.numel() >= FLUSH_ROWS * x.shape[-1]:
+            # a layer with its own matrix and a long input: fold it right away, no copy kept
+            self._last = None
+            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
+            return
         if last is not None and last[0] is x and last[1] == x._version:
             flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
         else:
             flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             flat = flat.reshape(-1, flat.shape[-1])
-        gram = self._grams.get(name)
         if gram is None:
             if last is not None and last[2] is flat and last[3].joinable(flat):
                 gram = last[3]  # first input, and the same one another layer just started with: share
@@ -264,6 +272,17 @@ class _SharedGram:
         del self.positions[name]
         owners[name] = mine
         return mine
+
+    def alone_and_idle(self) -> bool:
+        """One member, nothing waiting, and past its first input (when another layer could have joined)."""
+        return len(self.positions) == 1 and not self.pending and self.folded > 0
+
+    def fold_now(self, name: str, x: torch.Tensor) -> None:
+        """Fold the sole member's next input directly."""
+        add_gram(self.gram, x)
+        self.samples += x.shape[0]
+        self.folded += 1
+        self.positions[name] += 1
 
     def fold_confirmed(self, min_rows: int) -> None:
         """Fold the inputs every member has read, once they add up to ``min_rows`` rows."""

@@ -440,3 +440,18 @@ def test_calibration_forward_ends_after_the_last_input_gptq_reads():
     got, want = dict(model.named_parameters()), dict(reference.named_parameters())
     assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], want["model.layers.0.mlp.down_proj.weight"])
     assert [r["samples"] for r in modifier.summary] == [r["samples"] for r in expected.summary]
+
+
+def test_long_inputs_of_a_layer_alone_fold_directly_into_the_same_hessian():
+    model = TwoLinears()
+    modifier = gptq(ignore=[], scheme="W8A16")
+    lifecycle = Lifecycle(CompressionState(model, [modifier]))
+    lifecycle.initialize()
+    xs = [torch.randn(1, n, 64) for n in (300, 40, 500, 260)]  # some fold at once, one waits
+    with torch.no_grad(), lifecycle.calibrating():
+        for x in xs:
+            model(x)
+        expected, count = accumulate_hessian(None, 0, torch.cat(xs, 1))
+        hessian, samples = modifier._hessian("first")
+        torch.testing.assert_close(hessian, expected, rtol=1e-5, atol=1e-5)
+        assert samples == count == 1100
