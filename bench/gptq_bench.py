@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
     parser.add_argument("--write", metavar="MD", default=None,
-                        help="also write the markdown to this file (e.g. bench/GPTQ_RESULTS.md)")
+                        help="also write the markdown to this file (then paste it into BENCHMARKS.md)")
     parser.add_argument("--llmcompressor", action="store_true",
                         help="also run llm-compressor's GPTQ W4A16 with the Python in $LLMCOMPRESSOR_PYTHON")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
