@@ -92,7 +92,9 @@ def trace(
     called = {n.target for n in target_nodes}
     missing = {t: _why_missing(t, tracer, rewriter, failed, ignored) for t in targets if t not in called}
     uncalled = [t for t, why in missing.items() if why == _NEVER_CALLED]
+    skipped: list[str] = []
     if skip_uncalled_targets and uncalled and len(uncalled) < len(targets):
+        skipped = uncalled
         for t in uncalled:
             del targets[t], missing[t]
         notes.append(f"{len(uncalled)} sequential target(s) not run by these inputs, left out: "
@@ -113,7 +115,7 @@ def trace(
         unvisited_modules=_unvisited(model, tracer.visited, set(leaves)), leaf_modules=leaves,
         opaque_calls=[OpaqueCall(n.name, f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}")
                       for n in graph.nodes if n.meta.get("is_wrapped")],
-        output_type=tracer.output_type, notes=[*notes, *tracer.notes])
+        output_type=tracer.output_type, notes=[*notes, *tracer.notes], skipped_targets=skipped)
 
 
 def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -52,6 +52,8 @@ class TraceResult:
     output_type: type | None = None
     #: what the tracer decided beyond plain tracing, and why (pinned arguments, baked inputs, ...)
     notes: list[str] = field(default_factory=list)
+    #: targets these inputs never run, left out under ``skip_uncalled_targets`` (a vision tower on text)
+    skipped_targets: list[str] = field(default_factory=list)
 
     # ---- replay ---------------------------------------------------------------------
     def replay(self, inputs: Mapping[str, Any]) -> Any:

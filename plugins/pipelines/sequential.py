@@ -12,9 +12,8 @@ with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
 
 from __future__ import annotations
 
-import warnings
-
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,10 +46,11 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure means "try another pipeline"
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
-    for note in result.notes:
-        if "not run by these inputs" in note:
-            # e.g. a vision tower calibrated on text only: its modules see no samples
-            warnings.warn(f"sequential: {note}; modifiers get no samples for them", stacklevel=2)
+    skipped = result.skipped_targets
+    if skipped:  # e.g. a vision tower calibrated on text only
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        warnings.warn(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
+                      f"modifiers get no samples for them", stacklevel=2)
     return result
 
 

@@ -220,5 +220,6 @@ def test_targets_not_run_by_the_inputs() -> None:
     result = trace(Towers(), x, sequential_targets=["Block"], skip_uncalled_targets=True)
     assert result.target_names == ["text.0", "text.1"] and len(result.subgraphs) == 3
     assert any("left out: vision.0, vision.1" in n for n in result.notes)
+    assert result.skipped_targets == ["vision.0", "vision.1"]
     both = trace(Towers(), {**x, "image": torch.randn(2, 8)}, sequential_targets=["Block"], skip_uncalled_targets=True)
-    assert len(both.target_names) == 4 and not both.notes
+    assert len(both.target_names) == 4 and not both.notes and not both.skipped_targets
