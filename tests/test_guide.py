@@ -138,14 +138,14 @@ def test_text_only_vlm_leaves_the_vision_tower_out(folders):
     assert re.search(r"^Never called.*: model\.visual$", out, re.MULTILINE)
 
 
-def test_finer_targets_mismatch_paragraph_is_still_true(folders):
-    """GUIDE.md section 3 warns that LlamaMLP targets fail --verify. When the tracer is fixed
-    and this test fails, delete that paragraph from the guide (and this test)."""
+def test_finer_targets_paragraph_is_true(folders):
+    """GUIDE.md section 3: LlamaMLP targets trace inside the blocks and replay exactly."""
     code, out = _cli("trace", "--model", "tiny-llama", "--targets", "LlamaMLP", "--verify", cwd=folders)
-    assert code == 1
-    last = _lines(out)[-1]
-    assert "MISMATCH" in last
-    assert last.split(" (")[0] in GUIDE.read_text(encoding="utf-8")
+    assert code == 0
+    lines = _lines(out)
+    assert lines[-1].startswith("max abs diff: 0.000e+00")
+    assert any(line.startswith("Opaque calls:") and "sdpa_attention_forward" in line for line in lines)
+    assert "--targets LlamaMLP --verify` ends with `max abs diff: 0.000e+00`" in GUIDE.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize(("picture", "extra"), [("trace-tiny-llama.dot", ()),

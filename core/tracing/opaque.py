@@ -2,7 +2,8 @@
 
 Rules are generic, by where code lives, so they survive the next transformers release:
 every public function defined in ``transformers.masking_utils`` (mask builders branch on
-tensor values) or in ``transformers.integrations.*`` (kernels, attention back-ends) is opaque.
+tensor values) or in ``transformers.integrations.*`` (kernels, attention back-ends) is opaque,
+whether a forward names it or looks it up in a registry (:func:`registry_mappings`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,31 @@ def default_opaque_functions(prefixes: Sequence[str] = OPAQUE_MODULE_PREFIXES) -
     for mod_name, module in list(sys.modules.items()):
         if module is not None and any(mod_name == p or mod_name.startswith(p + ".") for p in prefixes):
             found.extend(_functions_of(module))
+    return found
+
+
+def registry_mappings() -> list[dict[str, Any]]:
+    """The dicts behind transformers' function registries (``ALL_ATTENTION_FUNCTIONS`` & co.).
+
+    Each ``GeneralInterface`` subclass keeps a class-wide mapping; the global attention
+    registry may also hold local overrides.
+    """
+    try:
+        from transformers.utils.generic import GeneralInterface
+    except ImportError:  # pragma: no cover - transformers missing or reorganised
+        return []
+    found: list[dict[str, Any]] = []
+    classes: list[type] = [GeneralInterface]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        mapping = cls.__dict__.get("_global_mapping")
+        if isinstance(mapping, dict) and all(mapping is not m for m in found):
+            found.append(mapping)
+    attention = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    local = getattr(attention, "_local_mapping", None)
+    if isinstance(local, dict):
+        found.append(local)
     return found
 
 

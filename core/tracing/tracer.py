@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from .autowrap import ForwardRewriter
 from .meta import UNKNOWN, run_on_meta, to_meta
-from .opaque import find_proxy
+from .opaque import find_proxy, registry_mappings
 from .proxy import CONCRETE_METHODS, MetaProxy
 
 _PURE_FUNCTIONS = {getattr, math.sqrt}
@@ -234,6 +234,23 @@ class LayerwiseTracer(fx.Tracer):
                 if not name.startswith("_") and id(value) in self._opaque_ids:
                     patcher.patch(frame, name, self._opaque_call(value))
 
+    def _autowrap_registries(self) -> None:
+        """Patch opaque functions that forwards look up in a registry, not by global name.
+
+        transformers fetches the attention back-end with ``ALL_ATTENTION_FUNCTIONS.get_interface``.
+        Traced inline, sdpa's ``attention_mask is None`` test would be decided at trace time (a
+        traced mask is never ``None``) while the mask builder returns ``None`` at run time for
+        unpadded inputs: the replay would attend to future tokens. Called opaquely, the test
+        runs at replay on the real mask.
+        """
+        patcher = _fx_trace.CURRENT_PATCHER
+        if patcher is None:
+            return
+        for mapping in registry_mappings():
+            for key, value in list(mapping.items()):
+                if id(value) in self._opaque_ids:
+                    patcher.patch(mapping, key, self._opaque_call(value))
+
     def _opaque_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -270,6 +287,7 @@ class LayerwiseTracer(fx.Tracer):
 
         def root(_model: torch.nn.Module) -> Any:
             self._autowrap_globals(root_fn)
+            self._autowrap_registries()
             self.visited.add("")
             self.module_stack.append(("", model))
             try:

@@ -125,3 +125,20 @@ def test_graph_views() -> None:
     dot = result.to_dot()
     assert dot.startswith("digraph") and dot.count("subgraph cluster_") == 3
     assert '"transformer_h_0" [label="transformer.h.0", shape=box' in dot
+
+
+@pytest.mark.parametrize("targets", [["LlamaMLP"], ["Linear"]])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_targets_inside_the_blocks_replay_exactly(targets: list[str], attn: str) -> None:
+    """Tracing goes through the attention code; its back-end, looked up in transformers'
+    registry, must stay one opaque call so its ``attention_mask is None`` test runs at replay
+    (unpadded sdpa inputs get a None mask: traced inline, the replay attended to the future)."""
+    model = models.build("LlamaForCausalLM")
+    model.config._attn_implementation = attn
+    inputs = models.sample_inputs(model)
+    result = trace(model, inputs, sequential_targets=targets, ignore=["lm_head"])
+    per_layer = {"LlamaMLP": 1, "Linear": 7}[targets[0]]
+    assert len(result.target_names) == per_layer * len(model.model.layers)
+    assert len(result.subgraphs) == len(result.target_names) + 1
+    assert result.verify(inputs) <= TOL
+    assert result.verify(models.sample_inputs(model, batch=3, seq=9, seed=5, pad=True)) <= TOL
