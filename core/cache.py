@@ -220,10 +220,10 @@ class IntermediatesCache:
             self._finalizer()
             self._dir = None
 
-    def __enter__(self) -> IntermediatesCache:
+    def __enter__(self) -> IntermediatesCache:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- accounting ------------------------------------------------------------------

@@ -13,7 +13,6 @@ from pathlib import Path
 from .embedding_eval import EmbeddingAgreement, embedding_agreement, sentence_embeddings
 from .errors import ModelLoadError
 
-
 #: the demo's default: GPTQ, calibrated on the shipped sentences (W4A16 / W8A16 are data-free)
 DEMO_RECIPE = "GPTQ_W4A16"
 

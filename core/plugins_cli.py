@@ -16,8 +16,15 @@ import json
 import warnings
 from typing import Any
 
-from .plugin_manager import (DISABLE_ENV, GROUP, KINDS, STRICT_ENV, PluginHost, normalize_distribution,
-                             strict_from_env)
+from .plugin_manager import (
+    DISABLE_ENV,
+    GROUP,
+    KINDS,
+    STRICT_ENV,
+    PluginHost,
+    normalize_distribution,
+    strict_from_env,
+)
 
 #: how the text report names each kind
 TITLES = {"pipelines": "pipelines", "modifiers": "modifiers", "model_patches": "model patches",

@@ -13,7 +13,6 @@ import types
 from typing import Any
 
 import torch
-
 from layerwise import ModelPatch, hookimpl
 from layerwise.tracing import opaque
 

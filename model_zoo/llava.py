@@ -15,11 +15,9 @@ take ``image_sizes`` (``(images, 2)``, height and width in pixels).
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import torch
-
 from layerwise import ModelPatch, hookimpl
 
 from . import _inputs

@@ -30,14 +30,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
-
 from layerwise.model_patch import ModelPatch
+from torch import nn
 
 from . import _inputs
 
-__all__ = ["ExpertMLP", "LinearExperts", "is_fused_experts", "find_experts", "unfuse_experts",
-           "calibrate_all_experts", "MOE_IGNORE", "text_moe_patch"]
+__all__ = [
+    "MOE_IGNORE",
+    "ExpertMLP",
+    "LinearExperts",
+    "calibrate_all_experts",
+    "find_experts",
+    "is_fused_experts",
+    "text_moe_patch",
+    "unfuse_experts",
+]
 
 #: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear)
 MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")

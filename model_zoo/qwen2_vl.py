@@ -11,11 +11,9 @@ model build its 3-D M-RoPE positions.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import torch
-
 from layerwise import ModelPatch, hookimpl
 
 from . import _inputs

@@ -44,10 +44,10 @@ class QuantizationArgs:
             raise RecipeError(f"symmetric must be true or false, got {self.symmetric!r}")
         if self.strategy not in STRATEGIES:
             raise RecipeError(f"unknown strategy {self.strategy!r}; valid strategies: {', '.join(STRATEGIES)}")
-        if self.strategy == "group":
-            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
-                raise RecipeError(f"strategy 'group' needs a positive integer group_size, got {self.group_size!r} "
-                                  f"(or use strategy 'channel')")
+        if self.strategy == "group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                         or self.group_size <= 0):
+            raise RecipeError(f"strategy 'group' needs a positive integer group_size, got {self.group_size!r} "
+                              f"(or use strategy 'channel')")
         if self.actorder not in ACTORDERS:
             raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
         if self.actorder == "group" and self.strategy != "group":

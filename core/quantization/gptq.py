@@ -51,8 +51,16 @@ from ..errors import LayerwiseError
 from .args import QuantizationArgs
 from .qmath import _check_weight, fake_quantize_weight, qrange, weight_qparams
 
-__all__ = ["GPTQError", "GPTQResult", "accumulate_hessian", "add_gram", "gram_to_hessian", "gptq_quantize",
-           "rtn_quantize", "DAMPENING_RETRIES"]
+__all__ = [
+    "DAMPENING_RETRIES",
+    "GPTQError",
+    "GPTQResult",
+    "accumulate_hessian",
+    "add_gram",
+    "gptq_quantize",
+    "gram_to_hessian",
+    "rtn_quantize",
+]
 
 #: how often the dampening is multiplied by 10 when a Cholesky factorisation fails
 DAMPENING_RETRIES = 2

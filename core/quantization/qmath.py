@@ -27,7 +27,8 @@ Shapes follow compressed-tensors: ``tensor`` -> ``(1,)``, ``channel`` -> ``(out,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -14,5 +14,16 @@ from .partition import OUTPUT_NAME, Subgraph
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult, VerifyError
 from .targets import TargetError
 
-__all__ = ["trace", "opaque", "TraceResult", "Subgraph", "WrappedStatement", "OpaqueCall", "OUTPUT_NAME", "TraceError",
-           "SwallowedTargetsError", "TargetError", "VerifyError"]
+__all__ = [
+           "OUTPUT_NAME",
+           "OpaqueCall",
+           "Subgraph",
+           "SwallowedTargetsError",
+           "TargetError",
+           "TraceError",
+           "TraceResult",
+           "VerifyError",
+           "WrappedStatement",
+           "opaque",
+           "trace",
+]

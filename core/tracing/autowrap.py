@@ -187,7 +187,7 @@ class ForwardRewriter:
         self._lines.setdefault(fn, {})[stmt.lineno] = (record, depth)
         try:
             self._built[fn] = _build(fn, [(ln, d) for ln, (_, d) in self._lines[fn].items()])
-        except Exception as exc:  # keep the registry consistent on a failed rebuild
+        except Exception as exc:  # noqa: BLE001 - keep the registry consistent on a failed rebuild
             del self._lines[fn][stmt.lineno]
             return f"rewriting {inner.__qualname__} failed: {exc}"
         self.code_owner[inspect.unwrap(self._built[fn]).__code__] = fn
@@ -253,7 +253,7 @@ def _build(fn: Callable[..., Any], lines: list[tuple[int, int]]) -> Callable[...
     module = ast.Module(body=[*stmt_defs, maker], type_ignores=[])
     ast.fix_missing_locations(module)
     namespace: dict[str, Any] = {_UNSET_NAME: UNSET}
-    exec(compile(module, inner.__code__.co_filename, "exec"), inner.__globals__, namespace)
+    exec(compile(module, inner.__code__.co_filename, "exec"), inner.__globals__, namespace)  # noqa: S102 - our own AST
     for d in stmt_defs:
         namespace[d.name].__layerwise_stmt__ = True  # never dead-code eliminated
     stmt_fns = {d.name: opaque(namespace[d.name]) for d in stmt_defs}

@@ -95,7 +95,7 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
         for src in inputs[index]:
             env[src] = sub.placeholder(src.name)
 
-        def lookup(node: fx.Node) -> fx.Node:
+        def lookup(node: fx.Node, env: dict[fx.Node, fx.Node] = env, sub: fx.Graph = sub) -> fx.Node:
             if node not in env:  # get_attr: every subgraph fetches its own parameters/constants
                 env[node] = sub.node_copy(node)
             return env[node]

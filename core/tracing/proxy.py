@@ -104,7 +104,7 @@ class MetaAttribute(MetaProxy, fx.proxy.Attribute):
         meta = root.meta
         try:
             self.meta = UNKNOWN if meta is UNKNOWN else getattr(meta, attr)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an attribute the meta value lacks: unknown, not an error
             self.meta = UNKNOWN
 
     @property

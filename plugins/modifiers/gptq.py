@@ -31,11 +31,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
 from layerwise.errors import RecipeError
 from layerwise.quantization.args import ACTORDERS, QuantizationArgs
-from layerwise.quantization.gptq import (GPTQError, GPTQResult, add_gram, gptq_quantize, gram_to_hessian,
-                                         rtn_quantize)
+from layerwise.quantization.gptq import (
+    GPTQError,
+    GPTQResult,
+    add_gram,
+    gptq_quantize,
+    gram_to_hessian,
+    rtn_quantize,
+)
 from layerwise.quantization.storage import linear_weight, set_quantized_weight
 from layerwise.state import CompressionState
 
@@ -239,7 +244,7 @@ class _SharedGram:
     exact copy of its own history.
     """
 
-    __slots__ = ("gram", "samples", "pending", "folded", "positions")
+    __slots__ = ("folded", "gram", "pending", "positions", "samples")
 
     def __init__(self) -> None:
         self.gram: torch.Tensor | None = None

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineOptions

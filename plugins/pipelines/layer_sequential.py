@@ -24,13 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from layerwise.cache import IntermediatesCache
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
 
-from ._common import calibration_hooks_paused, calibration_mode, execution_device, forward_kwargs, progress, resolve_targets
+from ._common import (
+    calibration_hooks_paused,
+    calibration_mode,
+    execution_device,
+    forward_kwargs,
+    progress,
+    resolve_targets,
+)
 
 
 class _StopForward(Exception):

@@ -18,13 +18,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-
 from layerwise.cache import IntermediatesCache
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
 
-from ._common import FATAL_ERRORS, calibration_hooks_paused, calibration_mode, execution_device, progress
+from ._common import (
+    FATAL_ERRORS,
+    calibration_hooks_paused,
+    calibration_mode,
+    execution_device,
+    progress,
+)
 
 
 def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: PipelineOptions,
@@ -44,7 +49,7 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
                        skip_uncalled_targets=True, **extra)
     except FATAL_ERRORS:
         raise
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means "try another pipeline"
+    except Exception as exc:
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
     skipped = result.skipped_targets
     if skipped:  # e.g. a vision tower calibrated on text only

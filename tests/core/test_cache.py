@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPast
-
 from layerwise.cache import IntermediatesCache, move_to, tensor_bytes
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 
 @dataclass

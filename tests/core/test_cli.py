@@ -1,6 +1,5 @@
 """The `layerwise` command as a user runs it."""
 
-import pytest
 
 from layerwise.cli import main
 

@@ -2,13 +2,12 @@
 
 import json
 
+import layerwise
 import pytest
 import torch
-
-import layerwise
 from layerwise.errors import DatasetError
-from tests.conftest import build_tiny_llama
 
+from tests.conftest import build_tiny_llama
 
 WIDE = dict(hidden_size=128, intermediate_size=256)  # group size 128 must divide every in_features
 

@@ -1,5 +1,4 @@
 import pytest
-
 from layerwise import load_model
 from layerwise.errors import ModelLoadError
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from layerwise.offload import ModuleOffloader
+from torch import nn
 
 
 class Block(nn.Module):
@@ -64,9 +63,8 @@ def test_onloading_the_root_skips_protected_targets():
 def test_sent_home_on_error():
     net = Net()
     off = ModuleOffloader(net, "meta", move=recording_move([]))
-    with pytest.raises(RuntimeError):
-        with off.onloaded(["layers.1"]):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), off.onloaded(["layers.1"]):
+        raise RuntimeError("boom")
     assert devices(net) == {"cpu"}
 
 
@@ -80,9 +78,8 @@ def test_no_transfer_when_already_on_execution_device():
 
 
 def test_unknown_module_is_an_error():
-    with pytest.raises(KeyError, match="no module named"):
-        with ModuleOffloader(Net(), "cpu").onloaded(["nope"]):
-            pass
+    with pytest.raises(KeyError, match="no module named"), ModuleOffloader(Net(), "cpu").onloaded(["nope"]):
+        pass
 
 
 def test_parameter_identity_kept_when_tensor_types_allow():

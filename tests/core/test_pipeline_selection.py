@@ -8,14 +8,19 @@ from typing import ClassVar
 
 import pytest
 import torch
-from torch import nn
-
 from layerwise.hookspecs import hookimpl
 from layerwise.modifier import Modifier
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
-from layerwise.pipeline_selection import (DEFAULT_CHAIN, PipelineAborted, PipelineFallbackWarning, run_pipeline,
-                                          select_pipeline)
+from layerwise.pipeline_selection import (
+    DEFAULT_CHAIN,
+    PipelineAborted,
+    PipelineFallbackWarning,
+    run_pipeline,
+    select_pipeline,
+)
 from layerwise.plugin_manager import get_host
+from torch import nn
+
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 

@@ -7,16 +7,23 @@ import warnings
 
 import pytest
 import torch
-
 from layerwise.errors import DuplicateNameError, PluginError, UnknownNameError
 from layerwise.hookspecs import hookimpl
 from layerwise.lifecycle import Lifecycle
 from layerwise.model_patch import find_patch, resolve_patch
 from layerwise.modifier import Modifier
 from layerwise.pipeline_selection import DEFAULT_CHAIN, run_pipeline, select_pipeline
-from layerwise.plugin_manager import DISABLE_ENV, STRICT_ENV, PluginHost, get_host, registry, reset_host
+from layerwise.plugin_manager import (
+    DISABLE_ENV,
+    STRICT_ENV,
+    PluginHost,
+    get_host,
+    registry,
+    reset_host,
+)
 from layerwise.recipe import parse_recipe
 from layerwise.state import CompressionState
+
 from tests.conftest import build_tiny_llama
 from tests.core.fake_dists import write_dist
 

@@ -1,5 +1,4 @@
 import pytest
-
 from layerwise.errors import RecipeError, UnknownNameError
 from layerwise.recipe import parse_recipe, recipe_to_yaml
 

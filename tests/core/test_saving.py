@@ -1,5 +1,4 @@
 import pytest
-
 from layerwise.saving import OutputExistsError, atomic_output_dir
 
 
@@ -15,10 +14,9 @@ def test_success_renames_into_place(tmp_path):
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_error_leaves_no_folder(tmp_path, error):
-    with pytest.raises(error):
-        with atomic_output_dir(tmp_path / "out") as tmp:
-            (tmp / "f.txt").write_text("x")
-            raise error("stop")
+    with pytest.raises(error), atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "f.txt").write_text("x")
+        raise error("stop")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -26,10 +24,9 @@ def test_error_keeps_the_previous_folder_when_overwriting(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError):
-        with atomic_output_dir(target, overwrite=True) as tmp:
-            (tmp / "new.txt").write_text("new")
-            raise RuntimeError
+    with pytest.raises(RuntimeError), atomic_output_dir(target, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        raise RuntimeError
     assert [p.name for p in target.iterdir()] == ["old.txt"]
     with atomic_output_dir(target, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
@@ -41,10 +38,8 @@ def test_non_empty_folder_is_refused_before_any_work(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "x").write_text("x")
-    with pytest.raises(OutputExistsError, match="overwrite=True"):
-        with atomic_output_dir(target):
-            pytest.fail("must not run")
+    with pytest.raises(OutputExistsError, match="overwrite=True"), atomic_output_dir(target):
+        pytest.fail("must not run")
     (tmp_path / "file").write_text("")
-    with pytest.raises(OutputExistsError, match="not a folder"):
-        with atomic_output_dir(tmp_path / "file"):
-            pass
+    with pytest.raises(OutputExistsError, match="not a folder"), atomic_output_dir(tmp_path / "file"):
+        pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from layerwise.model_zoo import moe
 from zoo_tiny_models import ARCHS
 
@@ -65,9 +64,8 @@ def test_calibration_swap_keeps_outputs_and_restores_forward(name, unfused):
         assert set(swapped) == set(moe.find_experts(model))
         torch.testing.assert_close(_logits(model, inputs), normal, atol=1e-6, rtol=1e-6)
     assert all("forward" not in m.__dict__ for m in moe.find_experts(model).values())
-    with pytest.raises(RuntimeError, match="boom"):
-        with moe.calibrate_all_experts(model):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), moe.calibrate_all_experts(model):
+        raise RuntimeError("boom")
     assert all("forward" not in m.__dict__ for m in moe.find_experts(model).values())
     torch.testing.assert_close(_logits(model, inputs), normal, atol=0, rtol=0)
 
@@ -102,8 +100,9 @@ def test_every_expert_sees_every_token_only_while_calibrating(name):
 
 @pytest.mark.parametrize("name", MOE)
 def test_patch_unfuses_on_apply_and_calibrates_through_its_context(name):
-    from layerwise.model_patch import apply_patch
     import importlib
+
+    from layerwise.model_patch import apply_patch
 
     patch = getattr(importlib.import_module(f"layerwise.model_zoo.{name}"), name.upper())
     model = ARCHS[name].build()

@@ -6,11 +6,9 @@ import importlib
 
 import pytest
 import torch
-
 from layerwise.matching import find_modules, unmatched
 from layerwise.model_patch import apply_patch, find_patch
 from layerwise.plugin_manager import PluginHost
-
 from zoo_tiny_models import ARCHS
 
 MODULES = sorted({arch.module for arch in ARCHS.values()})

@@ -6,8 +6,9 @@ and the modalities its ``sample_inputs`` supports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

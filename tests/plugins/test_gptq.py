@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
+import layerwise
 import pytest
 import torch
-
-import layerwise
 from layerwise.errors import RecipeError
 from layerwise.lifecycle import Lifecycle
 from layerwise.pipeline import PipelineOptions
@@ -17,6 +16,7 @@ from layerwise.quantization import gptq as solver
 from layerwise.quantization.gptq import accumulate_hessian, gptq_quantize
 from layerwise.recipe import parse_recipe, recipe_to_yaml
 from layerwise.state import CompressionState
+
 from tests.conftest import build_tiny_llama, make_word_tokenizer
 from tests.plugins.pipelines.helpers import make_batches, make_lifecycle
 
@@ -403,8 +403,9 @@ def test_sequential_skips_the_tail_unless_a_layer_in_it_is_calibrated():
     calls = []
     for ignore in (["lm_head"], []):
         model = build_tiny_llama()
+        count = len(ignore)
         handle = model.lm_head.register_forward_pre_hook(  # (tracing runs it on the meta device)
-            lambda m, a: calls.append(len(ignore)) if a[0].device.type != "meta" else None)
+            lambda m, a, n=count: calls.append(n) if a[0].device.type != "meta" else None)
         modifier = gptq(scheme="W4A16", strategy="channel", ignore=ignore)
         run_pipeline(model, modifier, "sequential")
         handle.remove()
@@ -426,7 +427,7 @@ def test_calibration_forward_ends_after_the_last_input_gptq_reads():
     model = build_tiny_llama()
     calls = {"down_proj": [], "post_attention_layernorm": [], "layer_out": []}
     layer = model.model.layers[0]
-    real = lambda a: a[0].device.type != "meta"  # noqa: E731
+    real = lambda a: a[0].device.type != "meta"
     layer.mlp.down_proj.register_forward_hook(lambda m, a, o: calls["down_proj"].append(1) if real(a) else None)
     layer.register_forward_hook(lambda m, a, o: calls["layer_out"].append(1) if real(a) else None)
     reference = build_tiny_llama()

@@ -1,10 +1,9 @@
 """layerwise discovers this installed distribution and uses what it registered."""
 
-import torch
-from transformers import Starcoder2Config, Starcoder2ForCausalLM
-
 import layerwise
+import torch
 from layerwise.plugin_manager import get_host
+from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
 
 def tiny_starcoder2():

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from layerwise.quantization import gptq as gptq_module
 from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.gptq import GPTQError, accumulate_hessian, add_gram, gptq_quantize, gram_to_hessian
-from layerwise.quantization.qmath import fake_quantize, fake_quantize_weight, quantize_weight, weight_qparams
+from layerwise.quantization.gptq import (
+    GPTQError,
+    accumulate_hessian,
+    add_gram,
+    gptq_quantize,
+    gram_to_hessian,
+)
+from layerwise.quantization.qmath import (
+    fake_quantize,
+    fake_quantize_weight,
+    quantize_weight,
+    weight_qparams,
+)
 
 SCHEMES = {
     "int4 group 32": QuantizationArgs(num_bits=4, strategy="group", group_size=32),

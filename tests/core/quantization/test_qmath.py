@@ -4,11 +4,17 @@ import math
 
 import pytest
 import torch
-
 from layerwise.errors import RecipeError
 from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.qmath import (compute_qparams, dequantize, fake_quantize, fake_quantize_weight,
-                                          qrange, quantize, weight_qparams)
+from layerwise.quantization.qmath import (
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    fake_quantize_weight,
+    qrange,
+    quantize,
+    weight_qparams,
+)
 
 ARGS = {
     "int4-sym-group": QuantizationArgs(4, True, "group", 32),

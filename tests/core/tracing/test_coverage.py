@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
-
-import models
 from layerwise.tracing import OUTPUT_NAME, trace
 from layerwise.tracing.targets import resolve_targets
 

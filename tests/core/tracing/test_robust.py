@@ -6,9 +6,8 @@ import functools
 
 import pytest
 import torch
-from torch import nn
-
 from layerwise.tracing import SwallowedTargetsError, TraceError, trace
+from torch import nn
 
 
 class Block(nn.Module):
@@ -130,7 +129,7 @@ def test_untraceable_module_becomes_leaf_with_message() -> None:
     message = result.failed_modules["pre"]
     assert "data-dependent" in message and "return" in message
     assert "pre" in result.leaf_modules
-    assert [n.target for n in result.graph_module.graph.nodes if n.op == "call_module"][0] == "pre"
+    assert next(n.target for n in result.graph_module.graph.nodes if n.op == "call_module") == "pre"
     assert len(result.subgraphs) == 3
     _check_replays(result)  # the leaf runs the real code: both branches replay exactly
 

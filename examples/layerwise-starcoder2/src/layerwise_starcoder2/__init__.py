@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from layerwise import ModelPatch, Modifier, hookimpl
 from layerwise.matching import find_modules
 
