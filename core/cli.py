@@ -36,7 +36,8 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
     p.add_argument("--output-dir", help="where to save (compressed-tensors format)")
     p.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
-    p.add_argument("--max-seq-length", type=int, default=2048, help="tokens per sample (default 2048)")
+    p.add_argument("--max-seq-length", type=int, default=None,
+                   help="tokens per sample (default 2048, or the model's context length if shorter)")
     p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
     p.add_argument("--targets-per-subgraph", type=int, default=1, metavar="N",
                    help="calibrate N consecutive targets as one piece (fewer passes, more memory)")

@@ -47,12 +47,33 @@ def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[st
     return list(getattr(model, "_no_split_modules", None) or [])
 
 
+#: tokens per calibration sample unless the model's context is shorter
+DEFAULT_MAX_SEQ_LENGTH = 2048
+#: config fields that hold a model's context length, by family
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def default_max_seq_length(model: torch.nn.Module) -> int:
+    """2048, or the model's context length when shorter.
+
+    Calibration windows longer than the context would run positions the model never
+    learned (and an absolute position table would be indexed out of range).
+    """
+    config = getattr(model, "config", None)
+    for part in (config, getattr(config, "text_config", None)):
+        for name in _CONTEXT_FIELDS:
+            value = getattr(part, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return min(DEFAULT_MAX_SEQ_LENGTH, value)
+    return DEFAULT_MAX_SEQ_LENGTH
+
+
 def compress(
     model: torch.nn.Module | str | os.PathLike,
     recipe: RecipeLike = "W4A16",
     dataset: Any = None,
     num_calibration_samples: int = 512,
-    max_seq_length: int = 2048,
+    max_seq_length: int | None = None,
     sequential_targets: list[str] | None = None,
     ignore: list[str] | None = None,
     output_dir: str | os.PathLike | None = None,
@@ -72,6 +93,8 @@ def compress(
 
     ``model`` is a folder, a hub id or an ``nn.Module`` (compressed in place). With
     ``output_dir`` the result is written there atomically in ``save_format``.
+    ``max_seq_length`` (tokens per calibration sample) defaults to 2048, or to the
+    model's context length when that is shorter.
     The run's summary is ``model.layerwise_report``.
     """
     start = time.perf_counter()
@@ -96,6 +119,8 @@ def compress(
         names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
         raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
                            f"a datasets.Dataset or tokenized samples)")
+    if max_seq_length is None:
+        max_seq_length = default_max_seq_length(model)
     batches = (calibration_batches(dataset, tokenizer, num_calibration_samples, max_seq_length, packing)
                if needs_data else [])
 

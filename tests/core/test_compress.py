@@ -98,3 +98,22 @@ def test_targets_per_subgraph_groups_layers_into_fewer_pieces(per_subgraph, piec
     assert model.layerwise_report.pipeline == "sequential"
     assert len(seen) == pieces
     assert sum(any(m.startswith("model.layers.") for m in piece) for piece in seen) == 2 // per_subgraph
+
+
+@pytest.mark.parametrize("context,expected", [(16, 16), (4096, 2048)])
+def test_calibration_windows_default_to_the_models_context(wide_llama_dir, context, expected):
+    from layerwise.compression import default_max_seq_length
+    from layerwise.loading import load_model, load_tokenizer
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(wide_llama_dir)
+    config.max_position_embeddings = context
+    config.save_pretrained(wide_llama_dir)
+    model = load_model(str(wide_llama_dir))
+    assert default_max_seq_length(model) == expected
+    lengths = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1]))
+    texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(60)) for i in range(4)]  # 4 x 61 tokens
+    layerwise.compress(model, "GPTQ_W4A16", dataset=texts, tokenizer=load_tokenizer(str(wide_llama_dir)),
+                       num_calibration_samples=4, show_progress=False)
+    assert lengths and max(lengths) == min(expected, 4 * 61)
