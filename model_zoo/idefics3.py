@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 import torch
+
 from layerwise import ModelPatch, hookimpl
 from layerwise.tracing import opaque
 

@@ -30,8 +30,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from layerwise.model_patch import ModelPatch
 from torch import nn
+
+from layerwise.model_patch import ModelPatch
 
 from . import _inputs
 

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import torch
+
 from layerwise import ModelPatch, hookimpl
 
 from . import _inputs

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from layerwise import ModelPatch, hookimpl
 
 from . import _inputs

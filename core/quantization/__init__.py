@@ -3,28 +3,18 @@
 from .args import QuantizationArgs, QuantizationScheme
 from .presets import PRESETS, resolve_scheme
 from .qmath import (
-                    compute_qparams,
-                    dequantize,
-                    fake_quantize,
-                    fake_quantize_weight,
-                    qrange,
-                    quantize,
-                    weight_qparams,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    fake_quantize_weight,
+    qrange,
+    quantize,
+    weight_qparams,
 )
 from .storage import quantized_modules, set_quantized_weight
 
 __all__ = [
-                    "PRESETS",
-                    "QuantizationArgs",
-                    "QuantizationScheme",
-                    "compute_qparams",
-                    "dequantize",
-                    "fake_quantize",
-                    "fake_quantize_weight",
-                    "qrange",
-                    "quantize",
-                    "quantized_modules",
-                    "resolve_scheme",
-                    "set_quantized_weight",
-                    "weight_qparams",
+    "PRESETS", "QuantizationArgs", "QuantizationScheme", "compute_qparams", "dequantize", "fake_quantize",
+    "fake_quantize_weight", "qrange", "quantize", "quantized_modules", "resolve_scheme", "set_quantized_weight",
+    "weight_qparams",
 ]

@@ -15,15 +15,6 @@ from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult, 
 from .targets import TargetError
 
 __all__ = [
-           "OUTPUT_NAME",
-           "OpaqueCall",
-           "Subgraph",
-           "SwallowedTargetsError",
-           "TargetError",
-           "TraceError",
-           "TraceResult",
-           "VerifyError",
-           "WrappedStatement",
-           "opaque",
-           "trace",
+    "OUTPUT_NAME", "OpaqueCall", "Subgraph", "SwallowedTargetsError", "TargetError", "TraceError", "TraceResult",
+    "VerifyError", "WrappedStatement", "opaque", "trace",
 ]

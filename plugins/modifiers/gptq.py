@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
 from layerwise.errors import RecipeError
 from layerwise.quantization.args import ACTORDERS, QuantizationArgs
 from layerwise.quantization.gptq import (

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
 from layerwise.errors import RecipeError
 from layerwise.matching import find_modules, unmatched
 from layerwise.modifier import Modifier

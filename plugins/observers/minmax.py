@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import weight_min_max
-from torch import Tensor
 
 
 class MinMaxObserver:

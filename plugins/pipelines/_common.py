@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
 from layerwise.cache import move_to
 from layerwise.lifecycle import Lifecycle
 from layerwise.matching import matches

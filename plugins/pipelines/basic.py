@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineOptions

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from layerwise.lifecycle import Lifecycle
 from layerwise.pipeline import Pipeline, PipelineOptions
 

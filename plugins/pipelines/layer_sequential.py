@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from layerwise.cache import IntermediatesCache
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader

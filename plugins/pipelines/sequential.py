@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
 from layerwise.cache import IntermediatesCache
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
@@ -49,7 +50,7 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
                        skip_uncalled_targets=True, **extra)
     except FATAL_ERRORS:
         raise
-    except Exception as exc:
+    except Exception as exc:  # any tracing failure means "try another pipeline"
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
     skipped = result.skipped_targets
     if skipped:  # e.g. a vision tower calibrated on text only

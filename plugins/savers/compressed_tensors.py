@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from layerwise.errors import LayerwiseError
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import default_g_idx, quantize_weight

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from layerwise.plugin_manager import reset_host
 
+from layerwise.plugin_manager import reset_host
 from tests.core.fake_dists import write_dist
 
 

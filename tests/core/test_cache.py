@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from layerwise.cache import IntermediatesCache, move_to, tensor_bytes
 from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from layerwise.cache import IntermediatesCache, move_to, tensor_bytes
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 import json
 
-import layerwise
 import pytest
 import torch
-from layerwise.errors import DatasetError
 
+import layerwise
+from layerwise.errors import DatasetError
 from tests.conftest import build_tiny_llama
 
 WIDE = dict(hidden_size=128, intermediate_size=256)  # group size 128 must divide every in_features
@@ -102,9 +102,10 @@ def test_targets_per_subgraph_groups_layers_into_fewer_pieces(per_subgraph, piec
 
 @pytest.mark.parametrize("context,expected", [(16, 16), (4096, 2048)])
 def test_calibration_windows_default_to_the_models_context(wide_llama_dir, context, expected):
+    from transformers import AutoConfig
+
     from layerwise.compression import default_max_seq_length
     from layerwise.loading import load_model, load_tokenizer
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(wide_llama_dir)
     config.max_position_embeddings = context

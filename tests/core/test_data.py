@@ -2,9 +2,9 @@ import json
 
 import pytest
 import torch
+
 from layerwise.data import calibration_batches
 from layerwise.errors import DatasetError
-
 from tests.conftest import make_word_tokenizer
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from layerwise import load_model
 from layerwise.errors import ModelLoadError
 

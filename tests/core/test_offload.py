@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layerwise.offload import ModuleOffloader
 from torch import nn
+
+from layerwise.offload import ModuleOffloader
 
 
 class Block(nn.Module):

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import pytest
 import torch
+from torch import nn
+
 from layerwise.hookspecs import hookimpl
 from layerwise.modifier import Modifier
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
@@ -19,8 +21,6 @@ from layerwise.pipeline_selection import (
     select_pipeline,
 )
 from layerwise.plugin_manager import get_host
-from torch import nn
-
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 

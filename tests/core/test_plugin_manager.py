@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+
 from layerwise.errors import DuplicateNameError, PluginError, UnknownNameError
 from layerwise.hookspecs import hookimpl
 from layerwise.lifecycle import Lifecycle
@@ -23,7 +24,6 @@ from layerwise.plugin_manager import (
 )
 from layerwise.recipe import parse_recipe
 from layerwise.state import CompressionState
-
 from tests.conftest import build_tiny_llama
 from tests.core.fake_dists import write_dist
 

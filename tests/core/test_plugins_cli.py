@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from layerwise.cli import main
 from layerwise.plugin_manager import DISABLE_ENV, KINDS, STRICT_ENV
 

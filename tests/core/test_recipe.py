@@ -1,4 +1,5 @@
 import pytest
+
 from layerwise.errors import RecipeError, UnknownNameError
 from layerwise.recipe import parse_recipe, recipe_to_yaml
 

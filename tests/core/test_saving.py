@@ -1,4 +1,5 @@
 import pytest
+
 from layerwise.saving import OutputExistsError, atomic_output_dir
 
 

@@ -4,10 +4,11 @@ and the Idefics3 override computes what transformers' own code computes."""
 from __future__ import annotations
 
 import torch
+from zoo_tiny_models import ARCHS
+
 from layerwise.model_patch import apply_patch
 from layerwise.model_zoo import _inputs, idefics3, llava
 from layerwise.tracing import trace
-from zoo_tiny_models import ARCHS
 
 
 def _padded_idefics3_batch(config) -> dict[str, torch.Tensor]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layerwise.model_zoo import moe
 from zoo_tiny_models import ARCHS
+
+from layerwise.model_zoo import moe
 
 MOE = ["qwen3_moe", "mixtral", "deepseek_v3"]
 

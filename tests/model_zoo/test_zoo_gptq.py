@@ -7,12 +7,13 @@ subgraph and every targeted Linear in it must be GPTQ-quantized from its own Hes
 
 from __future__ import annotations
 
-import layerwise
 import pytest
 import torch
+from test_zoo_patches import ARCHS, _built, _modality_targets, patches  # noqa: F401  (fixture)
+
+import layerwise
 from layerwise.matching import find_modules
 from layerwise.plugins.modifiers.gptq import GPTQModifier
-from test_zoo_patches import ARCHS, _built, _modality_targets, patches  # noqa: F401  (fixture)
 
 
 def _richest(modalities):

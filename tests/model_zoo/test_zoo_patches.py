@@ -6,10 +6,11 @@ import importlib
 
 import pytest
 import torch
+from zoo_tiny_models import ARCHS
+
 from layerwise.matching import find_modules, unmatched
 from layerwise.model_patch import apply_patch, find_patch
 from layerwise.plugin_manager import PluginHost
-from zoo_tiny_models import ARCHS
 
 MODULES = sorted({arch.module for arch in ARCHS.values()})
 MODALITY_CASES = [(name, modality) for name, arch in ARCHS.items() for modality in arch.modalities]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import logging
 
-import layerwise
 import pytest
 import torch
+
+import layerwise
 from layerwise.errors import RecipeError
 from layerwise.lifecycle import Lifecycle
 from layerwise.pipeline import PipelineOptions
@@ -16,7 +17,6 @@ from layerwise.quantization import gptq as solver
 from layerwise.quantization.gptq import accumulate_hessian, gptq_quantize
 from layerwise.recipe import parse_recipe, recipe_to_yaml
 from layerwise.state import CompressionState
-
 from tests.conftest import build_tiny_llama, make_word_tokenizer
 from tests.plugins.pipelines.helpers import make_batches, make_lifecycle
 

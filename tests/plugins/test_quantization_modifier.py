@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from layerwise.errors import RecipeError, UnknownNameError
 from layerwise.lifecycle import Lifecycle
 from layerwise.plugin_manager import registry
@@ -10,7 +11,6 @@ from layerwise.quantization.qmath import fake_quantize_weight, weight_qparams
 from layerwise.quantization.storage import quantized_modules
 from layerwise.recipe import parse_recipe
 from layerwise.state import CompressionState
-
 from tests.conftest import build_tiny_llama
 
 

@@ -1,9 +1,10 @@
 """layerwise discovers this installed distribution and uses what it registered."""
 
-import layerwise
 import torch
-from layerwise.plugin_manager import get_host
 from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+import layerwise
+from layerwise.plugin_manager import get_host
 
 
 def tiny_starcoder2():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from layerwise.quantization import gptq as gptq_module
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.gptq import (

@@ -1,4 +1,5 @@
 import pytest
+
 from layerwise.errors import RecipeError, UnknownNameError
 from layerwise.quantization.args import QuantizationArgs, QuantizationScheme
 from layerwise.quantization.presets import PRESETS, resolve_scheme

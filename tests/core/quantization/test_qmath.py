@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from layerwise.errors import RecipeError
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import (

@@ -1,4 +1,5 @@
 import torch
+
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import fake_quantize_weight, weight_qparams
 from layerwise.quantization.storage import linear_weight, quantized_modules, set_quantized_weight

@@ -5,6 +5,7 @@ from __future__ import annotations
 import models
 import pytest
 import torch
+
 from layerwise.tracing import OUTPUT_NAME, trace
 from layerwise.tracing.targets import resolve_targets
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from layerwise.tracing import opaque, trace
 from layerwise.tracing.meta import run_on_meta
-from torch import nn
 
 TOL = 1e-6
 

@@ -6,8 +6,9 @@ import functools
 
 import pytest
 import torch
-from layerwise.tracing import SwallowedTargetsError, TraceError, trace
 from torch import nn
+
+from layerwise.tracing import SwallowedTargetsError, TraceError, trace
 
 
 class Block(nn.Module):

@@ -6,6 +6,7 @@ import argparse
 import io
 
 import models
+
 from layerwise.tracing import cli
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from layerwise.lifecycle import Lifecycle
 from layerwise.modifier import Modifier
 from layerwise.state import CompressionState

@@ -8,11 +8,11 @@ from typing import ClassVar
 
 import pytest
 import torch
+
 from layerwise.model_patch import ModelPatch
 from layerwise.modifier import Modifier
 from layerwise.pipeline import PipelineOptions
 from layerwise.plugin_manager import registry
-
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 
