@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from blocks import two_blocks
 from torch import nn
 
 from layerwise.tracing import opaque, trace
@@ -13,20 +14,11 @@ from layerwise.tracing.meta import run_on_meta
 TOL = 1e-6
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
 # ---- use_cache reaches a submodule only through **kwargs -----------------------------------------
 class Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
         self.calls: list = []
 
     def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
@@ -69,7 +61,7 @@ def make_masks(x: torch.Tensor) -> dict[str, torch.Tensor]:
 class DictUser(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         masks = make_masks(x)
@@ -99,7 +91,7 @@ def features(x: torch.Tensor) -> torch.Tensor:
 class FillsDict(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outputs = {}
@@ -126,7 +118,7 @@ def drop_empty_rows(x: torch.Tensor) -> torch.Tensor:
 class DropsRows(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = drop_empty_rows(x)
@@ -180,7 +172,7 @@ def test_leaf_module_results_keep_their_structure(kind: str) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.pair = Pair()
-            self.layers = nn.ModuleList([Block(), Block()])
+            self.layers = two_blocks()
 
         def forward(self, x):
             out = self.pair(x)
@@ -197,8 +189,8 @@ def test_leaf_module_results_keep_their_structure(kind: str) -> None:
 class Towers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.vision = nn.ModuleList([Block(), Block()])
-        self.text = nn.ModuleList([Block(), Block()])
+        self.vision = two_blocks()
+        self.text = two_blocks()
 
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         if image is not None:

@@ -6,18 +6,10 @@ import functools
 
 import pytest
 import torch
+from blocks import Block, two_blocks
 from torch import nn
 
 from layerwise.tracing import SwallowedTargetsError, TraceError, trace
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
 
 
 class ReturnsOnValues(nn.Module):
@@ -60,7 +52,7 @@ class Toy(nn.Module):
     def __init__(self, pre: nn.Module) -> None:
         super().__init__()
         self.pre = pre
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
         self.unused = nn.Linear(8, 8)
         self.head = nn.Linear(8, 4)
 
@@ -76,7 +68,7 @@ class GatedLayers(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers[0](x)
@@ -90,7 +82,7 @@ class Outer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = two_blocks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
