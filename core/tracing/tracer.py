@@ -230,9 +230,7 @@ class LayerwiseTracer(fx.Tracer):
             if frame is None or id(frame) in self._patched_globals:
                 continue
             self._patched_globals.add(id(frame))
-            for name, value in list(frame.items()):
-                if not name.startswith("_") and id(value) in self._opaque_ids:
-                    patcher.patch(frame, name, self._opaque_call(value))
+            self._patch_opaque_entries(patcher, frame)
 
     def _autowrap_registries(self) -> None:
         """Patch opaque functions that forwards look up in a registry, not by global name.
@@ -247,9 +245,13 @@ class LayerwiseTracer(fx.Tracer):
         if patcher is None:
             return
         for mapping in registry_mappings():
-            for key, value in list(mapping.items()):
-                if id(value) in self._opaque_ids:
-                    patcher.patch(mapping, key, self._opaque_call(value))
+            self._patch_opaque_entries(patcher, mapping)
+
+    def _patch_opaque_entries(self, patcher: Any, mapping: dict[str, Any]) -> None:
+        """Replace, until tracing ends, each public entry of ``mapping`` that is an opaque function."""
+        for name, value in list(mapping.items()):
+            if not name.startswith("_") and id(value) in self._opaque_ids:
+                patcher.patch(mapping, name, self._opaque_call(value))
 
     def _opaque_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
