@@ -1,4 +1,4 @@
-"""The ``layerwise`` command: compress, trace, plugins."""
+"""The ``layerwise`` command: compress, trace, plugins, env."""
 
 from __future__ import annotations
 
@@ -98,11 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log per-layer details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compress(sub)
-    from . import plugins_cli
+    from . import env_cli, plugins_cli
     from .tracing import cli as trace_cli
 
     trace_cli.add_parser(sub)
     plugins_cli.add_parser(sub)
+    env_cli.add_parser(sub)
     return parser
 
 

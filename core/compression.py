@@ -21,6 +21,7 @@ from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from .saving import check_output_dir
 from .state import CompressionState
+from .versions import warn_if_untested
 
 log = logging.getLogger("layerwise")
 
@@ -98,6 +99,7 @@ def compress(
     The run's summary is ``model.layerwise_report``.
     """
     start = time.perf_counter()
+    warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
     source = None
@@ -107,6 +109,7 @@ def compress(
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
     chosen_patch = chosen_patch or resolve_patch(model, patch)
+    warn_if_untested(chosen_patch)
     apply_patch(model, chosen_patch)
     model.eval()
 

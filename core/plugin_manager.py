@@ -105,7 +105,8 @@ def normalize_distribution(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _distribution_of(ep: Any) -> tuple[str, str]:
+def distribution_of(ep: Any) -> tuple[str, str]:
+    """``(name, version)`` of the distribution that declares entry point ``ep``."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown>", "?"
@@ -139,7 +140,7 @@ class PluginHost:
         disabled = _disabled_names()
         disabled_dists = {normalize_distribution(n) for n in disabled}
         for ep in entry_points(group=GROUP):
-            dist, version = _distribution_of(ep)
+            dist, version = distribution_of(ep)
             key = (normalize_distribution(dist), ep.name)
             if key in self._loaded:  # the same distribution found twice on sys.path, or loaded before
                 continue

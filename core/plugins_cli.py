@@ -6,7 +6,8 @@ until one is disabled or uninstalled), and with ``--strict`` (or ``LAYERWISE_STR
 also when any plugin is broken. ``--json`` prints the same report as one JSON object whose
 keys are stable: ``group``, ``summary``, ``plugins`` (each with ``name``, ``distribution``,
 ``version``, ``entry_point``, ``status``, ``broken``, ``disabled``, ``warnings``,
-``registered`` -- every kind, possibly empty -- and ``model_patches``) and ``conflicts``.
+``registered`` -- every kind, possibly empty -- and ``model_patches``, each with ``name``,
+``architectures``, ``model_types`` and ``verified_transformers``) and ``conflicts``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .plugin_manager import (
     normalize_distribution,
     strict_from_env,
 )
+from .versions import describe_span
 
 #: how the text report names each kind
 TITLES = {"pipelines": "pipelines", "modifiers": "modifiers", "model_patches": "model patches",
@@ -45,18 +47,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def collect() -> dict[str, Any]:
-    """The report ``layerwise plugins`` prints, as plain data (what ``--json`` shows)."""
+def collect(host: PluginHost | None = None) -> dict[str, Any]:
+    """The report ``layerwise plugins`` prints, as plain data (what ``--json`` shows).
+
+    ``host`` defaults to a fresh one that loads every installed entry point.
+    """
     with warnings.catch_warnings():  # the report lists broken plugins itself
         warnings.filterwarnings("ignore", message="layerwise plugin", category=RuntimeWarning)
-        host = PluginHost(strict=False)
+        host = host or PluginHost(strict=False)
         _, conflicts = host.survey()
     plugins = []
     for info in sorted(host.plugins.values(), key=lambda i: (normalize_distribution(i.distribution), i.name)):
         entry = info.as_dict()
         entry["registered"] = {kind: list(info.registered.get(kind, [])) for kind in KINDS}
         entry["model_patches"] = [
-            {"name": name, "architectures": list(patch.architectures), "model_types": list(patch.model_types)}
+            {"name": name, "architectures": list(patch.architectures), "model_types": list(patch.model_types),
+             "verified_transformers": list(patch.verified_transformers)}
             for name, patch in info.objects.get("model_patches", {}).items()
         ]
         plugins.append(entry)
@@ -98,7 +104,10 @@ def format_report(report: dict[str, Any]) -> str:
             for patch in plugin["model_patches"]:
                 matches = [f"architectures {', '.join(patch['architectures'])}" if patch["architectures"] else "",
                            f"model_types {', '.join(patch['model_types'])}" if patch["model_types"] else ""]
-                lines.append(f"      {patch['name']:<{width}}  {'; '.join(filter(None, matches)) or 'matches nothing'}")
+                span = tuple(patch["verified_transformers"])
+                verified = f"verified on transformers {describe_span(span)}" if span else "verified on: not stated"
+                lines.append(f"      {patch['name']:<{width}}  {'; '.join(filter(None, matches)) or 'matches nothing'}"
+                             f"; {verified}")
         if plugin["status"] == "ok" and not any(plugin["registered"].values()):
             lines.append("    (registered nothing)")
     broken = [p for p in report["plugins"] if p["status"] == "broken"]

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
@@ -27,7 +28,7 @@ BERT = ModelPatch(
     # the pooler and task heads are tiny and sensitive; embeddings are not Linear
     ignore=("re:.*pooler.*", "re:cls\\..*", "classifier"),
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -45,7 +46,7 @@ GEMMA3 = ModelPatch(
     sequential_targets=("SiglipEncoderLayer", "Gemma3DecoderLayer"),
     ignore=("lm_head", "re:.*multi_modal_projector.*"),
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from layerwise import ModelPatch, hookimpl
 from layerwise.tracing import opaque
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -110,7 +111,7 @@ IDEFICS3 = ModelPatch(
     ignore=("lm_head", "re:.*connector.*"),
     apply=traceable_image_features,
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
@@ -30,7 +31,7 @@ LLAMA = ModelPatch(
         (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
         (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
     ),
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

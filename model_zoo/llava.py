@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -75,7 +76,7 @@ LLAVA = ModelPatch(
     sequential_targets=_TARGETS,
     ignore=_IGNORE,
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 # Mistral3 (Pixtral tower + Mistral decoder) takes the same path under other class names

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -79,7 +80,7 @@ MLLAMA = ModelPatch(
     ignore=("lm_head", "re:.*multi_modal_projector.*"),
     opaque_functions=_opaque_functions(),
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

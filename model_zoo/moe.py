@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from layerwise.model_patch import ModelPatch
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -201,5 +202,5 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str) -
         apply=unfuse_experts,
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
-        verified_transformers=("5.23.0",),
+        verified_transformers=TESTED_TRANSFORMERS.releases,
     )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -65,7 +66,6 @@ _IGNORE = ("lm_head", "re:.*visual\\.merger.*")
 # get_placeholder_mask are methods: the tracer's autowrap turns their call statements into
 # opaque calls by itself, so they need no entry here
 _OPAQUE = _opaque_functions()
-_VERIFIED = ("5.23.0",)
 
 QWEN2_VL = ModelPatch(
     name="qwen2_vl",
@@ -82,7 +82,8 @@ QWEN2_VL = ModelPatch(
         (("re:.*language_model.*gate_proj", "re:.*language_model.*up_proj"),
          "re:.*language_model.*post_attention_layernorm"),
     ),
-    verified_transformers=_VERIFIED,
+    # before 5.23 the image path keeps rope_deltas as module state, which a trace cannot return
+    verified_transformers=TESTED_TRANSFORMERS.since("5.23.0"),
 )
 
 # the same model one release later: only the class names change

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
+from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs
 
@@ -35,7 +36,7 @@ WHISPER = ModelPatch(
     # proj_out is the (tied) vocabulary head
     ignore=("proj_out",),
     sample_inputs=sample_inputs,
-    verified_transformers=("5.23.0",),
+    verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..versions import warn_if_untested
 from .autowrap import ForwardRewriter, WrappedStatement
 from .opaque import default_opaque_functions
 from .partition import eliminate_dead_pure_nodes, partition
@@ -45,6 +46,7 @@ def trace(
     The first subgraph takes the model inputs by name; the last one returns
     ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
     """
+    warn_if_untested()
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
     ignored = resolve_modules(model, list(ignore)) if ignore else {}

@@ -93,13 +93,16 @@ VERIFY_TOLERANCE = 1e-5
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Execute ``layerwise trace``; 0 on success, 1 when the trace or verification fails."""
     from ..model_patch import apply_patch
+    from ..versions import warn_if_untested
     from . import trace
     from .result import TraceError
     from .samples import default_modality, sample_inputs
 
     out = out or sys.stdout
+    warn_if_untested(stacklevel=2)
     model = load_for_tracing(args.model, materialise=args.verify)
     patch = _find_patch(model)
+    warn_if_untested(patch, stacklevel=2)
     apply_patch(model, patch)
     modality = args.modality or default_modality(model.config)
     try:

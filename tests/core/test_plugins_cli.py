@@ -53,7 +53,8 @@ def test_lists_builtins_and_third_party_plugins_with_what_they_registered(instal
     assert lines[toy + 1].split() == ["toy", "lw_toy"]
     block = lines[toy + 1:toy + 6]
     assert "    modifiers: ToyModifier" in block and "    model patches:" in block
-    assert any(line.split() == ["toy-gpt2", "architectures", "GPT2LMHeadModel;", "model_types", "gpt2"]
+    assert any(line.split() == ["toy-gpt2", "architectures", "GPT2LMHeadModel;", "model_types", "gpt2;",
+                                "verified", "on:", "not", "stated"]
                for line in block)
     # built-ins, with the architectures each zoo patch matches
     assert any(line.strip().startswith("llama  architectures LlamaForCausalLM") and "model_types llama" in line
@@ -104,7 +105,7 @@ def test_json_report_has_stable_keys_and_the_same_content(installed, capsys):
         ("layerwise-toy", "0.3.1", "lw_toy", "ok")
     assert toy["registered"]["modifiers"] == ["ToyModifier"] and toy["registered"]["model_patches"] == ["toy-gpt2"]
     assert toy["model_patches"] == [{"name": "toy-gpt2", "architectures": ["GPT2LMHeadModel"],
-                                     "model_types": ["gpt2"]}]
+                                     "model_types": ["gpt2"], "verified_transformers": []}]
     broken = by_name["broken_import"]
     assert broken["status"] == "broken" and broken["distribution"] == "lw-broken" and broken["version"] == "2.0"
     assert broken["broken"] == "import failed: ImportError: needs the frobnicator backend"

@@ -11,6 +11,8 @@ from zoo_tiny_models import ARCHS
 from layerwise.matching import find_modules, unmatched
 from layerwise.model_patch import apply_patch, find_patch
 from layerwise.plugin_manager import PluginHost
+from layerwise.versions import TESTED_TRANSFORMERS, span_covers
+from tests.conftest import skip_unless_verified
 
 MODULES = sorted({arch.module for arch in ARCHS.values()})
 MODALITY_CASES = [(name, modality) for name, arch in ARCHS.items() for modality in arch.modalities]
@@ -50,6 +52,7 @@ def _built(name, patches):
     model = ARCHS[name].build()
     patch = find_patch(model, list(patches.values()))
     apply_patch(model, patch)
+    skip_unless_verified(patch)
     return model, patch
 
 
@@ -65,7 +68,9 @@ ARCHS_BY_PATCH = {arch.patch: arch.module for arch in ARCHS.values()}
 def test_every_patch_registers_with_a_verified_version(patches):
     assert set(patches) == {arch.patch for arch in ARCHS.values()}
     for patch in patches.values():
-        assert "5.23.0" in patch.verified_transformers, patch.name
+        lowest, newest = patch.verified_transformers
+        assert newest == TESTED_TRANSFORMERS.newest, patch.name
+        assert span_covers(TESTED_TRANSFORMERS.releases, lowest), patch.name
         assert patch.sample_inputs is not None and patch.sequential_targets, patch.name
 
 

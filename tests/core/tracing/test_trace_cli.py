@@ -8,6 +8,7 @@ import io
 import models
 
 from layerwise.tracing import cli
+from tests.conftest import skip_unless_verified
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -62,6 +63,9 @@ def _tiny_qwen2_vl_config():
 
 
 def test_vision_language_model_uses_its_patch_and_an_svg_falls_back_to_dot(tmp_path, monkeypatch) -> None:
+    from layerwise.model_zoo.qwen2_vl import QWEN2_VL
+
+    skip_unless_verified(QWEN2_VL)
     _tiny_qwen2_vl_config().save_pretrained(tmp_path)
     monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # as on a machine without graphviz
     code, text = _run(["trace", "--model", str(tmp_path), "--modality", "image", "--verify",

@@ -13,7 +13,7 @@ STARCODER2 = ModelPatch(
     architectures=("Starcoder2ForCausalLM",),
     sequential_targets=("Starcoder2DecoderLayer",),
     ignore=("lm_head",),
-    verified_transformers=("5.23.0",),
+    verified_transformers=("5.23.0", "5.24.0"),
 )
 
 
