@@ -6,7 +6,7 @@ two. The contract:
 
 - :data:`TESTED_TRANSFORMERS` is the range the test suite passed on: its lowest release is
   pyproject's floor and tox's ``transformers-lowest`` env; its newest is pinned in
-  ``constraints.txt``, which README's commands and CI install with. ``tests/test_versions.py``
+  ``constraints.txt``, which README's commands and CI install with. ``tests/test_release_train.py``
   keeps the four in step.
 - Outside that range, :func:`warn_if_untested` warns once per process at the start of
   ``compress()`` / ``trace()`` and points at ``layerwise trace --verify``; a model patch whose
@@ -30,9 +30,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TestedRange:
-    """The lowest and the newest release of ``package`` the test suite passed on."""
+    """The lowest and the newest release of a library the test suite passed on."""
 
-    package: str
     lowest: str
     newest: str
 
@@ -54,7 +53,7 @@ class TestedRange:
 
 
 #: the transformers releases the whole test suite passed on (see the module docstring)
-TESTED_TRANSFORMERS = TestedRange("transformers", lowest="5.20.2", newest="5.24.0")
+TESTED_TRANSFORMERS = TestedRange(lowest="5.20.2", newest="5.24.0")
 
 #: distributions whose versions change what layerwise does, in the order ``layerwise env`` lists them
 REPORTED_DISTRIBUTIONS = ("layerwise", "torch", "transformers", "compressed-tensors", "safetensors",
@@ -105,7 +104,7 @@ def environment() -> dict[str, object]:
     """What a bug report needs: versions, the tested range, and the accelerator torch sees."""
     versions = {name: installed_version(name) for name in REPORTED_DISTRIBUTIONS}
     running = versions["transformers"]
-    report: dict[str, object] = {
+    return {
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "versions": versions,
@@ -113,7 +112,6 @@ def environment() -> dict[str, object]:
                                 "running_is_tested": running is not None and TESTED_TRANSFORMERS.covers(running)},
         "accelerator": _accelerator(),
     }
-    return report
 
 
 def _accelerator() -> str:

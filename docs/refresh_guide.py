@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "GUIDE.md"
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"^```(?P<lang>\w+) guide-(?P<kind>test|output):(?P<name>[\w-]+)\n(?P<body>.*?)^```\s*$",
+FENCE = re.compile(r"^```(?P<lang>\w+) guide-(?P<kind>test|output):(?P<name>[\w-]+)\n(?P<body>.*?)^```[ \t]*$",
                    re.MULTILINE | re.DOTALL)
 #: the line that stands for omitted output in a pasted block
 ELIDED = "..."

@@ -99,6 +99,14 @@ def test_every_pasted_block_has_a_producer():
         assert f"(docs/{picture})" in GUIDE.read_text(encoding="utf-8")
 
 
+def test_refreshing_changes_only_the_blocks():
+    text = GUIDE.read_text(encoding="utf-8")
+    assert refresh.rewrite_guide(text, OUTPUTS) == text
+    changed = refresh.rewrite_guide(text, {"autowrap": "new line\n"})
+    assert changed.replace("```text guide-output:autowrap\nnew line\n```", "") == \
+        text.replace(f"```text guide-output:autowrap\n{OUTPUTS['autowrap']}```", "")
+
+
 @pytest.mark.parametrize("name", sorted([*refresh.PASTED, *refresh.PICTURES]))
 def test_pasted_output_holds_what_the_reader_relies_on(name, produced):
     """Pieces, targets, exact replay, cluster contents: the same on every supported transformers."""
