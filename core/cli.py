@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 from . import __version__
 from .errors import LayerwiseError
@@ -107,6 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plain_warnings(default: Callable[..., str]) -> Callable[..., str]:
+    """Show layerwise's own warnings as ``layerwise: warning: ...`` lines, others as Python does.
+
+    On the command line the file, line and source of the ``warnings.warn`` call inside
+    layerwise only hide the message.
+    """
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.startswith("layerwise."):
+            return f"layerwise: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    return format_warning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -115,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    default_format = warnings.formatwarning
+    warnings.formatwarning = _plain_warnings(default_format)
     try:
         return args.func(args)
     except LayerwiseError as exc:
@@ -123,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("layerwise: interrupted; nothing was saved", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = default_format
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from importlib.metadata import version
 
@@ -128,3 +130,18 @@ def test_plugins_shows_what_each_patch_was_verified_on(capsys):
     spans = {p["name"]: tuple(p["verified_transformers"]) for p in patches}
     assert spans["llama"] == (LOWEST, NEWEST) and spans["qwen2_vl"] == ("5.23.0", NEWEST)
     assert all(span[-1] == NEWEST for span in spans.values())
+
+
+def test_the_command_line_says_it_in_one_plain_line(tmp_path):
+    """What a user of `layerwise trace` sees on stderr on an untested release: the message, no source lines."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=64).save_pretrained(tmp_path)
+    script = ("import sys, layerwise.versions as v; v.transformers_version = lambda: '99.0.0'\n"
+              "from layerwise.cli import main; sys.exit(main(['trace', '--model', sys.argv[1]]))")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if "99.0.0" in line]
+    assert warned == [f"layerwise: warning: {versions.untested_message('99.0.0')}"]
+    assert "warn_if_untested(" not in run.stderr
