@@ -86,6 +86,11 @@ def describe_span(releases: tuple[str, ...]) -> str:
     return known[0] if len(known) == 1 else f"{known[0]} to {known[-1]}"
 
 
+def patch_verified_on(patch: ModelPatch, version: str) -> bool:
+    """False only when ``patch`` states the releases it was verified on and ``version`` is outside them."""
+    return not patch.verified_transformers or span_covers(patch.verified_transformers, version)
+
+
 def installed_version(distribution: str) -> str | None:
     """The installed version of ``distribution``, or ``None`` when it is not installed."""
     try:
@@ -148,7 +153,7 @@ def warn_if_untested(patch: ModelPatch | None = None, stacklevel: int = 3) -> No
             _warned.add("transformers")
             warnings.warn(untested_message(version), UntestedVersionWarning, stacklevel=stacklevel)
         return
-    if patch is None or not patch.verified_transformers or span_covers(patch.verified_transformers, version):
+    if patch is None or patch_verified_on(patch, version):
         return
     key = f"patch:{patch.name}"
     if key not in _warned:

@@ -4,7 +4,7 @@
     python docs/refresh_guide.py --check    # change nothing; exit 1 and show what is stale
 
 Nothing in GUIDE.md's output blocks is typed by hand: run this after moving the transformers
-pin (GUIDE.md, "Moving to a new transformers release"). ``tests/test_guide.py`` uses the same
+pin (GUIDE.md, section 9, "transformers releases: the tested range and moving the pin"). ``tests/test_guide.py`` uses the same
 functions: on the pinned transformers it asks for the exact text, on any other release only for
 :func:`reader_view`, the part a reader relies on (pieces, targets, exact replay), because internal
 value names and node counts follow transformers' code.
@@ -98,6 +98,8 @@ class Pasted:
     #: a function that returns the text, for output that needs more than one command
     producer: Callable[[], str] | None = None
     select: Callable[[list[str]], list[str]] = list
+    #: the zoo patch the output depends on: tests skip the block outside that patch's verified span
+    patch: str = ""
 
 
 EXAMPLE_PLUGIN = ROOT / "examples" / "layerwise-starcoder2"
@@ -133,8 +135,8 @@ PASTED: dict[str, Pasted] = {
     "trace-tiny-llama": Pasted(argv=("trace", "--model", "tiny-llama")),
     "verify-tiny-llama": Pasted(argv=("trace", "--model", "tiny-llama", "--verify"),
                                 select=lambda lines: [ELIDED, lines[-1]]),
-    "trace-tiny-qwen2-vl-image": Pasted(argv=QWEN2_VL_IMAGE, select=_head),
-    "trace-tiny-qwen2-vl-image-rest": Pasted(argv=QWEN2_VL_IMAGE, select=_tail),
+    "trace-tiny-qwen2-vl-image": Pasted(argv=QWEN2_VL_IMAGE, select=_head, patch="qwen2_vl"),
+    "trace-tiny-qwen2-vl-image-rest": Pasted(argv=QWEN2_VL_IMAGE, select=_tail, patch="qwen2_vl"),
     "autowrap": Pasted(example="autowrap"),
     "plugins-example": Pasted(producer=example_plugin_listing),
 }
@@ -221,12 +223,17 @@ def reader_view(name: str, text: str) -> list[str]:
     return view
 
 
+def pasted_text(name: str, blocks: dict[str, str]) -> str:
+    """What the guide shows now for ``name``: a picture file in docs/, or one of ``blocks``."""
+    return (DOCS / name).read_text(encoding="utf-8") if name in PICTURES else blocks.get(name, "")
+
+
 def stale(produced: dict[str, str]) -> dict[str, tuple[str, str]]:
     """``{name: (pasted, produced)}`` for every block or picture that differs from ``produced``."""
-    pasted = guide_blocks("output")
+    blocks = guide_blocks("output")
     found = {}
     for name, text in produced.items():
-        have = (DOCS / name).read_text(encoding="utf-8") if name in PICTURES else pasted.get(name, "")
+        have = pasted_text(name, blocks)
         if have != text:
             found[name] = (have, text)
     return found

@@ -13,10 +13,10 @@ import torch
 
 def skip_unless_verified(patch) -> None:
     """Skip a test of ``patch`` on a transformers release outside the span it says it was verified on."""
-    from layerwise.versions import describe_span, span_covers, transformers_version
+    from layerwise.versions import describe_span, patch_verified_on, transformers_version
 
     running = transformers_version()
-    if patch is not None and patch.verified_transformers and not span_covers(patch.verified_transformers, running):
+    if patch is not None and not patch_verified_on(patch, running):
         pytest.skip(f"model patch {patch.name!r} is verified on transformers "
                     f"{describe_span(patch.verified_transformers)}, not on {running}")
 

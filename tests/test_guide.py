@@ -78,19 +78,19 @@ def production(tmp_path_factory):
 
 @pytest.fixture
 def produced(production, request):
-    """The produced text; a Qwen2-VL block is skipped where its patch is not verified."""
+    """The produced text; a block that depends on a patch is skipped where that patch is not verified."""
     name = request.node.callspec.params["name"]
-    if "qwen2-vl" in name:
-        from layerwise.model_zoo.qwen2_vl import QWEN2_VL
+    if name in refresh.PASTED and refresh.PASTED[name].patch:
+        from layerwise.plugin_manager import registry
 
-        skip_unless_verified(QWEN2_VL)
+        skip_unless_verified(registry("model_patches").get(refresh.PASTED[name].patch))
     texts, failures = production
     assert name not in failures, failures[name]
     return texts
 
 
 def _pasted(name: str) -> str:
-    return (ROOT / "docs" / name).read_text() if name in refresh.PICTURES else OUTPUTS[name]
+    return refresh.pasted_text(name, OUTPUTS)
 
 
 def test_every_pasted_block_has_a_producer():
