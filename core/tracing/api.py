@@ -16,6 +16,7 @@ from ..versions import warn_if_untested
 from . import kinds
 from .autowrap import ForwardRewriter, WrappedStatement
 from .guards import Guard, GuardedCall, GuardProgram
+from .meta import to_meta
 from .opaque import default_opaque_functions
 from .partition import _is_pure, eliminate_dead_pure_nodes, partition
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
@@ -62,6 +63,49 @@ def trace(
     ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
     """
     warn_if_untested()
+    args = dict(sequential_targets=sequential_targets, ignore=ignore, targets_per_subgraph=targets_per_subgraph,
+                robust=robust, opaque_functions=opaque_functions, leaf_modules=leaf_modules,
+                skip_uncalled_targets=skip_uncalled_targets, patch=patch)
+    assumed = dict(assumed or {})
+    for _ in range(MAX_SAMPLE_RETRACES):
+        result = _trace(model, sample_inputs, assumed=assumed, **args)
+        broken = _broken_on_sample(result, sample_inputs)
+        if broken is None:
+            return result
+        guard, got = broken
+        if guard.kind != "result" or guard.key in assumed:
+            return result  # nothing more a re-trace can learn; replay() names the guard
+        assumed[guard.key] = to_meta(got)  # what the sample really gives, not what meta guessed
+    return result
+
+
+#: re-traces trace() makes so that its graph holds for its own sample
+MAX_SAMPLE_RETRACES = 8
+
+
+def _broken_on_sample(result: TraceResult, sample_inputs: Mapping[str, Any]) -> Any:
+    """The first guard the sample itself breaks (meta guesses an opaque result), if it has real values."""
+    tensors = [v for v in sample_inputs.values() if isinstance(v, torch.Tensor)]
+    weight = next(result.model.parameters(), None)
+    if not tensors or any(t.is_meta for t in tensors) or (weight is not None and weight.is_meta):
+        return None
+    with torch.no_grad():
+        return result.guard_violation(sample_inputs)
+
+
+def _trace(
+    model: torch.nn.Module,
+    sample_inputs: Mapping[str, Any],
+    sequential_targets: Sequence[str] | None,
+    ignore: Sequence[str] | None,
+    targets_per_subgraph: int,
+    robust: bool,
+    opaque_functions: Sequence[Callable[..., Any]],
+    leaf_modules: Sequence[str],
+    skip_uncalled_targets: bool | None,
+    patch: ModelPatch | str | bool | None,
+    assumed: Mapping[str, Any],
+) -> TraceResult:
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
     chosen = getattr(model, "_layerwise_patch", None) if patch is None else None

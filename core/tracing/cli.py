@@ -123,13 +123,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
           file=out)
     print(f"Inputs ({modality}): " + ", ".join(f"{k} {_describe(v)}" for k, v in inputs.items()), file=out)
     print(f"Targets ({source}): {', '.join(targets) if targets else ', '.join(_default_targets(model))}", file=out)
-    extra: dict[str, Any] = {}
-    if patch is not None:
-        extra = {"opaque_functions": tuple(patch.opaque_functions), "leaf_modules": tuple(patch.leaf_modules)}
     try:
         result = trace(model, inputs, sequential_targets=targets, ignore=ignore,
                        targets_per_subgraph=args.targets_per_subgraph, robust=not args.no_robust,
-                       skip_uncalled_targets=not args.targets, **extra)
+                       skip_uncalled_targets=not args.targets, patch=patch or False)
     except (TraceError, ValueError) as exc:
         print(f"Tracing {type(model).__name__} failed: {exc}", file=out)
         return 1
@@ -144,6 +141,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"  {name}: {why}", file=out)
     if result.opaque_calls:
         print("Opaque calls: " + ", ".join(sorted({c.function for c in result.opaque_calls})), file=out)
+    print(f"Guards (decisions a batch must keep, checked before it runs): {len(result.guards)}", file=out)
+    for guard in result.guards:
+        print(f"  {guard}", file=out)
     if result.notes:
         print("Notes:", file=out)
         for note in result.notes:

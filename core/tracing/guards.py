@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import fx
 
 from ..errors import LayerwiseError
 from .autowrap import short_path
-from .kinds import describe, kind_of, matches
+from .kinds import ANY, TENSOR_OR_NONE, describe, kind_of, matches
 from .meta import UNKNOWN, run_on_meta, to_meta
 
-#: Python files whose frames are never a guard's source (the tracer's own machinery)
-_MACHINERY = ("layerwise/tracing/", "core/tracing/", "torch/fx/", "torch/utils/_pytree", "torch/overrides")
+#: result patterns that any tensor-or-None keeps: checked where they run, not before each batch
+LOOSE = (ANY, TENSOR_OR_NONE)
+#: folders and files whose frames are never a guard's source (the tracer's own machinery)
+_MACHINERY = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(fx.__file__) + os.sep,
+              os.path.abspath(torch.overrides.__file__), os.path.abspath(torch.utils._pytree.__file__))
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,7 @@ class GuardViolation(LayerwiseError, RuntimeError):
 def decision_source() -> str:
     """``file:line`` of the innermost model-code frame on the stack (not the tracer's own)."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        path = frame.filename.replace("\\", "/")
-        if not any(part in path for part in _MACHINERY):
+        if not os.path.abspath(frame.filename).startswith(_MACHINERY):
             return f"{short_path(frame.filename)}:{frame.lineno}"
     return "<unknown>"
 
@@ -146,8 +150,9 @@ class GuardProgram:
             kept.append(guard)
             if guard.kind == "value":
                 meta_guards[guard.id] = node
-            elif not any(n.op == "call_module" and n.target in targets for n in ancestors):
-                real_guards[guard.id] = node
+            elif guard.expected not in LOOSE and not any(n.op == "call_module" and n.target in targets
+                                                         for n in ancestors):
+                real_guards[guard.id] = node  # a loose pattern is left to the in-line check: no per-batch cost
         return cls(kept, _program(graph, meta_guards, root, constants), _program(graph, real_guards, root, constants),
                    dict(assumed_meta))
 

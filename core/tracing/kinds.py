@@ -2,7 +2,7 @@
 
 A kind is what a ``result`` guard compares: ``None``, ``Tensor``, or a container of kinds
 (``tuple(Tensor, None)``, ``{full_attention: Tensor}``). A pattern is a kind that may also
-say ``Tensor?`` (a tensor or ``None``: only code that tests it itself reads it) or ``*``
+say ``Tensor|None`` (only code that tests it itself reads it: kernels, modules) or ``any``
 (nothing in the graph reads it). Kinds are nested tuples, so guards stay hashable.
 """
 
@@ -56,7 +56,7 @@ def matches(pattern: Kind, value: Any) -> bool:
 def describe(kind: Kind) -> str:
     """``tuple(Tensor, None)``, ``{full_attention: Tensor?}``: a kind or pattern for people."""
     if isinstance(kind, str):
-        return kind
+        return {TENSOR_OR_NONE: "Tensor|None", ANY: "any"}.get(kind, kind)
     name, items = kind
     if name in ("tuple", "list"):
         return f"{name}({', '.join(describe(k) for k in items)})"
