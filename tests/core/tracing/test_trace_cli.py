@@ -43,10 +43,15 @@ def test_meta_build_without_verify_and_audio(tmp_path) -> None:
     assert "into 5 subgraphs" in text and "max abs diff" not in text
 
 
-def test_bad_targets_report_failure(tmp_path) -> None:
+def test_bad_targets_are_a_usage_error_with_the_closest_names(tmp_path, capsys) -> None:
+    from layerwise.cli import main
+
     models.build("GPT2LMHeadModel").config.save_pretrained(tmp_path)
-    code, text = _run(["trace", "--model", str(tmp_path), "--targets", "NoSuchLayer"])
-    assert code == 1 and "match no module" in text
+    for flag, typo in (("--targets", "GPT2Blok"), ("--ignore", "lm_haed")):
+        assert main(["trace", "--model", str(tmp_path), flag, typo]) == 2
+        err = capsys.readouterr().err
+        assert f"{typo!r} matches no module of GPT2LMHeadModel" in err and "did you mean" in err
+        assert "Traceback" not in err
 
 
 def _tiny_qwen2_vl_config():
