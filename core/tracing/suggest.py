@@ -8,6 +8,7 @@ Linear layers outside the blocks (task heads, projections) are proposed as ``ign
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -51,7 +52,7 @@ def suggest_patch(model: torch.nn.Module, target_names: Sequence[str]) -> str:
         "from layerwise.versions import TESTED_TRANSFORMERS",
         "",
         f"{slug.upper()} = ModelPatch(",
-        f"    name={slug!r},",
+        f"    name={_str(slug)},",
         f"    model_types={_tuple([model_type])},",
         f"    architectures={_tuple(architectures)},",
         f"    sequential_targets={_tuple(portable_targets(model, target_names))},",
@@ -70,4 +71,9 @@ def suggest_patch(model: torch.nn.Module, target_names: Sequence[str]) -> str:
 
 def _tuple(items: Sequence[str] | dict[str, None]) -> str:
     items = list(items)
-    return "(" + ", ".join(repr(i) for i in items) + ("," if len(items) == 1 else "") + ")"
+    return "(" + ", ".join(_str(i) for i in items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _str(text: str) -> str:
+    """A double-quoted Python literal, as the zoo writes them (JSON escapes are Python's)."""
+    return json.dumps(text)

@@ -106,3 +106,22 @@ def test_summary_prints_the_targets_line(capsys) -> None:
     layerwise.compress(model, GPTQ, dataset=_batches(), patch=False, show_progress=False)
     _print_summary(model)
     assert "targets:            2 x ElectraLayer (encoder.layer.0-1), found by structure" in capsys.readouterr().out
+
+
+def test_real_minilm_held_out_from_the_zoo_compresses_sequentially(minilm_path) -> None:
+    """MiniLM as a family layerwise does not know: no patch, no ``_no_split_modules``."""
+    from layerwise.demo import demo_sentences
+    from layerwise.loading import load_model, load_tokenizer
+
+    model = load_model(minilm_path, patch=False)
+    model._no_split_modules = []  # on the instance: what a class that declares none looks like
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layerwise.compress(model, "GPTQ_W4A16", dataset=demo_sentences("calibration")[:16],
+                           tokenizer=load_tokenizer(minilm_path), max_seq_length=32, num_calibration_samples=16,
+                           patch=False, show_progress=False)
+    assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
+    report = model.layerwise_report
+    assert report.pipeline == "sequential"
+    assert report.targets_found == "6 x BertLayer (encoder.layer.0-5), found by structure"
+    assert len(report.compressed_modules) == 37  # 6 layers x 6 Linear, and the pooler: no patch ignores it

@@ -203,5 +203,5 @@ def test_suggested_patch_uses_class_names_and_ignores_the_linears_outside_the_bl
 def test_suggested_patch_falls_back_to_regexes_when_the_class_is_used_elsewhere() -> None:
     model = _Plain()
     source = suggest_patch(model, ["blocks.0", "blocks.1", "blocks.2"])
-    assert "sequential_targets=('re:blocks\\\\.\\\\d+',)" in source  # _Block also sits in 'shared'
-    assert "'head'" in source and "'heads.0'" in source
+    assert 'sequential_targets=("re:blocks\\\\.\\\\d+",)' in source  # _Block also sits in 'shared'
+    assert '"head"' in source and '"heads.0"' in source
