@@ -20,7 +20,7 @@ from .meta import to_meta
 from .opaque import default_opaque_functions
 from .partition import _is_pure, eliminate_dead_pure_nodes, partition
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
-from .targets import TargetError, resolve_modules, resolve_targets
+from .targets import TargetError, choose_targets, resolve_modules, resolve_targets
 from .tracer import LayerwiseTracer, forward_signature
 
 #: how many times a trace is retried after wrapping a statement or making a module a leaf
@@ -113,9 +113,9 @@ def _trace(
     apply_patch(model, chosen)
     if skip_uncalled_targets is None:
         skip_uncalled_targets = sequential_targets is None
+    if sequential_targets is None:  # the patch's, else _no_split_modules, else found by structure
+        sequential_targets = list(choose_targets(model, None, chosen).targets) or None
     if chosen is not None:
-        if sequential_targets is None and chosen.sequential_targets:
-            sequential_targets = list(chosen.sequential_targets)
         if ignore is None:
             ignore = list(chosen.ignore)
         opaque_functions = [*chosen.opaque_functions, *opaque_functions]
