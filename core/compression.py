@@ -147,7 +147,9 @@ def compress(
 
     try:
         lifecycle.initialize()
-        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+        # targets the user named are never dropped for the whole model at once: no fallback to basic
+        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
+                                     exclude=("basic",) if sequential_targets else ())
     except BaseException:
         lifecycle.remove_hooks()  # no modifier hook outlives a failed run
         raise

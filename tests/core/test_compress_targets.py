@@ -125,3 +125,28 @@ def test_real_minilm_held_out_from_the_zoo_compresses_sequentially(minilm_path) 
     assert report.pipeline == "sequential"
     assert report.targets_found == "6 x BertLayer (encoder.layer.0-5), found by structure"
     assert len(report.compressed_modules) == 37  # 6 layers x 6 Linear, and the pooler: no patch ignores it
+
+
+class _Swallowed(_Chainless):
+    """The blocks run under a condition on tensor values: tracing wraps them (and the targets) away."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block, norm in zip(self.blocks, self.norms):
+            if x.sum() > 0:
+                x = norm(block(x))
+            else:
+                x = norm(block(-x))
+        return x
+
+
+def test_targets_the_user_named_never_fall_back_to_the_whole_model() -> None:
+    model = _Swallowed().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(PipelineFailed, match="not the output of"):  # layer_sequential's reason, last tried
+            layerwise.compress(model, GPTQ, dataset=_batches(), sequential_targets=["re:blocks\\.\\d+"],
+                               show_progress=False)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, PipelineFallbackWarning)]
+    assert len(fallbacks) == 1 and "falling back to 'layer_sequential'" in fallbacks[0]
+    assert not any("'basic'" in message for message in fallbacks)
