@@ -39,6 +39,15 @@ class CompressionReport:
     calibration_samples: int
     output_dir: str | None = None
     layer_log: list[dict[str, Any]] = field(default_factory=list)
+    #: the folder or hub id compressed, or the class name of a module passed in
+    model: str | None = None
+    #: the recipe as YAML (what ``recipe.yaml`` holds)
+    recipe: str = ""
+    sequential_targets: list[str] = field(default_factory=list)
+    #: why a pipeline of the chain could not calibrate the model (one message per fallback)
+    fallbacks: list[str] = field(default_factory=list)
+    #: trace guards that failed on some batch, so that the graph was traced again for it
+    guards_retraced: list[str] = field(default_factory=list)
 
 
 def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
@@ -135,11 +144,12 @@ def compress(
                               offload=offload, execution_device=state.execution_device,
                               targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
     lifecycle = Lifecycle(state)
-    from .pipeline_selection import run_pipeline
+    from .pipeline_selection import recording_fallbacks, run_pipeline
 
     try:
         lifecycle.initialize()
-        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+        with recording_fallbacks() as fallbacks:
+            pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
     except BaseException:
         lifecycle.remove_hooks()  # no modifier hook outlives a failed run
         raise
@@ -152,6 +162,8 @@ def compress(
         pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
         compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
         bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
+        model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
+        fallbacks=fallbacks, guards_retraced=list(state.guards_retraced),
     )
     if saver is not None:
         extra = {"layerwise_log.json": _json(state.log)} if state.log else {}

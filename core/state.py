@@ -23,3 +23,5 @@ class CompressionState:
     execution_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     #: free-form per-layer records modifiers write (loss, time, ...); saved with the model
     log: list[dict[str, Any]] = field(default_factory=list)
+    #: trace guards that failed on a batch and made the pipeline trace again; copied into the report
+    guards_retraced: list[str] = field(default_factory=list)
