@@ -166,12 +166,15 @@ def compress(
         fallbacks=fallbacks, guards_retraced=list(state.guards_retraced),
     )
     if saver is not None:
-        extra = {"layerwise_log.json": _json(state.log)} if state.log else {}
+        from .run_summary import SUMMARY_FILE, summary_json
+
+        report.output_dir = str(Path(output_dir))
+        report.seconds = time.perf_counter() - start  # the saved summary counts up to saving
+        extra = {SUMMARY_FILE: summary_json(report)}
         for modifier in modifiers:
             extra.update(modifier.output_files())
-        saver(model, output_dir, tokenizer=tokenizer, recipe=recipe_to_yaml(modifiers),
+        saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
               extra_files=extra, overwrite=overwrite)
-        report.output_dir = str(Path(output_dir))
     report.seconds = time.perf_counter() - start
     model.layerwise_report = report  # type: ignore[attr-defined]
     return model
@@ -201,9 +204,3 @@ def _compressed_bytes(model: torch.nn.Module) -> int:
                 if isinstance(buffer, torch.Tensor):
                     total += buffer.numel() * buffer.element_size()
     return total
-
-
-def _json(records: list[dict[str, Any]]) -> str:
-    import json
-
-    return json.dumps(records, indent=1, default=str)
