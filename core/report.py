@@ -40,11 +40,6 @@ class ChartRow:
     layers: int
 
 
-def has_losses(records: Sequence[Record]) -> bool:
-    """Whether any record carries a numeric loss (round-to-nearest runs log none)."""
-    return any(loss_of(r) is not None for r in records)
-
-
 def supports_blocks(stream: TextIO) -> bool:
     """Whether ``stream`` can print the eighth-block characters (else charts fall back to ASCII)."""
     encoding = getattr(stream, "encoding", None)
