@@ -1,4 +1,4 @@
-"""The ``layerwise`` command: compress, trace, plugins, env."""
+"""The ``layerwise`` command: compress, trace, report, plugins, env."""
 
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ def _slug(recipe: str) -> str:
 
     name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     return name.lower() if re.fullmatch(r"[\w.-]+", name) else "custom"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _add_compress(sub: argparse._SubParsersAction) -> None:
@@ -53,18 +49,25 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_summary(model) -> None:
+    from .report import loss_chart, run_notes, size_text, supports_blocks
+
     report = model.layerwise_report
     print(f"pipeline:           {report.pipeline}")
+    for line in run_notes(report.fallbacks, report.guards_retraced):
+        print(line)
     print(f"modifiers:          {', '.join(report.modifiers)}")
     if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
         print(f"targets:            {report.targets_found}")
     print(f"modules compressed: {len(report.compressed_modules)}")
     print(f"calibration:        {report.calibration_samples} samples")
     print(f"time:               {report.seconds:.1f} s")
-    ratio = report.bytes_before / max(report.bytes_after, 1)
-    print(f"size:               {_mib(report.bytes_before)} -> {_mib(report.bytes_after)} ({ratio:.2f}x smaller)")
+    print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
     if report.output_dir:
-        print(f"saved to:           {report.output_dir}")
+        print(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
+    chart = loss_chart(report.layer_log, ascii_only=not supports_blocks(sys.stdout))
+    if chart:
+        print()
+        print("\n".join(chart))
 
 
 def _run_compress(args: argparse.Namespace) -> int:
@@ -101,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log per-layer details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compress(sub)
-    from . import env_cli, plugins_cli
+    from . import env_cli, plugins_cli, report_cli
     from .tracing import cli as trace_cli
 
     trace_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     plugins_cli.add_parser(sub)
     env_cli.add_parser(sub)
     return parser

@@ -45,6 +45,15 @@ class CompressionReport:
     #: ``given``, ``patch``, ``_no_split_modules``, ``structure`` or ``none``
     targets_source: str = ""
     layer_log: list[dict[str, Any]] = field(default_factory=list)
+    #: the folder or hub id compressed, or the class name of a module passed in
+    model: str | None = None
+    #: the recipe as YAML (what ``recipe.yaml`` holds)
+    recipe: str = ""
+    sequential_targets: list[str] = field(default_factory=list)
+    #: why a pipeline of the chain could not calibrate the model (one message per fallback)
+    fallbacks: list[str] = field(default_factory=list)
+    #: trace guards that failed on some batch, so that the graph was traced again for it
+    guards_retraced: list[str] = field(default_factory=list)
 
 
 def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
@@ -143,13 +152,14 @@ def compress(
                               offload=offload, execution_device=state.execution_device,
                               targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
     lifecycle = Lifecycle(state)
-    from .pipeline_selection import run_pipeline
+    from .pipeline_selection import recording_fallbacks, run_pipeline
 
     try:
         lifecycle.initialize()
         # targets the user named are never dropped for the whole model at once: no fallback to basic
-        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
-                                     exclude=("basic",) if sequential_targets else ())
+        with recording_fallbacks() as fallbacks:
+            pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
+                                         exclude=("basic",) if sequential_targets else ())
     except BaseException:
         lifecycle.remove_hooks()  # no modifier hook outlives a failed run
         raise
@@ -163,14 +173,19 @@ def compress(
         compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
         bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
         targets_found=targets_found, targets_source=choice.source,
+        model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
+        fallbacks=fallbacks, guards_retraced=list(state.guards_retraced),
     )
     if saver is not None:
-        extra = {"layerwise_log.json": _json(state.log)} if state.log else {}
+        from .run_summary import SUMMARY_FILE, summary_json
+
+        report.output_dir = str(Path(output_dir))
+        report.seconds = time.perf_counter() - start  # the saved summary counts up to saving
+        extra = {SUMMARY_FILE: summary_json(report)}
         for modifier in modifiers:
             extra.update(modifier.output_files())
-        saver(model, output_dir, tokenizer=tokenizer, recipe=recipe_to_yaml(modifiers),
+        saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
               extra_files=extra, overwrite=overwrite)
-        report.output_dir = str(Path(output_dir))
     report.seconds = time.perf_counter() - start
     model.layerwise_report = report  # type: ignore[attr-defined]
     return model
@@ -200,9 +215,3 @@ def _compressed_bytes(model: torch.nn.Module) -> int:
                 if isinstance(buffer, torch.Tensor):
                     total += buffer.numel() * buffer.element_size()
     return total
-
-
-def _json(records: list[dict[str, Any]]) -> str:
-    import json
-
-    return json.dumps(records, indent=1, default=str)

@@ -11,7 +11,9 @@ The choice, in order:
 
 Along a chain, a pipeline that raises :class:`~layerwise.pipeline.PipelineFailed`
 (e.g. the model cannot be traced) is reported with a :class:`PipelineFallbackWarning`
-naming it and the reason, and the next one runs. Out-of-memory errors, ``MemoryError``
+naming it and the reason, and the next one runs. Inside :func:`recording_fallbacks` the
+messages are also collected, whatever the warning filters say (``compress()`` puts them in
+its report). Out-of-memory errors, ``MemoryError``
 and ``KeyboardInterrupt`` are never caught. A pipeline that fails *after* modifiers
 compressed some weights is not replaced either (the model is half done): that raises
 :class:`PipelineAborted`.
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -48,6 +51,25 @@ class PipelineFallbackWarning(UserWarning):
 
 class PipelineAborted(LayerwiseError, RuntimeError):
     """A pipeline failed after weights were already compressed; no other pipeline may take over."""
+
+
+#: the lists that collect fallback messages, innermost last (see :func:`recording_fallbacks`)
+_recorders: ContextVar[tuple[list[str], ...]] = ContextVar("layerwise_fallback_recorders", default=())
+
+
+@contextlib.contextmanager
+def recording_fallbacks() -> Iterator[list[str]]:
+    """Collect the message of every fallback inside the block into the list it yields.
+
+    Not through ``warnings``: a filter that ignores :class:`PipelineFallbackWarning`, or the
+    once-per-message default, must not make a run's report say that nothing fell back.
+    """
+    messages: list[str] = []
+    token = _recorders.set((*_recorders.get(), messages))
+    try:
+        yield messages
+    finally:
+        _recorders.reset(token)
 
 
 def select_pipeline(model: torch.nn.Module, modifiers: Sequence[Any], requested: str | None = None) -> list[str]:
@@ -94,6 +116,8 @@ def run_pipeline(model: torch.nn.Module, batches: Sequence[dict[str, Any]], life
             message = (f"pipeline {name!r} cannot calibrate {type(model).__name__}, falling back to {following!r}. "
                        f"Why: {exc}")
             log.warning(message)
+            for messages in _recorders.get():
+                messages.append(message)
             warnings.warn(message, PipelineFallbackWarning, stacklevel=2)
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -80,7 +80,7 @@ def test_gptq_recipe_on_text_data_runs_sequentially(wide_llama_dir, tmp_path):
     assert report.pipeline == "sequential"
     assert report.calibration_samples == 8
     assert len(report.compressed_modules) == 14  # 2 layers x 7 Linear
-    assert (tmp_path / "gptq" / "layerwise_log.json").is_file()
+    assert (tmp_path / "gptq" / "layerwise_summary.json").is_file()  # the per-layer log is in it
 
 
 @pytest.mark.parametrize("per_subgraph,pieces", [(1, 3), (2, 2)])

@@ -225,3 +225,26 @@ def test_layer_sequential_fails_cleanly_on_a_non_chain_and_basic_takes_over(monk
     messages = [str(w.message) for w in record]
     assert any("'sequential'" in m and "simulated" in m for m in messages)
     assert any("'layer_sequential'" in m and "not a simple chain" in m for m in messages)
+
+
+def test_fallbacks_are_recorded_whatever_the_warning_filters():
+    from layerwise.pipeline_selection import recording_fallbacks
+
+    model = Untraceable().eval()
+    with warnings.catch_warnings(), recording_fallbacks() as outer, recording_fallbacks() as inner:
+        warnings.simplefilter("ignore", PipelineFallbackWarning)
+        run_pipeline(model, make_batches(), make_lifecycle(model, RoundingModifier()), options())
+    assert len(inner) == 1 and inner == outer
+    assert inner[0].startswith("pipeline 'sequential' cannot calibrate Untraceable, falling back to 'layer_sequential'")
+
+
+@pytest.mark.filterwarnings("ignore:GPTQ. layer 'model.lm_head' is rounded to nearest")  # a wrapper's head sees no data
+def test_compress_reports_the_fallbacks():
+    import layerwise
+
+    with pytest.warns(PipelineFallbackWarning):
+        model = layerwise.compress(Untraceable().eval(), "GPTQ_W8A16", dataset=make_batches(), show_progress=False)
+    report = model.layerwise_report
+    assert report.pipeline == "layer_sequential"
+    assert len(report.fallbacks) == 1 and "falling back to 'layer_sequential'" in report.fallbacks[0]
+    assert report.guards_retraced == []

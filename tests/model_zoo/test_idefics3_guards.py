@@ -50,5 +50,7 @@ def test_compress_calibrates_mixed_batches_sequentially_without_falling_back() -
         warnings.simplefilter("error")  # no fallback warning, no other warning
         compress(model, recipe, dataset=[full, padded], sequential_targets=[TEXT_LAYERS], show_progress=False)
     report = model.layerwise_report
-    assert report.pipeline == "sequential"
+    assert report.pipeline == "sequential" and not report.fallbacks
+    (retraced,) = report.guards_retraced  # the padded image broke the full image's mask guard
+    assert "create_bidirectional_mask" in retraced and "batch 1 gave Tensor" in retraced
     assert any("text_model.layers.1" in name for name in report.compressed_modules)
