@@ -27,6 +27,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a count of 1 or more (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _add_compress(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compress", help="compress a model with a recipe and calibration data",
                        description="Compress a model. With no --model, compresses the embedded demo "
@@ -36,11 +47,11 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
     p.add_argument("--output-dir", help="where to save (compressed-tensors format)")
-    p.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
-    p.add_argument("--max-seq-length", type=int, default=None,
+    p.add_argument("--num-samples", type=_positive_int, default=512, help="calibration samples (default 512)")
+    p.add_argument("--max-seq-length", type=_positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's context length if shorter)")
     p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
-    p.add_argument("--targets-per-subgraph", type=int, default=1, metavar="N",
+    p.add_argument("--targets-per-subgraph", type=_positive_int, default=1, metavar="N",
                    help="calibrate N consecutive targets as one piece (fewer passes, more memory)")
     p.add_argument("--ignore", nargs="+", help="modules left uncompressed (names, classes or re:patterns)")
     p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")

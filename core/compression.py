@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .data import calibration_batches
-from .errors import DatasetError
+from .errors import DatasetError, require_positive
 from .lifecycle import Lifecycle
 from .loading import load_model, load_tokenizer
 from .model_patch import ModelPatch, apply_patch, resolve_patch
@@ -99,6 +99,7 @@ def compress(
     The run's summary is ``model.layerwise_report``.
     """
     start = time.perf_counter()
+    _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
@@ -163,6 +164,14 @@ def compress(
     report.seconds = time.perf_counter() - start
     model.layerwise_report = report  # type: ignore[attr-defined]
     return model
+
+
+def _check_counts(num_calibration_samples: int, max_seq_length: int | None, targets_per_subgraph: int) -> None:
+    """Refuse a count below 1 before loading anything (0 tokens per sample used to end in ``range()``)."""
+    require_positive(num_calibration_samples, "num_calibration_samples", "--num-samples")
+    if max_seq_length is not None:
+        require_positive(max_seq_length, "max_seq_length", "--max-seq-length")
+    require_positive(targets_per_subgraph, "targets_per_subgraph", "--targets-per-subgraph")
 
 
 def _execution_device() -> torch.device:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import DatasetError
+from .errors import DatasetError, require_positive
 from .plugin_manager import registry
 
 Batch = dict[str, torch.Tensor]
@@ -59,8 +59,8 @@ def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 5
                         max_seq_length: int = 2048, packing: str | None = None,
                         shuffle: bool = False, seed: int = 0) -> list[Batch]:
     """Up to ``num_samples`` batches of one sample each (no padding wasted on calibration)."""
-    if num_samples < 1:
-        raise DatasetError(f"num_calibration_samples must be >= 1, got {num_samples}")
+    require_positive(num_samples, "num_samples")
+    require_positive(max_seq_length, "max_seq_length")
     records = load_records(source)
     if isinstance(records[0], str):
         samples = _tokenize(records, tokenizer, num_samples, max_seq_length, packing)
