@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .data import calibration_batches
+from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
 from .lifecycle import Lifecycle
 from .loading import load_model, load_tokenizer
@@ -103,6 +103,17 @@ def compress(
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
+    # what the user typed is checked before the model loads: a typo costs a second, not minutes
+    modifiers = parse_recipe(recipe)
+    saver = registry("savers").get(save_format) if output_dir is not None else None
+    if pipeline is not None:
+        registry("pipelines").get(pipeline)  # an unknown name lists the registered ones
+    needs_data = any(m.requires_data for m in modifiers)
+    if needs_data and dataset is None:
+        names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
+        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
+                           f"a datasets.Dataset or tokenized samples)")
+    records = load_records(dataset) if needs_data else []
     source = None
     if not isinstance(model, torch.nn.Module):
         source = str(model)
@@ -114,19 +125,12 @@ def compress(
     apply_patch(model, chosen_patch)
     model.eval()
 
-    modifiers = parse_recipe(recipe)
-    saver = registry("savers").get(save_format) if output_dir is not None else None
     targets = list(sequential_targets) if sequential_targets else default_targets(model, chosen_patch)
     ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
-    needs_data = any(m.requires_data for m in modifiers)
-    if needs_data and dataset is None:
-        names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
-        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
-                           f"a datasets.Dataset or tokenized samples)")
     if max_seq_length is None:
         max_seq_length = default_max_seq_length(model)
-    batches = (calibration_batches(dataset, tokenizer, num_calibration_samples, max_seq_length, packing)
-               if needs_data else [])
+    batches = (batches_from_records(records, tokenizer, num_calibration_samples, max_seq_length, packing,
+                                    source=dataset) if needs_data else [])
 
     bytes_before = _parameter_bytes(model)
     state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
