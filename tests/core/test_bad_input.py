@@ -320,3 +320,11 @@ def test_a_pipeline_asked_for_by_name_that_cannot_run_says_how_to_let_layerwise_
     message = str(info.value)
     assert "pipeline 'sequential', asked for by name, cannot calibrate Untraceable" in message
     assert "Leave out pipeline= (CLI: --pipeline)" in message and info.value.__cause__ is not None
+
+
+def test_the_guide_troubleshooting_table_lists_every_case():
+    guide = (Path(__file__).resolve().parents[2] / "GUIDE.md").read_text()
+    section = guide.split("## 10. Troubleshooting")[1].split("\n## ")[0]
+    rows = [line.split(" | ")[0].replace("`", "") for line in section.splitlines() if line.startswith("| ")]
+    missing = [name for name, *_ in CASES if not any(name in row for row in rows)]
+    assert not missing, f"GUIDE.md section 10 has no row for: {missing}"
