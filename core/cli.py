@@ -68,6 +68,8 @@ def _print_summary(model) -> None:
     report = model.layerwise_report
     print(f"pipeline:           {report.pipeline}")
     print(f"modifiers:          {', '.join(report.modifiers)}")
+    if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
+        print(f"targets:            {report.targets_found}")
     print(f"modules compressed: {len(report.compressed_modules)}")
     print(f"calibration:        {report.calibration_samples} samples")
     print(f"time:               {report.seconds:.1f} s")

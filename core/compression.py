@@ -21,6 +21,7 @@ from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from .saving import check_output_dir
 from .state import CompressionState
+from .tracing.targets import check_entries, choose_targets
 from .versions import warn_if_untested
 
 log = logging.getLogger("layerwise")
@@ -38,14 +39,17 @@ class CompressionReport:
     bytes_after: int
     calibration_samples: int
     output_dir: str | None = None
+    #: what the sequential targets selected and where they came from:
+    #: ``6 x BertLayer (encoder.layer.0-5), found by structure``
+    targets_found: str = ""
+    #: ``given``, ``patch``, ``_no_split_modules``, ``structure`` or ``none``
+    targets_source: str = ""
     layer_log: list[dict[str, Any]] = field(default_factory=list)
 
 
 def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
-    """Sequential targets: the patch's, else the model's ``_no_split_modules``."""
-    if patch is not None and patch.sequential_targets:
-        return list(patch.sequential_targets)
-    return list(getattr(model, "_no_split_modules", None) or [])
+    """Sequential targets: the patch's, else ``_no_split_modules``, else the blocks found by structure."""
+    return list(choose_targets(model, patch=patch).targets)
 
 
 #: tokens per calibration sample unless the model's context is shorter
@@ -125,7 +129,11 @@ def compress(
     apply_patch(model, chosen_patch)
     model.eval()
 
-    targets = list(sequential_targets) if sequential_targets else default_targets(model, chosen_patch)
+    # what the user wrote is checked before any calibration: a typo is an error, never a fallback
+    choice = choose_targets(model, sequential_targets, chosen_patch)
+    if ignore is not None:
+        check_entries(model, ignore, "ignore entry")
+    targets, targets_found = list(choice.targets), choice.describe(model)
     ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
     if max_seq_length is None:
         max_seq_length = default_max_seq_length(model)
@@ -144,7 +152,9 @@ def compress(
 
     try:
         lifecycle.initialize()
-        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline)
+        # targets the user named are never dropped for the whole model at once: no fallback to basic
+        pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
+                                     exclude=("basic",) if sequential_targets else ())
     except BaseException:
         lifecycle.remove_hooks()  # no modifier hook outlives a failed run
         raise
@@ -157,6 +167,7 @@ def compress(
         pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
         compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
         bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
+        targets_found=targets_found, targets_source=choice.source,
     )
     if saver is not None:
         extra = {"layerwise_log.json": _json(state.log)} if state.log else {}

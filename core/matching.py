@@ -27,9 +27,12 @@ def matches(name: str, module: torch.nn.Module, patterns: Iterable[str]) -> bool
     return False
 
 
-def _is_linear_like(module: torch.nn.Module) -> bool:
-    # transformers' Conv1D (GPT-2) stores a transposed Linear; treated as Linear
+def is_linear_like(module: torch.nn.Module) -> bool:
+    """A ``torch.nn.Linear``, or transformers' ``Conv1D`` (GPT-2), which stores a transposed Linear."""
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+_is_linear_like = is_linear_like
 
 
 def find_modules(model: torch.nn.Module, targets: Iterable[str], ignore: Iterable[str] = ()) -> dict[str, torch.nn.Module]:

@@ -5,7 +5,9 @@ The choice, in order:
 1. a pipeline the user named -- used as is; if it fails, its error is raised;
 2. ``datafree`` when no modifier needs data (``requires_data is False`` for all);
 3. a plugin's choice (``layerwise_select_pipeline``), followed by the default chain;
-4. the default chain ``sequential`` -> ``layer_sequential`` -> ``basic``.
+4. the default chain ``sequential`` -> ``layer_sequential`` -> ``basic``; ``compress()``
+   leaves ``basic`` out when the user named sequential targets (calibrating the whole model
+   at once would silently drop what they asked for).
 
 Along a chain, a pipeline that raises :class:`~layerwise.pipeline.PipelineFailed`
 (e.g. the model cannot be traced) is reported with a :class:`PipelineFallbackWarning`

@@ -23,3 +23,5 @@ class CompressionState:
     execution_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     #: free-form per-layer records modifiers write (loss, time, ...); saved with the model
     log: list[dict[str, Any]] = field(default_factory=list)
+    #: trace guards some batch broke, each forcing a trace of its own (see layerwise.tracing.retrace)
+    guards_retraced: list[str] = field(default_factory=list)

@@ -38,8 +38,8 @@ def _load_refresh_script():
 refresh = _load_refresh_script()
 
 #: every example the guide promises; removing one from GUIDE.md must be a conscious change here
-EXAMPLES = {"tiny-folders", "trace-api", "targets", "autowrap", "robust", "opaque", "dtypes", "shapes",
-            "model-patch", "modifier", "pipeline", "recipes"}
+EXAMPLES = {"tiny-folders", "trace-api", "targets", "discovery", "autowrap", "robust", "opaque", "dtypes", "shapes",
+            "guards", "model-patch", "modifier", "pipeline", "recipes"}
 
 TESTS = refresh.guide_blocks("test")
 OUTPUTS = refresh.guide_blocks("output")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from .api import trace
 from .autowrap import WrappedStatement
+from .guards import Guard, GuardViolation
 from .opaque import opaque
 from .partition import OUTPUT_NAME, Subgraph
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult, VerifyError
 from .targets import TargetError
 
 __all__ = [
-    "OUTPUT_NAME", "OpaqueCall", "Subgraph", "SwallowedTargetsError", "TargetError", "TraceError", "TraceResult",
+    "OUTPUT_NAME", "Guard", "GuardViolation", "OpaqueCall", "Subgraph", "SwallowedTargetsError", "TargetError", "TraceError", "TraceResult",
     "VerifyError", "WrappedStatement", "opaque", "trace",
 ]

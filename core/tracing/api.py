@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
+from ..model_patch import ModelPatch, apply_patch, resolve_patch
 from ..versions import warn_if_untested
+from . import kinds
 from .autowrap import ForwardRewriter, WrappedStatement
+from .guards import Guard, GuardedCall, GuardProgram
+from .meta import to_meta
 from .opaque import default_opaque_functions
-from .partition import eliminate_dead_pure_nodes, partition
+from .partition import _is_pure, eliminate_dead_pure_nodes, partition
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
-from .targets import TargetError, resolve_modules, resolve_targets
+from .targets import TargetError, choose_targets, resolve_modules, resolve_targets
 from .tracer import LayerwiseTracer, forward_signature
 
 #: how many times a trace is retried after wrapping a statement or making a module a leaf
@@ -30,25 +36,90 @@ def trace(
     robust: bool = True,
     opaque_functions: Sequence[Callable[..., Any]] = (),
     leaf_modules: Sequence[str] = (),
-    skip_uncalled_targets: bool = False,
+    skip_uncalled_targets: bool | None = None,
+    patch: ModelPatch | str | bool | None = None,
+    assumed: Mapping[str, Any] | None = None,
 ) -> TraceResult:
     """Trace ``model``'s forward on ``sample_inputs`` and cut it into per-target subgraphs.
 
     ``sample_inputs`` are keyword arguments of the model's forward (``input_ids``, ...); only
-    their shapes and dtypes matter (they are moved to meta). Targets and ignore entries
-    are class names, qualified names or ``re:<regex>``; targets default to the model's
+    their shapes and dtypes matter (they are moved to meta). ``patch`` picks the model patch
+    as ``compress()`` does (``None``/``True``: the registered one that matches, ``False``:
+    none, a name or a :class:`ModelPatch`); it is applied, and its targets, ignore list,
+    opaque functions and leaf modules are used. Targets and ignore entries are class names,
+    qualified names or ``re:<regex>``; targets default to the patch's, else the model's
     ``_no_split_modules``. Ignored modules and ``leaf_modules`` (class names) are called as
     single nodes. Statements that cannot be traced are wrapped into opaque calls; with
     ``robust`` a module whose forward still fails becomes a leaf (see ``failed_modules``).
-    A target the forward never calls with these inputs (a vision tower given text only) is an
-    error, or with ``skip_uncalled_targets`` left out of ``target_names`` (and noted).
+    A target the forward never calls with these inputs (a vision tower given text only) is
+    left out of ``target_names`` (and noted) when the targets are defaults, an error when the
+    caller named them; ``skip_uncalled_targets`` overrides either way.
+
+    Decisions taken on values that can change from batch to batch are ``guards`` on the
+    result; ``replay`` checks them. ``assumed`` (guard key -> meta value) makes opaque calls
+    return what a batch that broke a guard showed (how the pipeline re-traces).
 
     The first subgraph takes the model inputs by name; the last one returns
     ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
     """
     warn_if_untested()
+    args = dict(sequential_targets=sequential_targets, ignore=ignore, targets_per_subgraph=targets_per_subgraph,
+                robust=robust, opaque_functions=opaque_functions, leaf_modules=leaf_modules,
+                skip_uncalled_targets=skip_uncalled_targets, patch=patch)
+    assumed = dict(assumed or {})
+    for _ in range(MAX_SAMPLE_RETRACES):
+        result = _trace(model, sample_inputs, assumed=assumed, **args)
+        broken = _broken_on_sample(result, sample_inputs)
+        if broken is None:
+            return result
+        guard, got = broken
+        if guard.kind != "result" or guard.key in assumed:
+            return result  # nothing more a re-trace can learn; replay() names the guard
+        assumed[guard.key] = to_meta(got)  # what the sample really gives, not what meta guessed
+    return result
+
+
+#: re-traces trace() makes so that its graph holds for its own sample
+MAX_SAMPLE_RETRACES = 8
+
+
+def _broken_on_sample(result: TraceResult, sample_inputs: Mapping[str, Any]) -> Any:
+    """The first guard the sample itself breaks (meta guesses an opaque result), if it has real values."""
+    tensors = [v for v in sample_inputs.values() if isinstance(v, torch.Tensor)]
+    weight = next(result.model.parameters(), None)
+    if not tensors or any(t.is_meta for t in tensors) or (weight is not None and weight.is_meta):
+        return None
+    with torch.no_grad():
+        return result.guard_violation(sample_inputs)
+
+
+def _trace(
+    model: torch.nn.Module,
+    sample_inputs: Mapping[str, Any],
+    sequential_targets: Sequence[str] | None,
+    ignore: Sequence[str] | None,
+    targets_per_subgraph: int,
+    robust: bool,
+    opaque_functions: Sequence[Callable[..., Any]],
+    leaf_modules: Sequence[str],
+    skip_uncalled_targets: bool | None,
+    patch: ModelPatch | str | bool | None,
+    assumed: Mapping[str, Any],
+) -> TraceResult:
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
+    chosen = getattr(model, "_layerwise_patch", None) if patch is None else None
+    chosen = chosen or resolve_patch(model, patch)
+    apply_patch(model, chosen)
+    if skip_uncalled_targets is None:
+        skip_uncalled_targets = sequential_targets is None
+    if sequential_targets is None:  # the patch's, else _no_split_modules, else found by structure
+        sequential_targets = list(choose_targets(model, None, chosen).targets) or None
+    if chosen is not None:
+        if ignore is None:
+            ignore = list(chosen.ignore)
+        opaque_functions = [*chosen.opaque_functions, *opaque_functions]
+        leaf_modules = [*chosen.leaf_modules, *leaf_modules]
     ignored = resolve_modules(model, list(ignore)) if ignore else {}
     targets = {n: m for n, m in resolve_targets(model, sequential_targets).items() if n not in ignored}
     if not targets:
@@ -61,7 +132,7 @@ def trace(
 
     for _ in range(MAX_ATTEMPTS):
         tracer = LayerwiseTracer(model, sample_inputs, concrete, [*targets, *ignored, *failed], leaf_modules,
-                                 opaque_fns, rewriter)
+                                 opaque_fns, rewriter, assumed)
         try:
             with torch.no_grad():
                 graph = tracer.trace(model)
@@ -88,6 +159,9 @@ def trace(
 
     if tracer.output_type is not None:
         _rebuild_output(graph, tracer.output_type)
+    guards = GuardProgram.extract(graph, _loosen(graph, tracer.guards), targets, model, tracer.constants,
+                                  tracer.assumed_meta)
+    _check_results_inline(graph)
     eliminate_dead_pure_nodes(graph)
 
     target_nodes = [n for n in graph.nodes if n.op == "call_module" and n.target in targets]
@@ -117,7 +191,8 @@ def trace(
         unvisited_modules=_unvisited(model, tracer.visited, set(leaves)), leaf_modules=leaves,
         opaque_calls=[OpaqueCall(n.name, f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}")
                       for n in graph.nodes if n.meta.get("is_wrapped")],
-        output_type=tracer.output_type, notes=[*notes, *tracer.notes], skipped_targets=skipped)
+        output_type=tracer.output_type, notes=[*notes, *tracer.notes], skipped_targets=skipped,
+        guards=guards.guards, guard_program=guards, patch=chosen)
 
 
 def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -165,6 +240,67 @@ def _autowrap(rewriter: ForwardRewriter, module: torch.nn.Module, name: str, exc
     if line is None:
         return "the failure is not in the forward's own code (a decorator, hook or helper around it)"
     return rewriter.wrap(fn, line, why, name)
+
+
+def _loosen(graph: fx.Graph, guards: list[Guard]) -> list[Guard]:
+    """Result guards relaxed where nothing in the graph depends on the difference.
+
+    A mask builder may return a tensor on meta and ``None`` for a real unpadded batch; when
+    the mask only flows into an attention kernel or a layer (which test it themselves at run
+    time), the graph is right either way (``Tensor?``). An item nothing reads may be anything
+    (``*``). A torch op reading the value keeps the guard strict.
+    """
+    nodes = {n.name: n for n in graph.nodes}
+    out = []
+    for guard in guards:
+        node = nodes.get(guard.node)
+        if guard.kind == "result" and node is not None and "lw_meta" in node.meta:
+            guard = dataclasses.replace(guard, expected=_pattern(node, node.meta["lw_meta"]))
+            node.meta["lw_guard"] = guard
+        out.append(guard)
+    return out
+
+
+def _pattern(node: fx.Node, meta: Any) -> Any:
+    if isinstance(meta, torch.Tensor):
+        return kinds.TENSOR_OR_NONE if _read_opaquely(node.users) else kinds.TENSOR
+    exact = kinds.kind_of(meta)
+    if isinstance(exact, str):
+        return exact
+    items = [u for u in node.users if u.op == "call_function" and u.target in (operator.getitem, getattr)]
+    if not _read_opaquely([u for u in node.users if u not in items]):
+        return exact
+    by_key = {u.args[1]: u for u in items}
+    name, kinds_ = exact
+    if name in ("tuple", "list"):
+        return (name, tuple(_pattern(by_key[i], v) if i in by_key else kinds.ANY for i, v in enumerate(meta)))
+    keys = [k for k, _ in kinds_]
+    values = meta.values() if name == "dict" else [getattr(meta, k) for k in keys]
+    return (name, tuple((k, _pattern(by_key[k], v) if k in by_key else kinds.ANY) for k, v in zip(keys, values)))
+
+
+def _read_opaquely(users: Iterable[fx.Node]) -> bool:
+    """Do only modules, opaque calls and the output read these users' value (or nothing live)?"""
+    for user in users:
+        if user.op in ("call_module", "output") or user.meta.get("is_wrapped") or _is_opaque(user.target):
+            continue
+        if _is_pure(user) and not user.users:
+            continue  # a dead probe (tracing looked at it; nothing computes with it)
+        return False
+    return True
+
+
+def _is_opaque(target: Any) -> bool:
+    return any(hasattr(target, a) for a in ("__layerwise_stmt__", "__layerwise_opaque__")) or isinstance(
+        target, GuardedCall)
+
+
+def _check_results_inline(graph: fx.Graph) -> None:
+    """Every guarded opaque call checks its result's kind where it runs (even behind a target)."""
+    for node in graph.nodes:
+        guard = node.meta.get("lw_guard")
+        if guard is not None and node.op == "call_function" and not isinstance(node.target, GuardedCall):
+            node.target = GuardedCall(node.target, guard)
 
 
 def _rebuild_output(graph: fx.Graph, output_type: type) -> None:

@@ -14,6 +14,8 @@ from typing import Any, TextIO
 
 import torch
 
+from .targets import TargetChoice, check_entries, choose_targets, describe_modules, resolve_modules
+
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
@@ -26,13 +28,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--modality", choices=["text", "image", "audio"], default=None,
                         help="which sample inputs to build (default: guessed from the config)")
     parser.add_argument("--targets", nargs="+", default=None,
-                        help="sequential targets: class names or 're:<regex>' (default: patch, else _no_split_modules)")
+                        help="sequential targets: class names or 're:<regex>' "
+                             "(default: patch, else _no_split_modules, else repeated blocks found by structure)")
     parser.add_argument("--ignore", nargs="+", default=None, help="modules kept as single calls")
     parser.add_argument("--targets-per-subgraph", type=int, default=1)
     parser.add_argument("--no-robust", action="store_true", help="fail instead of making untraceable modules leaves")
     parser.add_argument("--verify", action="store_true",
                         help="replay the subgraphs and print the max abs diff (random seeded weights if none saved)")
     parser.add_argument("--graph", default=None, help="write the graph: out.dot, or out.svg/out.png (needs graphviz)")
+    parser.add_argument("--suggest-patch", action="store_true",
+                        help="after tracing, print a ready-to-paste ModelPatch(...) for the traced blocks")
     parser.set_defaults(func=run)
     return parser
 
@@ -113,23 +118,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except ValueError as exc:  # a modality the model does not take
         print(f"Cannot build {modality} inputs for {type(model).__name__}: {exc}", file=out)
         return 1
-    targets = args.targets or (list(patch.sequential_targets) if patch is not None and patch.sequential_targets
-                               else None)
+    choice = choose_targets(model, args.targets, patch)  # a --targets typo is an error (exit 2)
+    targets = list(choice.targets) or None
+    if args.ignore is not None:
+        check_entries(model, args.ignore, "ignore entry")
     ignore = args.ignore if args.ignore is not None else (list(patch.ignore) if patch is not None else None)
-    source = "--targets" if args.targets else ("patch" if targets else "_no_split_modules")
     weights = "saved weights" if any(any(Path(args.model).glob(g)) for g in _WEIGHT_GLOBS) else (
         "random seeded weights" if args.verify else "meta tensors, no weights")
     print(f"Model: {type(model).__name__} ({weights}); patch: {patch.name if patch is not None else 'none'}",
           file=out)
     print(f"Inputs ({modality}): " + ", ".join(f"{k} {_describe(v)}" for k, v in inputs.items()), file=out)
-    print(f"Targets ({source}): {', '.join(targets) if targets else ', '.join(_default_targets(model))}", file=out)
-    extra: dict[str, Any] = {}
-    if patch is not None:
-        extra = {"opaque_functions": tuple(patch.opaque_functions), "leaf_modules": tuple(patch.leaf_modules)}
+    print(_targets_line(model, choice), file=out)
     try:
         result = trace(model, inputs, sequential_targets=targets, ignore=ignore,
                        targets_per_subgraph=args.targets_per_subgraph, robust=not args.no_robust,
-                       skip_uncalled_targets=not args.targets, **extra)
+                       skip_uncalled_targets=not args.targets, patch=patch or False)
     except (TraceError, ValueError) as exc:
         print(f"Tracing {type(model).__name__} failed: {exc}", file=out)
         return 1
@@ -144,6 +147,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"  {name}: {why}", file=out)
     if result.opaque_calls:
         print("Opaque calls: " + ", ".join(sorted({c.function for c in result.opaque_calls})), file=out)
+    print(f"Guards (decisions a batch must keep, checked before it runs): {len(result.guards)}", file=out)
+    for guard in result.guards:
+        print(f"  {guard}", file=out)
     if result.notes:
         print("Notes:", file=out)
         for note in result.notes:
@@ -155,6 +161,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print("Never called (with what they hold): " + ", ".join(outermost), file=out)
     if args.graph:
         print(write_graph(result, args.graph), file=out)
+    if args.suggest_patch:
+        from .suggest import suggest_patch
+
+        print("Suggested patch (paste into model_zoo/, then check it):", file=out)
+        print(suggest_patch(model, result.target_names), file=out, end="")
     if args.verify:
         diff = result.verify(inputs)
         verdict = "ok" if diff <= VERIFY_TOLERANCE else "MISMATCH"
@@ -165,13 +176,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
-def _default_targets(model: torch.nn.Module) -> list[str]:
-    from .targets import TargetError, default_targets
+#: how ``layerwise trace`` names each target source (the first three as before discovery existed)
+_SOURCE_LABELS = {"given": "--targets", "patch": "patch", "_no_split_modules": "_no_split_modules",
+                  "structure": "found by structure"}
 
-    try:
-        return default_targets(model)
-    except TargetError:
-        return ["(none)"]
+
+def _targets_line(model: torch.nn.Module, choice: TargetChoice) -> str:
+    """``Targets (patch): LlamaDecoderLayer``, or what discovery found and where."""
+    if choice.source == "none":
+        return "Targets: none (no patch, no _no_split_modules, no repeated blocks); pass --targets"
+    if choice.source == "structure":
+        return (f"Targets (found by structure): {describe_modules(resolve_modules(model, choice.targets))}; "
+                "no patch names these blocks (--suggest-patch prints one)")
+    return f"Targets ({_SOURCE_LABELS[choice.source]}): {', '.join(choice.targets)}"
 
 
 def write_graph(result: Any, path: str | Path) -> str:

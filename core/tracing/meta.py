@@ -37,21 +37,35 @@ class _DataDependentDefaults(TorchDispatchMode):
     mask indexing (``x[keep]``) keeps every row: the common case (no padding dropped).
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: did any op get a stand-in answer (so the result is not what real data would give)?
+        self.stubbed = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         aten = torch.ops.aten
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.is_meta:
-            if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
-                return False if first.dtype == torch.bool else (0.0 if first.is_floating_point() else 0)
-            if func in (aten.nonzero.default,):
-                return torch.empty((0, first.dim()), dtype=torch.long, device="meta")
-            if func in (aten.equal.default,):
-                return True
+            stub = _STUBS.get(func)
+            if stub is not None:
+                self.stubbed = True
+                return stub(first)
             if func in (aten.index.Tensor, aten._unsafe_index.Tensor):
+                self.stubbed = self.stubbed or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                   for i in (args[1] if len(args) > 1 else ()))
                 with _assume_all_nonzero():
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_STUBS = {
+    torch.ops.aten._local_scalar_dense.default:
+        lambda t: False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0),
+    torch.ops.aten.is_nonzero.default: lambda t: False,
+    torch.ops.aten.nonzero.default: lambda t: torch.empty((0, t.dim()), dtype=torch.long, device="meta"),
+    torch.ops.aten.equal.default: lambda t: True,
+}
 
 
 def _assume_all_nonzero() -> Any:
@@ -76,18 +90,25 @@ _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, to
 
 
 def run_on_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, real_weights: bool) -> Any:
-    """``fn(*args, **kwargs)`` on meta inputs; ``UNKNOWN`` when even the fallbacks fail.
+    """``fn(*args, **kwargs)`` on meta inputs; ``UNKNOWN`` when even the fallbacks fail."""
+    return run_on_meta_stubbed(fn, args, kwargs, real_weights)[0]
+
+
+def run_on_meta_stubbed(fn: Callable[..., Any], args: tuple, kwargs: dict, real_weights: bool) -> tuple[Any, bool]:
+    """``fn`` on meta inputs, and whether a value-dependent op got a stand-in answer.
 
     First a plain call (fast path: everything already on meta), then with tensors moved
-    to meta on the fly (real weights) and value-dependent ops stubbed.
+    to meta on the fly (real weights) and value-dependent ops stubbed. A stubbed result
+    is a shape, not a fact: a decision taken on it would hold for no real batch.
     """
     if not real_weights:
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs), False
         except Exception:  # noqa: BLE001, S110 - any failure: retry with weights moved to meta
             pass
+    stubs = _DataDependentDefaults()
     try:
-        with _ToMetaMode(), _DataDependentDefaults():
-            return fn(*args, **kwargs)
+        with _ToMetaMode(), stubs:
+            return fn(*args, **kwargs), stubs.stubbed
     except Exception:  # noqa: BLE001 - a value the meta device cannot compute stays unknown
-        return UNKNOWN
+        return UNKNOWN, False

@@ -55,22 +55,33 @@ class MetaProxy(fx.Proxy):
                 f"{what} of traced tensor {self.node.name!r} depends on tensor values (data-dependent control flow)")
         return value
 
+    def _read(self, how: str, what: str) -> Any:
+        """A concrete answer the graph will be specialised on: recorded as a guard."""
+        value = {"bool": bool, "int": int, "float": float}[how](self._concrete(what))
+        record = getattr(self.tracer, "record_read", None)
+        if record is not None:
+            record(self, how, value)
+        return value
+
     def __bool__(self) -> bool:
-        return bool(self._concrete("truth value"))
+        return self._read("bool", "truth value")
 
     def __index__(self) -> int:
-        return int(self._concrete("integer value"))
+        return self._read("int", "integer value")
 
     def __int__(self) -> int:
-        return int(self._concrete("integer value"))
+        return self._read("int", "integer value")
 
     def __float__(self) -> float:
-        return float(self._concrete("float value"))
+        return self._read("float", "float value")
 
     def __len__(self) -> int:
         value = self._known("len()")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             raise TypeError("len() of a 0-d tensor")
+        record = getattr(self.tracer, "record_read", None)
+        if record is not None:
+            record(self, "len", len(value))
         return len(value)
 
     def __iter__(self):  # type: ignore[override]
@@ -79,6 +90,9 @@ class MetaProxy(fx.Proxy):
             raise UntraceableError(f"iteration over traced value {self.node.name!r} of unknown length")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             raise TypeError("iteration over a 0-d tensor")
+        record = getattr(self.tracer, "record_read", None)
+        if record is not None:
+            record(self, "len", len(value))
         return iter([self[i] for i in range(len(value))])
 
     def __contains__(self, item: Any) -> bool:

@@ -11,6 +11,7 @@ from torch import fx
 
 from ..errors import LayerwiseError
 from .autowrap import WrappedStatement
+from .guards import Guard, GuardProgram, GuardViolation
 from .partition import OUTPUT_NAME, Subgraph
 
 
@@ -54,10 +55,27 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     #: targets these inputs never run, left out under ``skip_uncalled_targets`` (a vision tower on text)
     skipped_targets: list[str] = field(default_factory=list)
+    #: decisions the graph took on values that can differ per batch (checked by ``replay``)
+    guards: list[Guard] = field(default_factory=list)
+    guard_program: GuardProgram | None = field(default=None, repr=False)
+    #: the model patch the trace used (``None``: none)
+    patch: Any = None
+
+    # ---- guards ---------------------------------------------------------------------
+    def check_guards(self, inputs: Mapping[str, Any]) -> None:
+        """Raise :class:`GuardViolation` when ``inputs`` break an assumption of this graph."""
+        broken = self.guard_violation(inputs)
+        if broken is not None:
+            raise GuardViolation(*broken)
+
+    def guard_violation(self, inputs: Mapping[str, Any]) -> tuple[Guard, Any] | None:
+        """The first guard ``inputs`` break and what they gave instead (``None``: all hold)."""
+        return None if self.guard_program is None else self.guard_program.first_violation(inputs)
 
     # ---- replay ---------------------------------------------------------------------
     def replay(self, inputs: Mapping[str, Any]) -> Any:
-        """Run the subgraphs one after another, freeing values after their last consumer."""
+        """Check the guards, then run the subgraphs one after another, freeing values after their last consumer."""
+        self.check_guards(inputs)
         values: dict[str, Any] = dict(inputs)
         for sub in self.subgraphs:
             values.update(sub.run(values))

@@ -24,7 +24,9 @@ from torch.fx import _symbolic_trace as _fx_trace
 from torch.utils import _pytree as pytree
 
 from .autowrap import ForwardRewriter
-from .meta import UNKNOWN, run_on_meta, to_meta
+from .guards import Guard, decision_source
+from .kinds import kind_of
+from .meta import UNKNOWN, run_on_meta_stubbed, to_meta
 from .opaque import find_proxy, registry_mappings
 from .proxy import CONCRETE_METHODS, MetaProxy
 
@@ -43,6 +45,7 @@ class LayerwiseTracer(fx.Tracer):
         leaf_classes: Iterable[str] = (),
         opaque_functions: Iterable[Callable[..., Any]] = (),
         rewriter: ForwardRewriter | None = None,
+        assumed: Mapping[str, Any] | None = None,
     ) -> None:
         opaque_functions = list(opaque_functions)
         # opaque functions are patched by this tracer itself (``_autowrap_globals``), not by fx,
@@ -63,6 +66,15 @@ class LayerwiseTracer(fx.Tracer):
         self.visited: set[str] = set()
         self.module_stack: list[tuple[str, torch.nn.Module]] = []
         self.output_type: type | None = None
+        #: decisions taken on values the trace cannot know for every batch (see guards.py)
+        self.guards: list[Guard] = []
+        #: guard key (``fn#n``) -> meta value to assume for that opaque result (a re-trace's knowledge)
+        self.assumed = dict(assumed or {})
+        #: node name -> the assumed meta value actually used
+        self.assumed_meta: dict[str, Any] = {}
+        self._calls: dict[str, int] = {}
+        self._guarded_reads: set[tuple[str, str]] = set()
+        self._stubbed = False
         self._meta_depth = 0
         self._module_names = _first_names(model.named_modules(remove_duplicate=False))
         self._tensor_names = _first_names(itertools.chain(model.named_parameters(remove_duplicate=False),
@@ -80,11 +92,26 @@ class LayerwiseTracer(fx.Tracer):
             if isinstance(receiver, torch.Tensor) and not getattr(args[0], "uncertain", False):
                 return getattr(receiver, target)(*_metas(args[1:]), **_metas(kwargs))
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        self._stubbed = False
         proxy.meta = self._infer(kind, target, args, kwargs)
         if kind in ("call_function", "call_method"):
+            # an opaque result may differ in kind at run time; a stubbed meta value (``.item()`` read
+            # as 0) says nothing about real data: Python must not decide on either
             proxy.uncertain = (id(target) in self._opaque_ids or hasattr(target, "__layerwise_stmt__")
+                               or self._stubbed
                                or any(getattr(x, "uncertain", False) for x in pytree.tree_leaves((args, kwargs))))
         return proxy
+
+    def record_read(self, proxy: fx.Proxy, how: str, value: Any) -> None:
+        """A concrete ``how`` (bool/int/float/len) read of a traced value: a ``value`` guard."""
+        if self._meta_depth or isinstance(value, torch.Tensor):
+            return
+        node = proxy.node
+        if (node.name, how) in self._guarded_reads:
+            return
+        self._guarded_reads.add((node.name, how))
+        self.guards.append(Guard(id=f"G{len(self.guards) + 1}", kind="value", node=node.name, expected=value,
+                                 how=how, source=decision_source()))
 
     def _infer(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "placeholder":
@@ -98,6 +125,7 @@ class LayerwiseTracer(fx.Tracer):
         margs, mkwargs = _metas(args), _metas(kwargs)
         if any(leaf is UNKNOWN for leaf in pytree.tree_leaves((margs, mkwargs))):
             return UNKNOWN
+        real = False
         if kind == "call_function":
             fn = target
             real = self._real_weights or not getattr(fn, "__module__", "").startswith(("_operator", "builtins"))
@@ -113,9 +141,11 @@ class LayerwiseTracer(fx.Tracer):
         self._meta_depth += 1
         try:
             with _capture_suspended():  # hooks must not record the meta values
-                return run_on_meta(fn, margs, mkwargs, real_weights=real)
+                value, stubbed = run_on_meta_stubbed(fn, margs, mkwargs, real_weights=real)
         finally:
             self._meta_depth -= 1
+        self._stubbed = stubbed and kind != "call_module"  # a leaf's output shape does not hang on its data
+        return value
 
     def _resolve_attr(self, target: str) -> Any:
         if target in self.constants:
@@ -273,7 +303,19 @@ class LayerwiseTracer(fx.Tracer):
         proxy = self.create_proxy("call_function", fn, args, kwargs)
         if listed:
             proxy.node.meta["is_wrapped"] = True
-        out = structured(proxy)
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+        self._calls[name] = self._calls.get(name, 0) + 1
+        key = f"{name}#{self._calls[name]}"
+        if key in self.assumed:  # a re-trace: what this call returned for the batch that broke a guard
+            proxy.meta = self.assumed[key]
+            self.assumed_meta[proxy.node.name] = proxy.meta
+        if proxy.meta is not UNKNOWN:
+            self.guards.append(Guard(id=f"G{len(self.guards) + 1}", kind="result", node=proxy.node.name,
+                                     expected=kind_of(proxy.meta), how=getattr(fn, "__name__", str(fn)),
+                                     source=decision_source(), key=key))
+            proxy.node.meta["lw_guard"] = self.guards[-1]
+            proxy.node.meta["lw_meta"] = proxy.meta
+        out = structured(proxy, none_is_none=proxy.meta is not UNKNOWN)
         if listed and out is not proxy:
             self.notes[f"opaque {getattr(fn, '__name__', fn)} returns a {type(proxy.meta).__name__}: kept as that "
                        "container of per-item nodes (structure from its meta result)"] = None
@@ -331,20 +373,25 @@ def _metas(value: Any) -> Any:
     return pytree.tree_map(meta, value)
 
 
-def structured(proxy: MetaProxy) -> Any:
+def structured(proxy: MetaProxy, none_is_none: bool = False) -> Any:
     """A call whose meta value is a tuple/list/dict/ModelOutput as that container of proxies.
 
     ``isinstance`` checks and unpacking keep working; unused items are dropped later as dead
-    code. Anything else (a tensor, ``None``, an unknown value) stays one proxy.
+    code. Anything else (a tensor, an unknown value) stays one proxy. With ``none_is_none``
+    (a guarded opaque result) a ``None`` is Python's ``None``, so the code takes its
+    ``is None`` path as it did for the sample; otherwise it stays a proxy.
     """
     meta = proxy.meta
+    if meta is None and none_is_none:
+        return None
     if type(meta) in (tuple, list):
-        return type(meta)(structured(proxy[i]) for i in range(len(meta)))
+        return type(meta)(structured(proxy[i], none_is_none) for i in range(len(meta)))
     if type(meta) is dict:
-        return {k: structured(proxy[k]) for k in meta}
+        return {k: structured(proxy[k], none_is_none) for k in meta}
     if _is_model_output(meta):
-        return _model_output(type(meta), {f.name: structured(getattr(proxy, f.name)) if getattr(meta, f.name) is not None
-                                          else None for f in dataclasses.fields(meta)})
+        return _model_output(type(meta), {f.name: structured(getattr(proxy, f.name), none_is_none)
+                                          if getattr(meta, f.name) is not None else None
+                                          for f in dataclasses.fields(meta)})
     return proxy
 
 

@@ -76,13 +76,15 @@ def all_module_names(model: torch.nn.Module) -> list[str]:
 def resolve_targets(model: torch.nn.Module, patterns: Iterable[str], ignore: Iterable[str] = ()) -> list[str]:
     """Qualified names of the outermost modules matching ``patterns`` and not ``ignore`` (definition order).
 
-    Empty patterns fall back to the model's ``_no_split_modules`` (as the tracer does).
+    Empty patterns fall back to ``_no_split_modules``, then the blocks found by structure (as the tracer does).
     """
+    from layerwise.tracing.targets import TargetError, default_targets
+
     ignore = list(ignore)
-    patterns = list(patterns) or list(getattr(model, "_no_split_modules", None) or [])
-    if not patterns:
-        raise PipelineFailed(f"{type(model).__name__} has no sequential targets: pass sequential_targets=[...] "
-                             "(class names or 're:<regex>')")
+    try:
+        patterns = list(patterns) or default_targets(model)
+    except TargetError as exc:
+        raise PipelineFailed(str(exc)) from exc
     found: list[str] = []
     for name, module in model.named_modules():
         if not name or not matches(name, module, patterns) or matches(name, module, ignore):

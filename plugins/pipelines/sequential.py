@@ -1,7 +1,10 @@
 """``sequential``: the traced subgraphs, one after another, with cached intermediates.
 
 The model is traced (the first batch gives the sample shapes) into one subgraph per
-sequential target plus the rest. Every batch flows through subgraph 1, its outputs
+sequential target plus the rest. Before any modifier sees data, every batch is checked
+against the trace's guards; a batch that breaks one gets a trace of its own
+(:mod:`layerwise.tracing.retrace`), cut at the same targets, so each piece runs every
+batch through the subgraph of that batch's trace. Every batch flows through subgraph 1, its outputs
 go to the intermediates cache, the subgraph's modules are compressed, the subgraph
 re-runs with the compressed weights (``propagate_error``) to produce the next
 subgraph's inputs, values are freed after their last consumer, and so on.
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from layerwise.cache import IntermediatesCache
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
+from layerwise.tracing.retrace import TracesByGuards
 
 from ._common import (
     FATAL_ERRORS,
@@ -34,30 +39,76 @@ from ._common import (
 
 
 def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: PipelineOptions,
-                       lifecycle: Lifecycle) -> Any:
-    """The model's subgraphs; any tracing error becomes :class:`PipelineFailed`."""
+                       lifecycle: Lifecycle, assumed: Mapping[str, Any] | None = None) -> Any:
+    """The model's subgraphs for batches like ``sample``; any tracing error becomes :class:`PipelineFailed`."""
     try:
         from layerwise.tracing import trace
     except ImportError as exc:  # pragma: no cover - the tracer ships with layerwise
         raise PipelineFailed(f"the tracer is not available: {exc}") from exc
     patch = getattr(lifecycle.state, "patch", None)
-    extra: dict[str, Any] = {}
-    if patch is not None:
-        extra = {"opaque_functions": tuple(patch.opaque_functions), "leaf_modules": tuple(patch.leaf_modules)}
     try:
-        result = trace(model, sample, sequential_targets=options.sequential_targets or None,
-                       ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph,
-                       skip_uncalled_targets=True, **extra)
+        return trace(model, sample, sequential_targets=options.sequential_targets or None,
+                     ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph,
+                     skip_uncalled_targets=True, patch=patch or False, assumed=assumed)
     except FATAL_ERRORS:
         raise
     except Exception as exc:  # any tracing failure means "try another pipeline"
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
-    skipped = result.skipped_targets
+
+
+def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]], options: PipelineOptions,
+                       lifecycle: Lifecycle) -> tuple[TracesByGuards, list[int]]:
+    """The traces the batches need (one per kind of batch) and which one serves each batch.
+
+    Checked before any modifier sees data: a graph never runs a batch that breaks its guards.
+    """
+    traces = TracesByGuards(lambda sample, assumed: trace_for_pipeline(model, dict(sample), options, lifecycle,
+                                                                       assumed))
+    try:
+        assignment = [traces.for_batch(batch, f"batch {i}") for i, batch in enumerate(batches)]
+    except (PipelineFailed, *FATAL_ERRORS):
+        raise
+    except Exception as exc:  # a guard no re-trace could satisfy, or differently cut traces
+        raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
+    state_log = getattr(lifecycle.state, "guards_retraced", None)
+    if isinstance(state_log, list):
+        state_log.extend(traces.retraced)
+    skipped = traces.traces[0].skipped_targets
     if skipped:  # e.g. a vision tower calibrated on text only
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
         warnings.warn(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
                       f"modifiers get no samples for them", stacklevel=2)
-    return result
+    return traces, assignment
+
+
+@dataclass
+class Piece:
+    """Piece ``index`` of the model: the same targets in every trace, one subgraph per trace."""
+
+    index: int
+    subgraphs: list[Any]
+    assignment: list[int]
+
+    @property
+    def target_names(self) -> list[str]:
+        return self.subgraphs[0].target_names
+
+    @property
+    def modules(self) -> list[str]:
+        return list(dict.fromkeys(m for sub in self.subgraphs for m in sub.modules))
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.input_names))
+
+    @property
+    def consumed_names(self) -> list[str]:
+        return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.consumed_names))
+
+    def run(self, batch: int, cache: IntermediatesCache) -> dict[str, Any]:
+        """This piece's outputs for one batch, through the subgraph of that batch's trace."""
+        sub = self.subgraphs[self.assignment[batch]]
+        return sub.run(cache.fetch(batch, sub.input_names))
 
 
 class SequentialPipeline(Pipeline):
@@ -69,13 +120,14 @@ class SequentialPipeline(Pipeline):
             raise PipelineFailed("sequential needs at least one calibration batch")
         device = execution_device(model, lifecycle, options)
         with calibration_mode(model, lifecycle):
-            result = trace_for_pipeline(model, dict(batches[0]), options, lifecycle)
-            subgraphs = list(result.subgraphs)
+            traces, assignment = traces_for_batches(model, batches, options, lifecycle)
+            subgraphs = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
+                         for k in range(len(traces.traces[0].subgraphs))]
             targets = [t for sub in subgraphs for t in sub.target_names]
             offloader = ModuleOffloader(model, device, protected=targets)
             cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
             try:
-                wanted = set(subgraphs[0].input_names).union(*(s.input_names for s in subgraphs))
+                wanted = set().union(*(s.input_names for s in subgraphs))
                 for index, batch in enumerate(batches):
                     cache.update(index, {k: v for k, v in batch.items() if k in wanted})
                 with lifecycle.calibrating():
@@ -83,7 +135,7 @@ class SequentialPipeline(Pipeline):
             finally:
                 cache.close()
 
-    def _calibrate(self, subgraphs: list[Any], offloader: ModuleOffloader, cache: IntermediatesCache,
+    def _calibrate(self, subgraphs: list[Piece], offloader: ModuleOffloader, cache: IntermediatesCache,
                    lifecycle: Lifecycle, options: PipelineOptions, num_batches: int) -> None:
         last = len(subgraphs) - 1
         compressed = False
@@ -103,7 +155,7 @@ class SequentialPipeline(Pipeline):
                     for i in range(num_batches if run else 0):
                         try:
                             with stop.batch() if stop is not None else contextlib.nullcontext():
-                                outputs = sub.run(cache.fetch(i, sub.input_names))
+                                outputs = sub.run(i, cache)
                         except _StopPiece:
                             continue
                         except FATAL_ERRORS:
@@ -124,7 +176,7 @@ class SequentialPipeline(Pipeline):
                 if feeds_next and options.propagate_error:  # re-run with the compressed weights
                     with calibration_hooks_paused(lifecycle):
                         for i in range(num_batches):
-                            cache.update(i, sub.run(cache.fetch(i, sub.input_names)))
+                            cache.update(i, sub.run(i, cache))
             cache.free(sub.consumed_names)
 
 

@@ -43,10 +43,15 @@ def test_meta_build_without_verify_and_audio(tmp_path) -> None:
     assert "into 5 subgraphs" in text and "max abs diff" not in text
 
 
-def test_bad_targets_report_failure(tmp_path) -> None:
+def test_bad_targets_are_a_usage_error_with_the_closest_names(tmp_path, capsys) -> None:
+    from layerwise.cli import main
+
     models.build("GPT2LMHeadModel").config.save_pretrained(tmp_path)
-    code, text = _run(["trace", "--model", str(tmp_path), "--targets", "NoSuchLayer"])
-    assert code == 1 and "match no module" in text
+    for flag, typo in (("--targets", "GPT2Blok"), ("--ignore", "lm_haed")):
+        assert main(["trace", "--model", str(tmp_path), flag, typo]) == 2
+        err = capsys.readouterr().err
+        assert f"{typo!r} matches no module of GPT2LMHeadModel" in err and "did you mean" in err
+        assert "Traceback" not in err
 
 
 def _tiny_qwen2_vl_config():
@@ -90,3 +95,17 @@ def test_text_inputs_leave_vision_targets_out_with_a_note(tmp_path) -> None:
     assert "Never called (with what they hold): model.visual\n" in text
     code, text = _run(["trace", "--model", str(tmp_path), "--modality", "audio"])
     assert code == 1 and "Cannot build audio inputs" in text
+
+
+def test_a_model_nothing_describes_is_traced_by_its_blocks_and_a_patch_is_suggested(tmp_path) -> None:
+    import transformers as tf
+
+    tf.MPNetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+                   max_position_embeddings=64, architectures=["MPNetModel"]).save_pretrained(tmp_path)
+    code, text = _run(["trace", "--model", str(tmp_path), "--verify", "--suggest-patch"])
+    assert code == 0, text
+    assert "Targets (found by structure): 2 x MPNetLayer (encoder.layer.0-1); no patch names these blocks" in text
+    assert "into 3 subgraphs" in text and "ok, tolerance" in text
+    suggested = text.split("Suggested patch (paste into model_zoo/, then check it):\n")[1].split("max abs diff")[0]
+    assert 'sequential_targets=("MPNetLayer",)' in suggested and 'ignore=("pooler.dense",)' in suggested
+    compile(suggested, "suggested.py", "exec")  # ready to paste: valid Python
