@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,17 @@ def _slug(recipe: str) -> str:
     return name.lower() if re.fullmatch(r"[\w.-]+", name) else "custom"
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a count of 1 or more (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _add_compress(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compress", help="compress a model with a recipe and calibration data",
                        description="Compress a model. With no --model, compresses the embedded demo "
@@ -32,11 +44,11 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
     p.add_argument("--output-dir", help="where to save (compressed-tensors format)")
-    p.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
-    p.add_argument("--max-seq-length", type=int, default=None,
+    p.add_argument("--num-samples", type=_positive_int, default=512, help="calibration samples (default 512)")
+    p.add_argument("--max-seq-length", type=_positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's context length if shorter)")
     p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
-    p.add_argument("--targets-per-subgraph", type=int, default=1, metavar="N",
+    p.add_argument("--targets-per-subgraph", type=_positive_int, default=1, metavar="N",
                    help="calibrate N consecutive targets as one piece (fewer passes, more memory)")
     p.add_argument("--ignore", nargs="+", help="modules left uncompressed (names, classes or re:patterns)")
     p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")
@@ -102,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerwise", description="Compress transformers models layer by layer.")
     parser.add_argument("--version", action="version", version=f"layerwise {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log per-layer details")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the Python traceback too (may also follow the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compress(sub)
     from . import env_cli, plugins_cli, report_cli
@@ -128,9 +142,28 @@ def _plain_warnings(default: Callable[..., str]) -> Callable[..., str]:
     return format_warning
 
 
+def _pop_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` wherever it was typed (before a ``--``), and whether it was.
+
+    A user who just met an error adds ``--debug`` at the end of the line they ran; argparse
+    alone would accept it only before the command.
+    """
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != "--debug"]
+    return head + argv[end:], len(head) < end
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; an error is one ``layerwise: error: ...`` line (and its traceback with --debug).
+
+    Exit status: 0 done, 2 a usage error (a LayerwiseError or a bad flag), 1 an unexpected
+    error (a bug: the line says how to get the traceback), 130 interrupted.
+    """
+    argv, debug = _pop_debug(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    debug = debug or args.debug
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
@@ -141,13 +174,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except LayerwiseError as exc:
-        print(f"layerwise: error: {exc}", file=sys.stderr)
+        _report(exc, debug, str(exc))
         return 2
     except KeyboardInterrupt:
         print("layerwise: interrupted; nothing was saved", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug, here or in a plugin: one line, the traceback on request
+        _report(exc, debug, f"unexpected {type(exc).__name__}: {exc}" + (
+            "" if debug else "\n(run again with --debug for the traceback, and report it with the "
+                             "output of `layerwise env`)"))
+        return 1
     finally:
         warnings.formatwarning = default_format
+
+
+def _report(exc: BaseException, debug: bool, message: str) -> None:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"layerwise: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

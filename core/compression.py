@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .data import calibration_batches
-from .errors import DatasetError
+from .data import batches_from_records, load_records
+from .errors import DatasetError, require_positive
 from .lifecycle import Lifecycle
 from .loading import load_model, load_tokenizer
 from .model_patch import ModelPatch, apply_patch, resolve_patch
@@ -112,9 +112,21 @@ def compress(
     The run's summary is ``model.layerwise_report``.
     """
     start = time.perf_counter()
+    _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
+    # what the user typed is checked before the model loads: a typo costs a second, not minutes
+    modifiers = parse_recipe(recipe)
+    saver = registry("savers").get(save_format) if output_dir is not None else None
+    if pipeline is not None:
+        registry("pipelines").get(pipeline)  # an unknown name lists the registered ones
+    needs_data = any(m.requires_data for m in modifiers)
+    if needs_data and dataset is None:
+        names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
+        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
+                           f"a datasets.Dataset or tokenized samples)")
+    records = load_records(dataset) if needs_data else []
     source = None
     if not isinstance(model, torch.nn.Module):
         source = str(model)
@@ -126,23 +138,16 @@ def compress(
     apply_patch(model, chosen_patch)
     model.eval()
 
-    modifiers = parse_recipe(recipe)
-    saver = registry("savers").get(save_format) if output_dir is not None else None
     # what the user wrote is checked before any calibration: a typo is an error, never a fallback
     choice = choose_targets(model, sequential_targets, chosen_patch)
     if ignore is not None:
         check_entries(model, ignore, "ignore entry")
     targets, targets_found = list(choice.targets), choice.describe(model)
     ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
-    needs_data = any(m.requires_data for m in modifiers)
-    if needs_data and dataset is None:
-        names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
-        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
-                           f"a datasets.Dataset or tokenized samples)")
     if max_seq_length is None:
         max_seq_length = default_max_seq_length(model)
-    batches = (calibration_batches(dataset, tokenizer, num_calibration_samples, max_seq_length, packing)
-               if needs_data else [])
+    batches = (batches_from_records(records, tokenizer, num_calibration_samples, max_seq_length, packing,
+                                    source=dataset) if needs_data else [])
 
     bytes_before = _parameter_bytes(model)
     state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
@@ -189,6 +194,14 @@ def compress(
     report.seconds = time.perf_counter() - start
     model.layerwise_report = report  # type: ignore[attr-defined]
     return model
+
+
+def _check_counts(num_calibration_samples: int, max_seq_length: int | None, targets_per_subgraph: int) -> None:
+    """Refuse a count below 1 before loading anything (0 tokens per sample used to end in ``range()``)."""
+    require_positive(num_calibration_samples, "num_calibration_samples", "--num-samples")
+    if max_seq_length is not None:
+        require_positive(max_seq_length, "max_seq_length", "--max-seq-length")
+    require_positive(targets_per_subgraph, "targets_per_subgraph", "--targets-per-subgraph")
 
 
 def _execution_device() -> torch.device:

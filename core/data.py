@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import DatasetError
+from .errors import DatasetError, require_positive
 from .plugin_manager import registry
 
 Batch = dict[str, torch.Tensor]
@@ -59,9 +59,20 @@ def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 5
                         max_seq_length: int = 2048, packing: str | None = None,
                         shuffle: bool = False, seed: int = 0) -> list[Batch]:
     """Up to ``num_samples`` batches of one sample each (no padding wasted on calibration)."""
-    if num_samples < 1:
-        raise DatasetError(f"num_calibration_samples must be >= 1, got {num_samples}")
-    records = load_records(source)
+    return batches_from_records(load_records(source), tokenizer, num_samples, max_seq_length, packing,
+                                shuffle, seed, source=source)
+
+
+def batches_from_records(records: list[str] | list[Mapping[str, Any]], tokenizer: Any = None,
+                         num_samples: int = 512, max_seq_length: int = 2048, packing: str | None = None,
+                         shuffle: bool = False, seed: int = 0, *, source: Any = None) -> list[Batch]:
+    """:func:`calibration_batches` for records already read by :func:`load_records`.
+
+    ``compress()`` reads the data before loading the model, so that a bad file is
+    reported in a second, not after minutes of loading; ``source`` names it in errors.
+    """
+    require_positive(num_samples, "num_samples")
+    require_positive(max_seq_length, "max_seq_length")
     if isinstance(records[0], str):
         samples = _tokenize(records, tokenizer, num_samples, max_seq_length, packing)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -15,7 +16,7 @@ class UnknownNameError(LayerwiseError, KeyError):
     def __init__(self, kind: str, name: str, valid: Iterable[str], hint: str = "") -> None:
         self.kind, self.name, self.valid = kind, name, sorted(valid)
         listed = ", ".join(self.valid) or "(none registered)"
-        message = f"unknown {kind} {name!r}; valid {kind}s: {listed}"
+        message = f"unknown {kind} {name!r};{did_you_mean(name, self.valid)} valid {kind}s: {listed}"
         super().__init__(message + (f". {hint}" if hint else ""))
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -34,9 +35,41 @@ class RecipeError(LayerwiseError, ValueError):
     """A recipe that cannot be parsed or names unknown fields."""
 
 
+class RecipeNameError(UnknownNameError, RecipeError):
+    """A recipe names a preset, modifier or key that nothing registered (catchable as either)."""
+
+
 class DatasetError(LayerwiseError, ValueError):
     """Calibration data that is missing, empty or of an unknown kind."""
 
 
 class ModelLoadError(LayerwiseError, OSError):
     """A model path or id that cannot be loaded."""
+
+
+class InvalidArgumentError(LayerwiseError, ValueError):
+    """An argument outside the values it can take (a count below 1, ...)."""
+
+
+def did_you_mean(name: object, valid: Iterable[str]) -> str:
+    """`` did you mean 'X'?`` for the closest valid name(s) (case ignored), else ``""``.
+
+    A typo is fixed faster when the error points at the name that was meant than when
+    the reader has to scan the whole list; equally close names are all given.
+    """
+    by_lower = {v.lower(): v for v in valid}
+    typed = str(name).lower()
+    close = difflib.get_close_matches(typed, list(by_lower), n=5, cutoff=0.75)
+    if not close:
+        return ""
+    best = difflib.SequenceMatcher(None, typed, close[0]).ratio()
+    tied = [by_lower[c] for c in close if difflib.SequenceMatcher(None, typed, c).ratio() == best]
+    return f" did you mean {' or '.join(map(repr, sorted(tied)))}?"
+
+
+def require_positive(value: object, name: str, flag: str | None = None) -> int:
+    """``value`` when it is an int >= 1; else an error naming the argument (and its CLI flag)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    spelled = f"{name} (CLI: {flag})" if flag else name
+    raise InvalidArgumentError(f"{spelled} must be an integer >= 1, got {value!r}")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError
+from .load_errors import explain as explain_load_failure
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 
 
@@ -28,6 +29,8 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
 
     ``patch``: ``None`` picks the registered patch for the model's architecture,
     a name or :class:`ModelPatch` forces one, ``False`` disables patching.
+    ``trust_remote_code`` stays off (and transformers never prompts for it) unless the
+    caller passes ``trust_remote_code=True`` after reading the model's code.
     """
     import transformers
 
@@ -39,11 +42,17 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     if not path.exists() and (where.startswith((".", "/", "~")) or where.count("/") > 1):
         raise ModelLoadError(f"model folder {where!r} does not exist")
     try:
-        config = transformers.AutoConfig.from_pretrained(where)
-        model = _model_class(config).from_pretrained(where, dtype=dtype, **kwargs)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load model {where!r}: {exc}. Pass a local folder with config.json "
-                             f"and weights, or a hub id reachable from this machine") from exc
+        trust = kwargs.pop("trust_remote_code", False)
+        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
+        model = _model_class(config).from_pretrained(where, dtype=dtype, trust_remote_code=trust, **kwargs)
+    except Exception as exc:  # what is recognised is explained, the rest re-raised as it was
+        explained = explain_load_failure(where, exc)
+        if explained is not None:
+            raise explained from exc
+        if not isinstance(exc, OSError):
+            raise
+        raise ModelLoadError(f"cannot load model {where!r}: {str(exc).rstrip('.')}. Pass a local folder with "
+                             f"config.json and weights, or a hub id reachable from this machine") from exc
     model.eval()
     return apply_patch(model, resolve_patch(model, patch))
 
@@ -53,6 +62,6 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any | None:
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path_or_id))
+        return transformers.AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=False)
     except (OSError, ValueError, KeyError):
         return None

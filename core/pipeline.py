@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .errors import LayerwiseError
 from .lifecycle import Lifecycle
 
 
@@ -44,5 +45,5 @@ class Pipeline(ABC):
         """Calibrate: fire ``calibration_start``, ``sequential_epoch_end`` per piece, ``calibration_end``."""
 
 
-class PipelineFailed(RuntimeError):
+class PipelineFailed(LayerwiseError, RuntimeError):
     """A pipeline could not handle this model (e.g. untraceable); the next one may."""

@@ -104,7 +104,10 @@ def run_pipeline(model: torch.nn.Module, batches: Sequence[dict[str, Any]], life
             return name
         except PipelineFailed as exc:
             if requested:  # the user's choice is never silently replaced
-                raise
+                raise PipelineFailed(
+                    f"pipeline {name!r}, asked for by name, cannot calibrate {type(model).__name__}: {exc}. "
+                    f"Leave out pipeline= (CLI: --pipeline) to let layerwise pick one and fall back, "
+                    f"or fix the cause") from exc
             if watched.compression_started:
                 raise PipelineAborted(
                     f"pipeline {name!r} failed after compressing part of the model ({exc}); not falling back "

@@ -9,6 +9,11 @@ Accepted recipe forms:
   any stage/group keys (``{"quant_stage": {"quant_modifiers": {...}}}``), as
   recipes written for other tools often are;
 * a YAML string or a path to a YAML file holding such a dict (or a list of them).
+
+Every key, at any depth, must be a registered modifier, a stage or group that holds
+one, or one of :data:`METADATA_KEYS`; anything else is a :class:`RecipeNameError`
+with the closest valid name. A misspelt modifier is never dropped silently while the
+rest of the recipe runs.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from typing import Any
 
 import yaml
 
-from .errors import RecipeError, UnknownNameError
+from .errors import RecipeError, RecipeNameError, did_you_mean
 from .modifier import Modifier
 from .plugin_manager import registry
 
 RecipeLike = Modifier | list | dict | str | Path
 
+
+#: keys that describe a recipe (as llm-compressor-style recipes carry them); read, never used
+METADATA_KEYS = ("version", "metadata", "run_type")
 
 #: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
 ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier"}
@@ -70,7 +78,7 @@ def _parse_string(text: str) -> list[Modifier]:
     if ":" not in stripped and "\n" not in stripped:
         if stripped in registry("modifiers"):
             return [_build(stripped, {}, "recipe")]
-        raise UnknownNameError(
+        raise RecipeNameError(
             "recipe", stripped, [*preset_names(), *registry("modifiers").names()],
             hint="pass a preset name, a modifier name, YAML text, or the path of a YAML file",
         )
@@ -95,20 +103,45 @@ def _parse_file(path: Path) -> list[Modifier]:
 
 def _parse_mapping(mapping: dict, path: str) -> list[Modifier]:
     modifiers = []
-    known = registry("modifiers")
+    known = registry("modifiers").names()
     for key, value in mapping.items():
         where = f"{path}.{key}"
         if key in known:
             modifiers.append(_build(key, value or {}, where))
-        elif isinstance(key, str) and key.endswith("Modifier"):
-            raise UnknownNameError("modifier", key, known.names(), hint=f"(at {where})")
-        elif isinstance(value, dict):
-            modifiers.extend(_parse_mapping(value, where))
-        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
-            for i, item in enumerate(value):
-                modifiers.extend(_parse_mapping(item, f"{where}[{i}]"))
-        # other scalar keys (version, metadata, ...) describe the recipe and are ignored
+        elif key in METADATA_KEYS:
+            continue
+        elif not str(key).lower().endswith("modifier") and _is_group(value, known):
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                modifiers.extend(_parse_mapping(item, where if isinstance(value, dict) else f"{where}[{i}]"))
+        elif value is None or isinstance(value, dict):  # a modifier's place, under a name nobody registered
+            raise RecipeNameError("modifier", str(key), known, hint=f"(at {where})")
+        elif isinstance(value, list) and value and any(isinstance(item, dict) for item in value):
+            bad = next(i for i, item in enumerate(value) if not isinstance(item, dict))
+            raise RecipeError(f"{where}[{bad}]: {value[bad]!r} is not a mapping; each item of a list of "
+                              f"modifiers is one, e.g. {{{known[0]}: {{...}}}}")
+        else:
+            raise RecipeNameError("recipe key", str(key), METADATA_KEYS, hint=(
+                f"(at {where}); any other key must be a modifier ({', '.join(known)}) or a stage or "
+                f"group holding modifiers"))
     return modifiers
+
+
+def _is_group(value: Any, known: list[str]) -> bool:
+    """A stage or group: a list of mappings, or a mapping that is not one modifier's fields.
+
+    A mapping of plain values under keys that name no modifier (``{scheme: W4A16}``) is
+    a modifier's fields, so the key above it must have been a modifier's name.
+    """
+    if isinstance(value, list):
+        return all(isinstance(item, dict) for item in value)
+    if not isinstance(value, dict):
+        return False
+    nested = any(isinstance(v, dict) or (isinstance(v, list) and any(isinstance(i, dict) for i in v))
+                 for v in value.values())
+    named = any(k in known or k in METADATA_KEYS or str(k).lower().endswith("modifier") or did_you_mean(k, known)
+                for k in value)
+    return not value or nested or named
 
 
 def _build(name: str, fields: Any, where: str) -> Modifier:
@@ -119,8 +152,9 @@ def _build(name: str, fields: Any, where: str) -> Modifier:
         if dataclasses.is_dataclass(cls) else None
     unknown = [k for k in fields if valid is not None and k not in valid]
     if unknown:
-        raise RecipeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for {name}; "
-                          f"valid fields: {', '.join(valid)}")
+        named = ", ".join(f"{k!r}" + (f" ({hint.strip()})" if (hint := did_you_mean(k, valid)) else "")
+                          for k in unknown)
+        raise RecipeError(f"{where}: unknown field(s) {named} for {name}; valid fields: {', '.join(valid)}")
     try:
         return cls(**fields)
     except (TypeError, ValueError, KeyError) as exc:

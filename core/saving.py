@@ -3,7 +3,12 @@
 :func:`atomic_output_dir` hands out a hidden temporary folder next to the target
 (same file system, so the final step is a rename). On success the temporary
 folder is renamed into place; on any error or KeyboardInterrupt it is removed
-and an existing target folder is left exactly as it was.
+and an existing target folder is left exactly as it was, as are the folders above it
+(parents created for the output are removed again).
+
+:func:`check_output_dir` runs before any work (``compress()`` calls it before loading
+the model): an existing folder without ``overwrite``, or a location that cannot be
+written, fails in seconds, not after an hour of calibration.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ class OutputExistsError(LayerwiseError, FileExistsError):
     """The output folder exists, is not empty, and overwriting was not asked for."""
 
 
+class OutputNotWritableError(LayerwiseError, OSError):
+    """The output folder cannot be created where it was asked for (read-only, no permission, a file)."""
+
+
 def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """The target as a Path; raises when it cannot (or may not) be written."""
     target = Path(path).expanduser().absolute()
@@ -30,7 +39,31 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise OutputExistsError(f"output folder '{target}' already exists and is not empty; pass overwrite=True "
                                 f"(CLI: --overwrite) to replace it, or choose another output_dir")
+    _check_writable(target)
     return target
+
+
+def _check_writable(target: Path) -> None:
+    """Create and remove a folder where the output's temporary folder will go.
+
+    Trying is the only check that is right for root, ACLs and read-only mounts alike.
+    """
+    existing = _nearest_existing(target.parent)
+    if not existing.is_dir():
+        raise OutputNotWritableError(f"cannot create output folder '{target}': '{existing}' is a file, not a "
+                                     f"folder; choose another output_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=existing))
+    except OSError as exc:
+        raise OutputNotWritableError(
+            f"cannot write output folder '{target}': '{existing}' is not writable ({exc.strerror or exc}); "
+            f"choose an output_dir you can write to, or change that folder's permissions") from exc
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 @contextlib.contextmanager
@@ -41,18 +74,29 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     case it is replaced only after everything was written.
     """
     target = check_output_dir(path, overwrite)
+    existing = _nearest_existing(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.incomplete-", dir=target.parent))
     try:
-        yield tmp
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.incomplete-", dir=target.parent))
+        try:
+            yield tmp
+            _move_into_place(tmp, target, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty_parents(target.parent, existing)
         raise
-    try:
-        _move_into_place(tmp, target, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def _remove_empty_parents(folder: Path, stop: Path) -> None:
+    """Remove the folders created for the output, up to (not including) ``stop``, while empty."""
+    while folder != stop and stop in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:

@@ -6,9 +6,11 @@ Wire-up: ``add_parser(subparsers)`` registers the subcommand, ``run(args)`` exec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -49,7 +51,8 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; pass a local model folder")
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    with _explained(folder):
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     names = list(getattr(config, "architectures", None) or [])
     cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     has_weights = any(any(folder.glob(g)) for g in _WEIGHT_GLOBS)
@@ -65,7 +68,8 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
         else:
             raise ValueError(f"no transformers model class for {type(config).__name__}; set 'architectures' in config.json")
     if has_weights:
-        model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        with _explained(folder):
+            model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32, trust_remote_code=False)
     elif materialise:
         torch.manual_seed(0)
         model = cls(config)
@@ -73,6 +77,20 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
         with torch.device("meta"):
             model = cls(config)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _explained(folder: Path) -> Iterator[None]:
+    """A corrupt, refused or unknown model is a ModelLoadError that says so (exit 2), as for compress."""
+    from ..load_errors import explain
+
+    try:
+        yield
+    except Exception as exc:
+        known = explain(str(folder), exc)
+        if known is None:
+            raise
+        raise known from exc
 
 
 def _find_patch(model: torch.nn.Module) -> Any:

@@ -16,11 +16,24 @@ def _is_path(source: Any, suffixes: tuple[str, ...]) -> bool:
     return isinstance(source, (str, Path)) and str(source).lower().endswith(suffixes)
 
 
-def _read_text_file(source: Any) -> list[str]:
-    path = Path(source)
+def _read_utf8(path: Path) -> str:
+    """The file's text; a missing, unreadable or non-UTF-8 file is a DatasetError naming it."""
     if not path.is_file():
         raise DatasetError(f"calibration file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(
+            f"calibration file {str(path)!r} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start} cannot be decoded ({exc.reason}). Calibration data must be UTF-8 text: a .txt file "
+            f"(one document per paragraph or line) or a .jsonl file of {{\"text\": ...}} records; re-encode it "
+            f"(iconv -f <its encoding> -t UTF-8) or extract the text of a binary file first") from exc
+    except OSError as exc:
+        raise DatasetError(f"cannot read calibration file {str(path)!r}: {exc.strerror or exc}") from exc
+
+
+def _read_text_file(source: Any) -> list[str]:
+    text = _read_utf8(Path(source))
     blocks = [b.strip() for b in text.split("\n\n")]
     blocks = [b for b in blocks if b]
     # a file of one-liners has no blank lines: each line is then a document
@@ -31,10 +44,8 @@ def _read_text_file(source: Any) -> list[str]:
 
 def _read_jsonl(source: Any) -> list[str] | list[Mapping[str, Any]]:
     path = Path(source)
-    if not path.is_file():
-        raise DatasetError(f"calibration file {str(path)!r} does not exist")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_read_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -1,6 +1,11 @@
 import pytest
 
-from layerwise.saving import OutputExistsError, atomic_output_dir
+from layerwise.saving import (
+    OutputExistsError,
+    OutputNotWritableError,
+    atomic_output_dir,
+    check_output_dir,
+)
 
 
 def test_success_renames_into_place(tmp_path):
@@ -44,3 +49,27 @@ def test_non_empty_folder_is_refused_before_any_work(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputExistsError, match="not a folder"), atomic_output_dir(tmp_path / "file"):
         pass
+
+
+def test_parents_created_for_a_failed_output_are_removed(tmp_path):
+    with pytest.raises(RuntimeError), atomic_output_dir(tmp_path / "a" / "b" / "out") as tmp:
+        (tmp / "f.txt").write_text("x")
+        raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "calib.txt").write_text("x")
+    with pytest.raises(OutputNotWritableError, match="calib.txt' is a file, not a folder"):
+        check_output_dir(tmp_path / "calib.txt" / "out")
+
+
+def test_an_unwritable_location_is_refused_naming_it(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("layerwise.saving.tempfile.mkdtemp", refuse)  # root ignores chmod; a refusal is a refusal
+    with pytest.raises(OutputNotWritableError) as info:
+        check_output_dir(tmp_path / "new" / "out")
+    assert f"'{tmp_path}' is not writable (Permission denied)" in str(info.value)
+    assert not (tmp_path / "new").exists()
