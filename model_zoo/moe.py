@@ -55,11 +55,17 @@ MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
 class ExpertMLP(nn.Module):
     """One expert as three Linear layers: ``down(act(gate(x)) * up(x))``."""
 
-    def __init__(self, hidden: int, intermediate: int, act_fn: Any, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, act_fn: Any, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # uninitialised: the weights are copied in from the fused experts (a random init of every
+        # expert of a 671B model, or of one on meta, costs minutes for nothing)
+        def linear(n_in: int, n_out: int) -> nn.Linear:
+            return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, device=device, dtype=dtype)
+
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,8 +143,7 @@ def unfuse_experts(model: nn.Module) -> nn.Module:
         weight = experts.gate_up_proj
         mlps = []
         for e in range(num):
-            mlp = ExpertMLP(hidden, inter, experts.act_fn)
-            mlp.to(device=weight.device, dtype=weight.dtype)
+            mlp = ExpertMLP(hidden, inter, experts.act_fn, device=weight.device, dtype=weight.dtype)
             with torch.no_grad():
                 mlp.gate_proj.weight.copy_(weight[e, :inter])
                 mlp.up_proj.weight.copy_(weight[e, inter:])
