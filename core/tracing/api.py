@@ -18,7 +18,7 @@ from .autowrap import ForwardRewriter, WrappedStatement
 from .guards import Guard, GuardedCall, GuardProgram
 from .meta import to_meta
 from .opaque import default_opaque_functions
-from .partition import _is_pure, eliminate_dead_pure_nodes, partition
+from .partition import is_pure, eliminate_dead_pure_nodes, partition, resolve_attr
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
 from .targets import TargetError, choose_targets, resolve_modules, resolve_targets
 from .tracer import LayerwiseTracer, forward_signature
@@ -179,7 +179,7 @@ def _trace(
         raise SwallowedTargetsError(_swallowed_message(missing))
     groups = [target_nodes[i:i + targets_per_subgraph] for i in range(0, len(target_nodes), targets_per_subgraph)]
 
-    attrs = {n.target: _resolve(model, tracer.constants, n.target) for n in graph.nodes
+    attrs = {n.target: resolve_attr(model, tracer.constants, n.target) for n in graph.nodes
              if n.op in ("get_attr", "call_module")}
     graph_module = fx.GraphModule(attrs, graph, class_name=f"{type(model).__name__}Traced")
     subgraphs = partition(graph, model, tracer.constants, groups)
@@ -284,7 +284,7 @@ def _read_opaquely(users: Iterable[fx.Node]) -> bool:
     for user in users:
         if user.op in ("call_module", "output") or user.meta.get("is_wrapped") or _is_opaque(user.target):
             continue
-        if _is_pure(user) and not user.users:
+        if is_pure(user) and not user.users:
             continue  # a dead probe (tracing looked at it; nothing computes with it)
         return False
     return True
@@ -312,15 +312,6 @@ def _rebuild_output(graph: fx.Graph, output_type: type) -> None:
     with graph.inserting_before(output):
         rebuilt = graph.call_function(build, (output.args[0],))
     output.args = (rebuilt,)
-
-
-def _resolve(model: torch.nn.Module, constants: Mapping[str, Any], target: str) -> Any:
-    if target in constants:
-        return constants[target]
-    obj: Any = model
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _ancestors(name: str) -> list[str]:

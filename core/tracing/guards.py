@@ -35,6 +35,7 @@ from ..errors import LayerwiseError
 from .autowrap import short_path
 from .kinds import ANY, TENSOR_OR_NONE, describe, kind_of, matches
 from .meta import UNKNOWN, run_on_meta, to_meta
+from .partition import resolve_attr
 
 #: result patterns that any tensor-or-None keeps: checked where they run, not before each batch
 LOOSE = (ANY, TENSOR_OR_NONE)
@@ -195,7 +196,7 @@ def _program(graph: fx.Graph, outputs: Mapping[str, fx.Node], root: torch.nn.Mod
         if node in needed:
             env[node] = program.node_copy(node, lambda n: env[n])
     program.output({gid: env[node] for gid, node in outputs.items()})
-    attrs = {n.target: _attr(root, constants, n.target) for n in program.nodes if n.op in ("get_attr", "call_module")}
+    attrs = {n.target: resolve_attr(root, constants, n.target) for n in program.nodes if n.op in ("get_attr", "call_module")}
     return fx.GraphModule(attrs, program, class_name="GuardProgram")
 
 
@@ -216,15 +217,6 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
             seen.add(current)
             stack.extend(current.all_input_nodes)
     return seen
-
-
-def _attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
-    if target in constants:
-        return constants[target]
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _signature(inputs: Mapping[str, Any]) -> tuple:

@@ -43,7 +43,8 @@ class Subgraph:
         return self.module(*(values[n] for n in self.input_names))
 
 
-def _attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
+def resolve_attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
+    """What a graph's ``get_attr``/``call_module`` target names: a tracer constant or a model attribute."""
     if target in constants:
         return constants[target]
     obj = root
@@ -110,7 +111,7 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
             out_names = [src.name for src in outputs[index]]
         else:
             out_names = [OUTPUT_NAME]
-        attrs = {n.target: _attr(model, constants, n.target) for n in sub.nodes if n.op in ("get_attr", "call_module")}
+        attrs = {n.target: resolve_attr(model, constants, n.target) for n in sub.nodes if n.op in ("get_attr", "call_module")}
         module = fx.GraphModule(attrs, sub, class_name=f"Subgraph{index}")
         called = list(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
         owners = [str(n.target).rpartition(".")[0] for n in sub.nodes
@@ -137,7 +138,8 @@ def _without_containers(subgraphs: list[Subgraph]) -> list[Subgraph]:
     return subgraphs
 
 
-def _is_pure(node: fx.Node) -> bool:
+def is_pure(node: fx.Node) -> bool:
+    """Can ``node`` be dropped when nothing reads it (no in-place op, opaque call or wrapped statement)?"""
     if node.op == "get_attr":
         return True
     if node.op == "call_method":
@@ -155,5 +157,5 @@ def _is_pure(node: fx.Node) -> bool:
 def eliminate_dead_pure_nodes(graph: fx.Graph) -> None:
     """Drop unused side-effect-free nodes that tracing left behind (shape probes, dead branches)."""
     for node in reversed(list(graph.nodes)):
-        if not node.users and _is_pure(node):
+        if not node.users and is_pure(node):
             graph.erase_node(node)
