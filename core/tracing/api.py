@@ -18,7 +18,7 @@ from .autowrap import ForwardRewriter, WrappedStatement
 from .guards import Guard, GuardedCall, GuardProgram
 from .meta import to_meta
 from .opaque import default_opaque_functions
-from .partition import is_pure, eliminate_dead_pure_nodes, partition, resolve_attr
+from .partition import eliminate_dead_pure_nodes, is_pure, partition, resolve_attr
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
 from .targets import TargetError, choose_targets, resolve_modules, resolve_targets
 from .tracer import LayerwiseTracer, forward_signature
