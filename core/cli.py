@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 import warnings
@@ -83,6 +84,10 @@ def _print_summary(model) -> None:
 
 
 def _run_compress(args: argparse.Namespace) -> int:
+    if args.quiet:  # transformers' own loading/saving bars too, not only ours
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.model is None:
         from .demo import DEMO_RECIPE, run_demo
 
@@ -179,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("layerwise: interrupted; nothing was saved", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `layerwise report out | head`: the reader had enough
+        _silence_stdout()
+        return 0
     except Exception as exc:  # noqa: BLE001 - a bug, here or in a plugin: one line, the traceback on request
         _report(exc, debug, f"unexpected {type(exc).__name__}: {exc}" + (
             "" if debug else "\n(run again with --debug for the traceback, and report it with the "
@@ -186,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
+
+
+def _silence_stdout() -> None:
+    """Point stdout at devnull, so flushing it at interpreter exit does not fail a second time."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (captured in tests): nothing to silence
+        pass
 
 
 def _report(exc: BaseException, debug: bool, message: str) -> None:

@@ -51,7 +51,7 @@ def header_lines(summary: RunSummary) -> list[str]:
              f"{'modifiers:':<20}{', '.join(report.modifiers) or 'none'}",
              f"{'pipeline:':<20}{report.pipeline}",
              *run_notes(report.fallbacks, report.guards_retraced, always=True),
-             f"{'targets:':<20}{', '.join(report.sequential_targets) or 'none'}",
+             f"{'targets:':<20}{report.targets_found or ', '.join(report.sequential_targets) or 'none'}",
              f"{'modules compressed:':<20}{len(report.compressed_modules)}",
              f"{'calibration:':<20}{report.calibration_samples} samples",
              f"{'time:':<20}{report.seconds:.1f} s (up to saving)",

@@ -52,3 +52,15 @@ def test_demo_folder_name_from_a_yaml_recipe_file(minilm_path, tmp_path, capsys,
     assert _slug("GPTQ_W4A16") == "gptq_w4a16"
     assert _slug(str(tmp_path / "my recipe" / "gptq-int4.yaml")) == "gptq-int4"
     assert _slug("GPTQModifier:\n  scheme: W4A16\n") == "custom"
+
+
+def test_a_closed_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    """``layerwise report out | head``: the reader stopping early is not an error."""
+    from layerwise import cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_run_compress", closed)
+    assert cli.main(["compress", "--model", "x"]) == 0
+    assert "error" not in capsys.readouterr().err
