@@ -97,7 +97,7 @@ def test_report_shows_header_table_and_chart(gptq_run, capsys):
     assert main(["report", str(out)]) == 0
     printed = capsys.readouterr().out
     for line in ("pipeline:           sequential", "fallbacks:          none", "guards re-traced:   none",
-                 "targets:            LlamaDecoderLayer", "model:              LlamaForCausalLM",
+                 "targets:            2 x LlamaDecoderLayer (model.layers.0-1), from the model patch", "model:              LlamaForCausalLM",
                  "modules compressed: 14", "calibration:        3 samples", "    - GPTQModifier:"):
         assert line in printed
     table = [line for line in printed.splitlines() if line.startswith("model.layers.")]
