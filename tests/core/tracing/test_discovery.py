@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 
 from layerwise.tracing import trace
 from layerwise.tracing.discovery import BlockList, discover_blocks
 from layerwise.tracing.samples import sample_inputs
 from layerwise.tracing.suggest import suggest_patch
 from layerwise.tracing.targets import choose_targets, default_targets, resolve_modules
+from layerwise.versions import transformers_version
 
 _H = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
           max_position_embeddings=64)
@@ -48,7 +50,15 @@ def test_the_cases_are_models_without_no_split_modules() -> None:
     assert all(not getattr(tf, name)._no_split_modules for name in CASES)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: traces that fail on older tested releases (discovery itself holds there)
+_OLDER_RELEASE = pytest.mark.xfail(
+    Version(transformers_version()) < Version("5.24.0"), strict=False,
+    reason="on transformers 5.20.2 DebertaV2Layer does not run on meta, so the tracer cannot unpack its output "
+           "(5.21-5.23 not tried)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_OLDER_RELEASE) if n == "DebertaV2Model" else n
+                                  for n in CASES])
 def test_discovery_finds_the_block_lists_and_they_trace_exactly(name: str) -> None:
     model = _build(name)
     found = discover_blocks(model)
