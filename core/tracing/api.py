@@ -271,12 +271,18 @@ def _pattern(node: fx.Node, meta: Any) -> Any:
     if not _read_opaquely([u for u in node.users if u not in items]):
         return exact
     by_key = {u.args[1]: u for u in items}
+
+    def item(key: Any, value: Any) -> Any:
+        if value is None:  # the code was handed Python's None and took its "is None" path: strict
+            return kinds.NONE
+        return _pattern(by_key[key], value) if key in by_key else kinds.ANY
+
     name, kinds_ = exact
     if name in ("tuple", "list"):
-        return (name, tuple(_pattern(by_key[i], v) if i in by_key else kinds.ANY for i, v in enumerate(meta)))
+        return (name, tuple(item(i, v) for i, v in enumerate(meta)))
     keys = [k for k, _ in kinds_]
     values = meta.values() if name == "dict" else [getattr(meta, k) for k in keys]
-    return (name, tuple((k, _pattern(by_key[k], v) if k in by_key else kinds.ANY) for k, v in zip(keys, values)))
+    return (name, tuple((k, item(k, v)) for k, v in zip(keys, values)))
 
 
 def _read_opaquely(users: Iterable[fx.Node]) -> bool:

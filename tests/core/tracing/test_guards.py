@@ -184,3 +184,29 @@ def test_a_mask_only_kernels_read_may_be_none_or_a_tensor() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _replays_like_the_model(model, result, FULL) and _replays_like_the_model(model, result, PADDED)
+
+
+def test_a_none_item_of_an_opaque_tuple_stays_strict() -> None:
+    """The code was handed ``None`` for the bias and skipped it: a batch with a bias must not pass."""
+
+    @opaque
+    def scale_and_bias(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scale = mask.float()[..., None]
+        return scale, (None if bool(mask.all()) else scale * -3.0)
+
+    class TupleNet(MaskedNet):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            scale, bias = scale_and_bias(mask)
+            h = self.layers[0](x) * scale
+            if bias is not None:
+                h = h + bias
+            return self.layers[1](h)
+
+    torch.manual_seed(0)
+    model = TupleNet().eval()
+    result = trace(model, FULL, sequential_targets=["Block"])
+    guard = next(g for g in result.guards if g.how == "scale_and_bias")
+    assert guard.expected == ("tuple", (TENSOR, "None"))
+    assert _replays_like_the_model(model, result, FULL)
+    with pytest.raises(GuardViolation, match=r"returned tuple\(Tensor, None\) .* got tuple\(Tensor, Tensor\)"):
+        result.replay(PADDED)
