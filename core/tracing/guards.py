@@ -160,21 +160,21 @@ class GuardProgram:
     def first_violation(self, inputs: Mapping[str, Any]) -> tuple[Guard, Any] | None:
         """The first guard ``inputs`` break, with what they gave instead; ``None`` when all hold.
 
-        Shape guards are computed on meta once per input-shape signature; result guards
-        before any sequential target on the real inputs.
+        Shape guards are computed on meta once per input-shape signature (on the real
+        batch when meta cannot answer); result guards before any sequential target on the
+        real inputs.
         """
         by_id = {g.id: g for g in self.guards}
         if self.on_meta is not None:
             signature = _signature(inputs)
             if signature not in self._shape_checked:
                 values = _run(self.on_meta, inputs, on_meta=True, assumed=self.assumed_meta)
-                broken = None
-                for gid, value in values.items():
-                    got = _read(by_id[gid], value)
-                    if got is not UNKNOWN and not by_id[gid].holds(got):
-                        broken = (by_id[gid], got)
-                        break
-                self._shape_checked[signature] = broken
+                read = {gid: _read(by_id[gid], value) for gid, value in values.items()}
+                if any(got is UNKNOWN for got in read.values()):  # meta could not say: ask the real batch
+                    values = _run(self.on_meta, inputs, on_meta=False, assumed={})
+                    read = {gid: _read(by_id[gid], value) for gid, value in values.items()}
+                self._shape_checked[signature] = next(
+                    ((by_id[gid], got) for gid, got in read.items() if not by_id[gid].holds(got)), None)
             if self._shape_checked[signature] is not None:
                 return self._shape_checked[signature]
         if self.on_real is not None:

@@ -210,3 +210,27 @@ def test_a_none_item_of_an_opaque_tuple_stays_strict() -> None:
     assert _replays_like_the_model(model, result, FULL)
     with pytest.raises(GuardViolation, match=r"returned tuple\(Tensor, None\) .* got tuple\(Tensor, Tensor\)"):
         result.replay(PADDED)
+
+
+def test_a_shape_guard_meta_cannot_answer_is_asked_of_the_real_batch() -> None:
+    class MetaShy(nn.Module):
+        """Runs on meta for short inputs only (as some kernels lack meta support for some shapes)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.is_meta and x.shape[1] > 8:
+                raise RuntimeError("no meta kernel for this shape")
+            return x * 1.0
+
+    class Net(LengthBranch):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shy = MetaShy()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(self.shy(x))
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    result = trace(model, {"x": torch.randn(2, 6, 8)}, sequential_targets=["Block"], leaf_modules=["MetaShy"])
+    with pytest.raises(GuardViolation, match="got True"):  # never silently the short-input branch
+        result.replay({"x": torch.randn(2, 12, 8)})
