@@ -57,6 +57,8 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="feed each piece the uncompressed model's activations")
     p.add_argument("--offload", choices=["cpu", "disk"], default="cpu", help="where cached activations rest")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--skip-non-finite", action="store_true",
+                   help="leave modules whose weights hold NaN/inf uncompressed (default: an error)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_compress)
 
@@ -72,6 +74,9 @@ def _print_summary(model) -> None:
     if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
         print(f"targets:            {report.targets_found}")
     print(f"modules compressed: {len(report.compressed_modules)}")
+    if report.skipped_non_finite:
+        print(f"left uncompressed:  {len(report.skipped_non_finite)} with NaN/inf weights "
+              f"({', '.join(report.skipped_non_finite)})")
     print(f"calibration:        {report.calibration_samples} samples")
     print(f"time:               {report.seconds:.1f} s")
     print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
@@ -110,7 +115,8 @@ def _run_compress(args: argparse.Namespace) -> int:
                      targets_per_subgraph=args.targets_per_subgraph,
                      output_dir=args.output_dir, pipeline=args.pipeline,
                      propagate_error=not args.no_propagate_error, offload=args.offload,
-                     overwrite=args.overwrite, show_progress=not args.quiet)
+                     overwrite=args.overwrite, show_progress=not args.quiet,
+                     non_finite="skip" if args.skip_non_finite else "error")
     _print_summary(model)
     return 0
 

@@ -13,6 +13,7 @@ import torch
 
 from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
+from .finite import NON_FINITE_MODES, check_weights
 from .lifecycle import Lifecycle
 from .loading import load_model, load_tokenizer
 from .model_patch import ModelPatch, apply_patch, resolve_patch
@@ -54,6 +55,8 @@ class CompressionReport:
     fallbacks: list[str] = field(default_factory=list)
     #: trace guards that failed on some batch, so that the graph was traced again for it
     guards_retraced: list[str] = field(default_factory=list)
+    #: modules left uncompressed because a parameter held NaN or inf (``non_finite="skip"``)
+    skipped_non_finite: list[str] = field(default_factory=list)
 
 
 def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
@@ -102,6 +105,7 @@ def compress(
     overwrite: bool = False,
     save_format: str = "compressed-tensors",
     show_progress: bool = True,
+    non_finite: str = "error",
 ) -> torch.nn.Module:
     """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
 
@@ -110,9 +114,13 @@ def compress(
     ``max_seq_length`` (tokens per calibration sample) defaults to 2048, or to the
     model's context length when that is shorter.
     The run's summary is ``model.layerwise_report``.
+    A parameter holding NaN or inf is an error before calibration; ``non_finite="skip"``
+    leaves the modules holding one uncompressed instead (listed in the report).
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
+    if non_finite not in NON_FINITE_MODES:
+        check_weights(torch.nn.Module(), non_finite)  # the error that lists the modes, before loading
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
@@ -137,6 +145,7 @@ def compress(
     warn_if_untested(chosen_patch)
     apply_patch(model, chosen_patch)
     model.eval()
+    skipped = check_weights(model, non_finite)  # a NaN weight fails in seconds, not after calibration
 
     # what the user wrote is checked before any calibration: a typo is an error, never a fallback
     choice = choose_targets(model, sequential_targets, chosen_patch)
@@ -151,7 +160,7 @@ def compress(
 
     bytes_before = _parameter_bytes(model)
     state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
-                             sequential_targets=targets, ignore=ignore,
+                             sequential_targets=targets, ignore=[*ignore, *skipped],
                              execution_device=_execution_device())
     options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
                               offload=offload, execution_device=state.execution_device,
@@ -179,7 +188,7 @@ def compress(
         bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
         targets_found=targets_found, targets_source=choice.source,
         model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
-        fallbacks=fallbacks, guards_retraced=list(state.guards_retraced),
+        fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
     )
     if saver is not None:
         from .run_summary import SUMMARY_FILE, summary_json

@@ -51,6 +51,10 @@ class InvalidArgumentError(LayerwiseError, ValueError):
     """An argument outside the values it can take (a count below 1, ...)."""
 
 
+class NonFiniteError(LayerwiseError, ArithmeticError):
+    """A NaN or inf where a finite number is needed: a weight, every calibration sample, a saved tensor."""
+
+
 def did_you_mean(name: object, valid: Iterable[str]) -> str:
     """`` did you mean 'X'?`` for the closest valid name(s) (case ignored), else ``""``.
 

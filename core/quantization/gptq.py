@@ -208,7 +208,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
         H = H.to(torch.float32)
     low, high = torch.aminmax(H)  # one pass; NaN propagates into both
     if not (math.isfinite(low.item()) and math.isfinite(high.item())):
-        raise GPTQError("the Hessian has non-finite entries (NaN or inf inputs during calibration)")
+        raise GPTQError("the Hessian has non-finite entries (its inputs held NaN/inf, or overflowed float32)")
     W = weight.detach().to(device=H.device, dtype=torch.float32).clone()
 
     diag = torch.diagonal(H)

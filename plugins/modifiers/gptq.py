@@ -16,7 +16,9 @@ Schemes, targets, ignore lists and overrides are those of
 :class:`~layerwise.plugins.modifiers.quantization.QuantizationModifier`; GPTQ adds
 ``block_size``, ``dampening_frac`` and ``actorder``. A layer whose Hessian cannot be
 factorised (or that saw no data) is rounded to nearest instead, with a warning
-naming it. Per-layer results are in :attr:`GPTQModifier.summary`, in the run's log,
+naming it and why. An input holding NaN or inf is left out of the Hessian (it would
+poison it) and counted; the layer's warning says how many, and a layer whose every input
+was non-finite, or whose own weight is, is a :class:`~layerwise.errors.NonFiniteError`. Per-layer results are in :attr:`GPTQModifier.summary`, in the run's log,
 and in ``gptq_summary.json`` next to the saved model.
 """
 
@@ -32,7 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.errors import RecipeError
+from layerwise.errors import NonFiniteError, RecipeError
+from layerwise.finite import NonFiniteSampleWarning, is_finite
 from layerwise.quantization.args import ACTORDERS, QuantizationArgs
 from layerwise.quantization.gptq import (
     GPTQError,
@@ -93,6 +96,8 @@ class GPTQModifier(QuantizationModifier):
         #: per layer, the (possibly shared) Gram matrix of its inputs
         self._grams: dict[str, _SharedGram] = {}
         self._handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        #: per layer, the calibration inputs left out of its Hessian because they held NaN or inf
+        self._non_finite: dict[str, int] = {}
         # the previous hook's input, its float32 copy, and the Gram that took it
         self._last: tuple[torch.Tensor, int, torch.Tensor, _SharedGram] | None = None
 
@@ -148,6 +153,9 @@ class GPTQModifier(QuantizationModifier):
             x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
             if not isinstance(x, torch.Tensor) or name in self._done:
                 return
+            if not is_finite(x):  # one NaN row would make the whole Hessian NaN
+                self._non_finite[name] = self._non_finite.get(name, 0) + 1
+                return
             self._accumulate(name, x)
         return hook
 
@@ -184,6 +192,7 @@ class GPTQModifier(QuantizationModifier):
 
     def _free_all(self) -> None:
         self._grams.clear()
+        self._non_finite.clear()
         self._last = None
 
     # -- work --------------------------------------------------------------------------
@@ -195,10 +204,14 @@ class GPTQModifier(QuantizationModifier):
         if handle is not None:
             handle.remove()
         hessian, samples = self._hessian(name)
+        dropped = self._non_finite.pop(name, 0)
         weight = linear_weight(module)
+        _check_finite_weight(name, weight)
         dtype = module.weight.dtype
         result: GPTQResult | None = None
         method = "gptq"
+        if dropped:
+            _warn_dropped(name, dropped, hessian is None or samples == 0)
         if hessian is None or samples == 0:
             reason = "it saw no calibration data"
         else:
@@ -220,6 +233,8 @@ class GPTQModifier(QuantizationModifier):
         record = {"name": name, "method": method, "loss": None if math.isnan(result.loss) else result.loss,
                   "seconds": round(time.perf_counter() - start, 4), "samples": samples,
                   "dampening_frac": None if math.isnan(result.dampening_frac) else result.dampening_frac}
+        if dropped:
+            record["non_finite_inputs"] = dropped
         if method == "gptq" and result.dampening_frac != self.dampening_frac:
             log.warning("GPTQ: layer %r needed dampening %g (asked %g) to factorise its Hessian",
                         name, result.dampening_frac, self.dampening_frac)
@@ -228,6 +243,28 @@ class GPTQModifier(QuantizationModifier):
             state.log.append({"modifier": type(self).__name__, **record})
         log.info("GPTQ %s: %s loss %s, %.3f s, %d samples", name, method,
                  "n/a" if record["loss"] is None else f"{record['loss']:.4g}", record["seconds"], samples)
+
+
+def _check_finite_weight(name: str, weight: torch.Tensor) -> None:
+    """A weight holding NaN/inf cannot be quantized by any method: say so, instead of saving NaN scales."""
+    if not is_finite(weight):
+        count = int((~torch.isfinite(weight)).sum())
+        raise NonFiniteError(f"GPTQ: the weight of layer {name!r} itself holds {count} NaN/inf value(s); neither GPTQ "
+                             f"nor round-to-nearest can quantize it. Load a good checkpoint, add {name!r} to "
+                             f"ignore, or pass non_finite='skip' to compress() (CLI: --skip-non-finite)")
+
+
+def _warn_dropped(name: str, dropped: int, none_left: bool) -> None:
+    """Non-finite calibration inputs of one layer: a warning, or an error when no finite one was left."""
+    if none_left:
+        raise NonFiniteError(f"GPTQ: every calibration input of layer {name!r} ({dropped}) held NaN or inf, so "
+                             f"there is no data to calibrate it with; the model's forward is not finite on this "
+                             f"data (a non-finite weight upstream, or float16 overflow: load it in bfloat16 or "
+                             f"float32)")
+    message = (f"GPTQ: layer {name!r}: {dropped} calibration input(s) held NaN or inf and were left out of its "
+               f"Hessian")
+    log.warning(message)
+    warnings.warn(message, NonFiniteSampleWarning, stacklevel=3)
 
 
 #: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this

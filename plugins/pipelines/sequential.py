@@ -7,7 +7,9 @@ against the trace's guards; a batch that breaks one gets a trace of its own
 batch through the subgraph of that batch's trace. Every batch flows through subgraph 1, its outputs
 go to the intermediates cache, the subgraph's modules are compressed, the subgraph
 re-runs with the compressed weights (``propagate_error``) to produce the next
-subgraph's inputs, values are freed after their last consumer, and so on.
+subgraph's inputs, values are freed after their last consumer, and so on. A batch whose
+outputs of a piece hold NaN or inf is dropped from the later pieces, with a warning naming it
+(:func:`layerwise.finite.drop_if_non_finite`).
 
 Tracing happens before any modifier sees data: a model that cannot be traced fails
 with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from layerwise.cache import IntermediatesCache
+from layerwise.finite import drop_if_non_finite
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
@@ -142,6 +145,7 @@ class SequentialPipeline(Pipeline):
         tail = list(subgraphs[last].modules)
         tail_inputs = lifecycle.calibration_inputs(tail)
         tail_runs = tail_inputs is None or bool(tail_inputs)
+        dropped: set[int] = set()  # batches whose activations became non-finite
         for position, sub in enumerate(progress(subgraphs, "calibrating subgraphs", options.show_progress)):
             # the tail's outputs are never used: it runs only when a modifier reads data in it (an LLM's
             # lm_head, usually ignored, costs more than a decoder layer), and so does what feeds it
@@ -153,6 +157,8 @@ class SequentialPipeline(Pipeline):
                 stop = None if keep or not run else _EarlyStop.for_piece(offloader.model, sub, lifecycle)
                 try:
                     for i in range(num_batches if run else 0):
+                        if i in dropped:
+                            continue
                         try:
                             with stop.batch() if stop is not None else contextlib.nullcontext():
                                 outputs = sub.run(i, cache)
@@ -166,7 +172,7 @@ class SequentialPipeline(Pipeline):
                             # nothing compressed yet: another pipeline can still take over
                             raise PipelineFailed(f"subgraph {sub.index} ({', '.join(sub.target_names) or 'head'}) "
                                                  f"failed to run: {type(exc).__name__}: {exc}") from exc
-                        if keep:
+                        if keep and not drop_if_non_finite(i, outputs, _where(sub), dropped, num_batches):
                             cache.update(i, outputs)
                 finally:
                     if stop is not None:
@@ -176,8 +182,16 @@ class SequentialPipeline(Pipeline):
                 if feeds_next and options.propagate_error:  # re-run with the compressed weights
                     with calibration_hooks_paused(lifecycle):
                         for i in range(num_batches):
-                            cache.update(i, sub.run(i, cache))
+                            if i in dropped:
+                                continue
+                            outputs = sub.run(i, cache)
+                            if not drop_if_non_finite(i, outputs, _where(sub), dropped, num_batches):
+                                cache.update(i, outputs)
             cache.free(sub.consumed_names)
+
+
+def _where(sub: Piece) -> str:
+    return f"subgraph {sub.index} ({', '.join(sub.target_names) or 'head'})"
 
 
 class _StopPiece(BaseException):

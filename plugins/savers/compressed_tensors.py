@@ -15,7 +15,8 @@ On disk, for every quantized Linear called ``<name>``:
 ``format: pack-quantized`` for int4 and int8 alike -- the weight-only format vLLM runs --
 one config group per distinct set of args, and ``ignore`` listing every Linear
 left unquantized). The tokenizer, ``recipe.yaml`` and any extra files go alongside.
-The folder is written atomically (see :mod:`layerwise.saving`).
+The folder is written atomically (see :mod:`layerwise.saving`), and only when every tensor
+is finite (:func:`layerwise.finite.check_saved`): a NaN scale is an error, not a checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from layerwise.errors import LayerwiseError
+from layerwise.finite import check_saved, skipped_prefixes
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import default_g_idx, quantize_weight
 from layerwise.quantization.storage import is_transposed, linear_weight, quantized_modules
@@ -54,6 +56,7 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
                             f"loader handles nn.Linear only, so this model cannot be saved in this format yet")
     quant_config = build_quantization_config(model, modules)
     state_dict = compressed_state_dict(model, modules)
+    check_saved(state_dict, skipped_prefixes(model))  # before anything is written
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
         config_path = tmp / "config.json"

@@ -108,6 +108,16 @@ def unknown_model_type(model_dir: Path, tmp_path: Path) -> Path:
     return folder
 
 
+def nan_weight(model_dir: Path, tmp_path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(model_dir, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def _file(name: str, content: str | bytes) -> Callable[[Path], str]:
     def write(tmp_path: Path) -> str:
         path = tmp_path / name
@@ -161,6 +171,8 @@ CASES = [
       "load_model(path, trust_remote_code=True)", "layerwise.compress()"]),
     ("unknown model_type", unknown_model_type, ["--recipe", "W8A16"],
      ["model_type 'llama9'", "does not know", "load the model yourself"]),
+    ("weight holding NaN", nan_weight, ["--recipe", "W8A16"],
+     ["1 parameter(s) holding NaN or inf: 'model.layers.0.self_attn.q_proj.weight'", "--skip-non-finite"]),
     # -- clear before this battery; kept here so they stay so
     ("unknown modifier as the recipe", None, ["--recipe", "FooModifier"],
      ["unknown recipe 'FooModifier'", "GPTQModifier", "a YAML file"]),
