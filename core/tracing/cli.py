@@ -122,10 +122,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from .samples import default_modality, sample_inputs
 
     out = out or sys.stdout
-    warn_if_untested(stacklevel=2)
+    warn_if_untested()
     model = load_for_tracing(args.model, materialise=args.verify)
     patch = _find_patch(model)
-    warn_if_untested(patch, stacklevel=2)
+    warn_if_untested(patch)
     apply_patch(model, patch)
     modality = args.modality or default_modality(model.config)
     try:
