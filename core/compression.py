@@ -14,7 +14,7 @@ import torch
 from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
 from .lifecycle import Lifecycle
-from .loading import load_model, load_tokenizer
+from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 from .pipeline import PipelineOptions
 from .plugin_manager import registry
@@ -113,6 +113,8 @@ def compress(
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
+    if not isinstance(model, torch.nn.Module):
+        check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
