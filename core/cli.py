@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 from . import __version__
 from .errors import LayerwiseError
 
-DEMO_OUTPUT = "layerwise-minilm-{recipe}"
-
 
 def _slug(recipe: str) -> str:
     """A folder-name part for a recipe: a preset's name, a YAML file's stem, else 'custom'."""
@@ -94,10 +92,10 @@ def _run_compress(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()
     if args.model is None:
-        from .demo import DEMO_RECIPE, run_demo
+        from .demo import DEMO_RECIPE, demo_output_dir, run_demo
 
         args.recipe = args.recipe or DEMO_RECIPE
-        output_dir = args.output_dir or DEMO_OUTPUT.format(recipe=_slug(args.recipe))
+        output_dir = args.output_dir or str(demo_output_dir(_slug(args.recipe)))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
         model, agreement = run_demo(args.recipe, output_dir, overwrite=args.overwrite or not args.output_dir,

@@ -15,7 +15,7 @@ from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
 from .finite import NON_FINITE_MODES, check_weights
 from .lifecycle import Lifecycle
-from .loading import load_model, load_tokenizer
+from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 from .pipeline import PipelineOptions
 from .plugin_manager import registry
@@ -121,6 +121,8 @@ def compress(
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
     if non_finite not in NON_FINITE_MODES:
         check_weights(torch.nn.Module(), non_finite)  # the error that lists the modes, before loading
+    if not isinstance(model, torch.nn.Module):
+        check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
     warn_if_untested()
     if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
         check_output_dir(output_dir, overwrite)
@@ -218,15 +220,23 @@ def _execution_device() -> torch.device:
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters, each shared (tied) tensor counted once, as a save writes it."""
+    seen: set[tuple] = set()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if _first_time(p, seen))
 
 
 def _compressed_bytes(model: torch.nn.Module) -> int:
-    """Bytes the weights take once packed: quantized weights at their bit width plus qparams."""
+    """Bytes the weights take once packed: quantized weights at their bit width plus qparams.
+
+    A tied tensor (an input embedding shared with the head) is counted once, as on disk.
+    """
     total = 0
+    seen: set[tuple] = set()
     for module in model.modules():
         args = getattr(module, "quantization_args", None)
         for name, param in module.named_parameters(recurse=False):
+            if not _first_time(param, seen):
+                continue
             if name == "weight" and args is not None:
                 total += param.numel() * args.num_bits // 8
             else:
@@ -234,6 +244,20 @@ def _compressed_bytes(model: torch.nn.Module) -> int:
         if args is not None:
             for buffer_name in ("weight_scale", "weight_zero_point", "weight_g_idx"):
                 buffer = getattr(module, buffer_name, None)
-                if isinstance(buffer, torch.Tensor):
+                if isinstance(buffer, torch.Tensor) and _first_time(buffer, seen):
                     total += buffer.numel() * buffer.element_size()
     return total
+
+
+def _first_time(tensor: torch.Tensor, seen: set[tuple]) -> bool:
+    """Whether ``tensor``'s bytes are new to ``seen`` (then recorded); the same view of one storage is not.
+
+    A tensor without real storage (meta) is told apart by identity only.
+    """
+    pointer = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else 0
+    key = ((str(tensor.device), pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+           if pointer else ("id", id(tensor)))
+    if key in seen:
+        return False
+    seen.add(key)
+    return True

@@ -103,7 +103,8 @@ def _tokenize(texts: list[str], tokenizer: Any, num_samples: int, max_seq_length
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + separator)
+        # verbose=False: the windows below cut the ids to length, so the tokenizer need not warn
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + separator)
         if len(ids) >= num_samples * max_seq_length:
             break
     windows = [ids[i:i + max_seq_length] for i in range(0, len(ids), max_seq_length)][:num_samples]

@@ -7,6 +7,7 @@ calibration and held-out sentences ship inside layerwise.
 from __future__ import annotations
 
 import copy
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -15,6 +16,26 @@ from .errors import ModelLoadError
 
 #: the demo's default: GPTQ, calibrated on the shipped sentences (W4A16 / W8A16 are data-free)
 DEMO_RECIPE = "GPTQ_W4A16"
+
+
+#: overrides where layerwise keeps its own files (the demo's output folders)
+CACHE_ENV = "LAYERWISE_CACHE"
+
+
+def cache_dir() -> Path:
+    """``$LAYERWISE_CACHE``, else ``$XDG_CACHE_HOME/layerwise``, else ``~/.cache/layerwise``.
+
+    The demo writes here rather than into the working directory, which is often a checkout.
+    """
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser().absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser().absolute() / "layerwise"
+
+
+def demo_output_dir(recipe_slug: str) -> Path:
+    """Where the demo saves the model compressed with a recipe (named by ``recipe_slug``)."""
+    return cache_dir() / "demo" / f"minilm-{recipe_slug}"
 
 
 def demo_model_path() -> Path:

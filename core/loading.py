@@ -35,12 +35,7 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     import transformers
 
     where = str(path_or_id)
-    path = Path(where).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise ModelLoadError(f"{where!r} has no config.json: pass a folder saved by transformers "
-                             f"(save_pretrained) or a model id")
-    if not path.exists() and (where.startswith((".", "/", "~")) or where.count("/") > 1):
-        raise ModelLoadError(f"model folder {where!r} does not exist")
+    check_model_path(where)
     try:
         trust = kwargs.pop("trust_remote_code", False)
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
@@ -55,6 +50,30 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
                              f"config.json and weights, or a hub id reachable from this machine") from exc
     model.eval()
     return apply_patch(model, resolve_patch(model, patch))
+
+
+def looks_like_path(where: str) -> bool:
+    """Whether ``where`` can only be a folder, never a hub id (``name`` or ``org/name``).
+
+    It starts with ``.``, ``~`` or ``/``, ends with a separator, has a backslash (no hub id has
+    one) or more than one ``/``.
+    """
+    return where.startswith((".", "~", "/")) or where.endswith("/") or "\\" in where or where.count("/") > 1
+
+
+def check_model_path(where: str | os.PathLike) -> None:
+    """Refuse a model folder that is not there, or holds no config.json, before anything loads.
+
+    A path-like name that does not exist is a local typo: asking the hub for it would only
+    retry for half a minute (offline) and then fail with a message about repository ids.
+    """
+    where = str(where)
+    path = Path(where).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{where!r} has no config.json: pass a folder saved by transformers "
+                             f"(save_pretrained) or a model id")
+    if not path.exists() and looks_like_path(where):
+        raise ModelLoadError(f"model folder {where!r} does not exist")
 
 
 def load_tokenizer(path_or_id: str | os.PathLike) -> Any | None:

@@ -26,8 +26,6 @@ compressed some weights is not replaced either (the model is half done): that ra
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -38,8 +36,7 @@ from .errors import LayerwiseError
 from .lifecycle import Lifecycle
 from .pipeline import PipelineFailed, PipelineOptions
 from .plugin_manager import get_host, registry
-
-log = logging.getLogger("layerwise")
+from .user_warnings import warn_user
 
 DEFAULT_CHAIN: tuple[str, ...] = ("sequential", "layer_sequential", "basic")
 DATAFREE = "datafree"
@@ -118,10 +115,9 @@ def run_pipeline(model: torch.nn.Module, batches: Sequence[dict[str, Any]], life
             following = chain[position + 1]
             message = (f"pipeline {name!r} cannot calibrate {type(model).__name__}, falling back to {following!r}. "
                        f"Why: {exc}")
-            log.warning(message)
             for messages in _recorders.get():
                 messages.append(message)
-            warnings.warn(message, PipelineFallbackWarning, stacklevel=2)
+            warn_user(message, PipelineFallbackWarning)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

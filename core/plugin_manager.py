@@ -31,7 +31,6 @@ import importlib
 import os
 import re
 import threading
-import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points  # EntryPoint.dist exists since 3.10
 from typing import Any
@@ -41,6 +40,7 @@ import pluggy
 from . import hookspecs
 from .errors import DuplicateNameError, PluginError
 from .registry import Registry
+from .user_warnings import warn_user
 
 GROUP = "layerwise"
 KINDS = ("pipelines", "modifiers", "model_patches", "observers", "datasets", "savers")
@@ -192,7 +192,7 @@ class PluginHost:
         for hook in unknown:
             message = f"implements {hook!r}, which is no layerwise hook (a typo? hooks: see layerwise.hookspecs)"
             info.warnings.append(message)
-            warnings.warn(f"layerwise plugin {info.owner} {message}", RuntimeWarning, stacklevel=4)
+            warn_user(f"layerwise plugin {info.owner} {message}", RuntimeWarning)
 
     def _mark_broken(self, info: PluginInfo, reason: str, exc: BaseException) -> None:
         info.broken = reason
@@ -203,11 +203,10 @@ class PluginHost:
                 f"layerwise plugin {info.name!r} from distribution {info.distribution} {info.version} "
                 f"is broken: {reason} (unset {STRICT_ENV} to skip it, or set {DISABLE_ENV}={info.name})"
             ) from exc
-        warnings.warn(
+        warn_user(
             f"layerwise plugin {info.owner} is broken and was skipped: {reason} "
             f"(set {STRICT_ENV}=1 to make this an error, or {DISABLE_ENV}={info.name} to silence it)",
             RuntimeWarning,
-            stacklevel=3,
         )
 
     # -- registries ------------------------------------------------------------
@@ -306,8 +305,7 @@ class PluginHost:
         if self._is_strict():
             raise PluginError(f"layerwise plugin {info.name!r} from distribution {info.distribution} "
                               f"{info.version}: {reason}") from exc
-        warnings.warn(f"layerwise plugin {info.owner}: {reason}; its choice is ignored", RuntimeWarning,
-                      stacklevel=4)
+        warn_user(f"layerwise plugin {info.owner}: {reason}; its choice is ignored", RuntimeWarning)
 
     def broken(self) -> list[PluginInfo]:
         return [p for p in self.plugins.values() if p.broken]

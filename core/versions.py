@@ -17,12 +17,13 @@ two. The contract:
 from __future__ import annotations
 
 import platform
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
+
+from .user_warnings import warn_user
 
 if TYPE_CHECKING:
     from .model_patch import ModelPatch
@@ -140,7 +141,7 @@ def untested_message(version: str) -> str:
             f"e.g. pip install 'transformers>={TESTED_TRANSFORMERS.lowest},<={TESTED_TRANSFORMERS.newest}'")
 
 
-def warn_if_untested(patch: ModelPatch | None = None, stacklevel: int = 3) -> None:
+def warn_if_untested(patch: ModelPatch | None = None) -> None:
     """Warn, once per process, when the running transformers is outside the tested range.
 
     With ``patch``: also warn (once per patch) when the running release is inside layerwise's
@@ -151,14 +152,13 @@ def warn_if_untested(patch: ModelPatch | None = None, stacklevel: int = 3) -> No
     if not TESTED_TRANSFORMERS.covers(version):
         if "transformers" not in _warned:
             _warned.add("transformers")
-            warnings.warn(untested_message(version), UntestedVersionWarning, stacklevel=stacklevel)
+            warn_user(untested_message(version), UntestedVersionWarning)
         return
     if patch is None or patch_verified_on(patch, version):
         return
     key = f"patch:{patch.name}"
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"model patch {patch.name!r} was verified on transformers "
-                      f"{describe_span(patch.verified_transformers)}, not on the running {version}: check the "
-                      f"model with `layerwise trace --model <folder> --verify`",
-                      UntestedVersionWarning, stacklevel=stacklevel)
+        warn_user(f"model patch {patch.name!r} was verified on transformers "
+                  f"{describe_span(patch.verified_transformers)}, not on the running {version}: check the "
+                  f"model with `layerwise trace --model <folder> --verify`", UntestedVersionWarning)

@@ -48,9 +48,14 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
     """The model in ``path``: its weights if saved, else random seeded weights or meta tensors."""
     import transformers
 
-    folder = Path(path)
+    from ..errors import ModelLoadError
+
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelLoadError(f"model folder {str(path)!r} does not exist (trace reads local folders only)")
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; pass a local model folder")
+        raise ModelLoadError(f"{str(path)!r} has no config.json: pass a local model folder saved by "
+                             f"transformers (save_pretrained)")
     with _explained(folder):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     names = list(getattr(config, "architectures", None) or [])
@@ -122,10 +127,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from .samples import default_modality, sample_inputs
 
     out = out or sys.stdout
-    warn_if_untested(stacklevel=2)
+    warn_if_untested()
     model = load_for_tracing(args.model, materialise=args.verify)
     patch = _find_patch(model)
-    warn_if_untested(patch, stacklevel=2)
+    warn_if_untested(patch)
     apply_patch(model, patch)
     modality = args.modality or default_modality(model.config)
     try:

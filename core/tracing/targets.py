@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ import torch
 
 from ..errors import LayerwiseError
 from ..matching import matches, unmatched
+from ..user_warnings import warn_user
 from .discovery import discover_blocks
 
 if TYPE_CHECKING:
@@ -90,9 +90,9 @@ def choose_targets(model: torch.nn.Module, given: Sequence[str] | None = None,
     if patch is not None and patch.sequential_targets:
         if resolve_modules(model, patch.sequential_targets):
             return TargetChoice(tuple(patch.sequential_targets), "patch")
-        warnings.warn(f"model patch {patch.name!r} names sequential targets {list(patch.sequential_targets)} that "
-                      f"match no module of {type(model).__name__}; using the model's own blocks instead. "
-                      "Fix the patch's sequential_targets", TargetWarning, stacklevel=2)
+        warn_user(f"model patch {patch.name!r} names sequential targets {list(patch.sequential_targets)} that "
+                  f"match no module of {type(model).__name__}; using the model's own blocks instead. "
+                  "Fix the patch's sequential_targets", TargetWarning)
     declared = _no_split_modules(model)
     if declared and resolve_modules(model, declared):
         return TargetChoice(tuple(declared), "_no_split_modules")

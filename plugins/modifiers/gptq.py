@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +46,7 @@ from layerwise.quantization.gptq import (
 )
 from layerwise.quantization.storage import linear_weight, set_quantized_weight
 from layerwise.state import CompressionState
+from layerwise.user_warnings import warn_user
 
 from .quantization import QuantizationModifier, _in_piece
 
@@ -225,8 +225,7 @@ class GPTQModifier(QuantizationModifier):
         if result is None:
             method = "rtn"
             message = f"GPTQ: layer {name!r} is rounded to nearest instead: {reason}"
-            log.warning(message)
-            warnings.warn(message, GPTQFallbackWarning, stacklevel=2)
+            warn_user(message, GPTQFallbackWarning)
             result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype)
         set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx)
         self._done.add(name)

@@ -18,7 +18,6 @@ with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
 from layerwise.tracing.retrace import TracesByGuards
+from layerwise.user_warnings import warn_user
 
 from ._common import (
     FATAL_ERRORS,
@@ -79,8 +79,8 @@ def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]]
     skipped = traces.traces[0].skipped_targets
     if skipped:  # e.g. a vision tower calibrated on text only
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-        warnings.warn(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
-                      f"modifiers get no samples for them", stacklevel=2)
+        warn_user(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
+                  f"modifiers get no samples for them")
     return traces, assignment
 
 

@@ -118,3 +118,15 @@ def test_calibration_windows_default_to_the_models_context(wide_llama_dir, conte
     layerwise.compress(model, "GPTQ_W4A16", dataset=texts, tokenizer=load_tokenizer(str(wide_llama_dir)),
                        num_calibration_samples=4, show_progress=False)
     assert lengths and max(lengths) == min(expected, 4 * 61)
+
+
+def test_sizes_count_a_tied_embedding_once_as_the_saved_folder_does(tmp_path):
+    tied = build_tiny_llama(tie_word_embeddings=True, **WIDE)
+    embedding = tied.model.embed_tokens.weight
+    assert tied.lm_head.weight is embedding
+    untied_bytes = sum(p.numel() * p.element_size() for p in build_tiny_llama(**WIDE).parameters())
+    out = tmp_path / "out"
+    report = layerwise.compress(tied, "W4A16", output_dir=out, show_progress=False).layerwise_report
+    assert report.bytes_before == untied_bytes - embedding.numel() * embedding.element_size()
+    on_disk = sum(path.stat().st_size for path in out.glob("*.safetensors"))
+    assert abs(report.bytes_after - on_disk) <= 8 * 1024  # headers and shape tensors only

@@ -89,3 +89,12 @@ def test_image_and_audio_batches_pass_through_whole():
     assert torch.equal(batches[1]["input_features"], audio["input_features"])
     with pytest.raises(DatasetError, match="input_features"):
         calibration_batches([{"labels": torch.tensor([[1]])}])
+
+
+def test_texts_longer_than_the_tokenizers_limit_are_windowed_without_its_length_warning(capfd):
+    tokenizer = make_word_tokenizer(32)
+    tokenizer.model_max_length = 8  # the windows are cut by layerwise, never fed whole to the model
+    text = " ".join(f"w{i % 30}" for i in range(40))
+    batches = calibration_batches([text], tokenizer, num_samples=4, max_seq_length=8)
+    assert [b["input_ids"].shape[1] for b in batches] == [8, 8, 8, 8]
+    assert "Token indices sequence length" not in capfd.readouterr().err

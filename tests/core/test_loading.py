@@ -1,5 +1,6 @@
 import pytest
 
+import layerwise
 from layerwise import load_model
 from layerwise.errors import ModelLoadError
 
@@ -27,3 +28,37 @@ def test_bad_paths_are_clear_errors(tmp_path):
         load_model(str(tmp_path / "no" / "such" / "model"))
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["./no-such-model", "~/no-such-model", "models/no/such", "no-such-model/",
+                                   "/no/such/model"])
+def test_a_missing_path_like_model_fails_locally_without_asking_the_hub(where, monkeypatch):
+    import huggingface_hub
+    import transformers
+
+    def hub_called(*args, **kwargs):
+        raise AssertionError(f"{where!r} was looked up on the hub")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for module, name in [(huggingface_hub, "hf_hub_download"), (huggingface_hub, "snapshot_download"),
+                         (transformers.AutoConfig, "from_pretrained"), (transformers.AutoTokenizer, "from_pretrained")]:
+        monkeypatch.setattr(module, name, hub_called)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        layerwise.compress(where, "W8A16")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(where)
+
+
+def test_a_hub_id_is_not_mistaken_for_a_folder():
+    from layerwise.loading import looks_like_path
+
+    assert not looks_like_path("org/model") and not looks_like_path("bert-base-uncased")
+    assert looks_like_path("org/model/") and looks_like_path(".") and looks_like_path("a\\b")
+
+
+def test_trace_of_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    from layerwise.cli import main
+
+    assert main(["trace", "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "unexpected" not in err

@@ -216,7 +216,8 @@ def test_failed_cholesky_falls_back_to_rtn_with_a_warning_naming_the_layer(monke
     with pytest.warns(RuntimeWarning, match="'second'.*round.*nearest") as record, caplog.at_level(logging.WARNING):
         calibrate(model, modifier, correlated())
     assert any("'first'" in str(w.message) for w in record)
-    assert "'first'" in caplog.text and "'second'" in caplog.text
+    assert "'second'" in " ".join(str(w.message) for w in record)
+    assert "rounded to nearest" not in caplog.text  # printed once, as a warning, not also logged
     calibrate(reference, rtn(ignore=[], scheme="W4A16", group_size=32), [])
     for name, w in weights(reference).items():
         assert torch.equal(weights(model)[name], w), name
