@@ -18,13 +18,13 @@ nothing is written:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .errors import InvalidArgumentError, NonFiniteError
+from .user_warnings import warn_user
 
 #: what ``compress(non_finite=...)`` accepts: fail (the default), or leave those modules uncompressed
 NON_FINITE_MODES = ("error", "skip")
@@ -35,7 +35,7 @@ SHOWN = 5
 
 
 class NonFiniteSampleWarning(RuntimeWarning):
-    """A calibration sample was dropped because its activations became NaN or inf."""
+    """NaN or inf met and worked around: a calibration sample dropped, or a module left uncompressed."""
 
 
 def is_finite(tensor: Any) -> bool:
@@ -81,8 +81,8 @@ def check_weights(model: torch.nn.Module, mode: str = "error") -> list[str]:
     modules = list(dict.fromkeys(name.rpartition(".")[0] for name in bad))
     for name in modules:
         setattr(model.get_submodule(name), SKIPPED_ATTR, True)
-    warnings.warn(f"{len(modules)} module(s) with NaN or inf parameters left uncompressed: {listed(modules)}",
-                  RuntimeWarning, stacklevel=2)
+    warn_user(f"{len(modules)} module(s) with NaN or inf parameters left uncompressed: {listed(modules)}",
+              NonFiniteSampleWarning)
     return modules
 
 
@@ -116,7 +116,7 @@ def drop_if_non_finite(index: int, outputs: Any, where: str, dropped: set[int], 
             f"every calibration sample ({total}) became NaN or inf in {where}; the model's forward is not finite "
             f"on this data: check its weights (a non-finite one upstream), or load it in bfloat16/float32 if "
             f"float16 overflows")
-    warnings.warn(f"calibration sample {index}: its activations became NaN or inf in {where}; it is dropped "
-                  f"from the rest of the calibration ({total - len(dropped)} of {total} samples left)",
-                  NonFiniteSampleWarning, stacklevel=2)
+    warn_user(f"calibration sample {index}: its activations became NaN or inf in {where}; it is dropped "
+              f"from the rest of the calibration ({total - len(dropped)} of {total} samples left)",
+              NonFiniteSampleWarning)
     return True

@@ -262,8 +262,7 @@ def _warn_dropped(name: str, dropped: int, none_left: bool) -> None:
                              f"float32)")
     message = (f"GPTQ: layer {name!r}: {dropped} calibration input(s) held NaN or inf and were left out of its "
                f"Hessian")
-    log.warning(message)
-    warnings.warn(message, NonFiniteSampleWarning, stacklevel=3)
+    warn_user(message, NonFiniteSampleWarning)
 
 
 #: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this
