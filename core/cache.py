@@ -28,9 +28,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["IntermediatesCache", "move_to", "tensor_bytes"]
+__all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes"]
 
 _DEVICE_KINDS = ("cpu", "disk")
+#: a disk cache's folder is ``layerwise-cache-<pid>-XXXX`` in the temporary (or offload) folder
+CACHE_PREFIX = "layerwise-cache-"
+
+
+def remove_stale_caches(folder: str | os.PathLike) -> list[str]:
+    """Remove disk caches left in ``folder`` by processes that no longer run; their paths.
+
+    A run killed by a signal cannot clean up after itself (finally and atexit do not run),
+    and its cache may be as large as every calibration sample's activations; the next
+    run that makes a cache removes it, telling its owner by the PID in the name.
+    """
+    from .output_lock import pid_alive
+
+    removed = []
+    for entry in os.scandir(folder):
+        pid = entry.name[len(CACHE_PREFIX):].split("-")[0]
+        if entry.name.startswith(CACHE_PREFIX) and pid.isdigit() and entry.is_dir() and not pid_alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
@@ -108,7 +128,8 @@ class IntermediatesCache:
     ``offload`` is ``"cpu"`` (default), ``"disk"`` (each value ``torch.save``-d to a
     temporary folder under ``offload_dir`` and loaded only when fetched) or a device.
     ``execution_device`` is where :meth:`fetch` puts tensors (``None``: where they rest).
-    Use it as a context manager, or call :meth:`close`, to remove disk files.
+    Use it as a context manager, or call :meth:`close`, to remove disk files; they are
+    removed at interpreter exit too, and by the next disk cache if this process was killed.
     """
 
     def __init__(self, offload: str | torch.device = "cpu", execution_device: torch.device | str | None = None,
@@ -128,7 +149,8 @@ class IntermediatesCache:
         if self.disk:
             if offload_dir is not None:
                 os.makedirs(offload_dir, exist_ok=True)
-            self._dir = tempfile.mkdtemp(prefix="layerwise-cache-", dir=offload_dir)
+            self._dir = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=offload_dir)
+            remove_stale_caches(os.path.dirname(self._dir))
             self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
 
     # -- writing ---------------------------------------------------------------------

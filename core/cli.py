@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from .errors import LayerwiseError
+from .errors import InvalidArgumentError, LayerwiseError
 
 
 def _slug(recipe: str) -> str:
@@ -42,7 +42,11 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
-    p.add_argument("--output-dir", help="where to save (compressed-tensors format)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--output-dir", help="where to save (compressed-tensors format); required with --model "
+                                            "unless --no-save")
+    where.add_argument("--no-save", action="store_true",
+                       help="compress and print the summary without saving (a dry run)")
     p.add_argument("--num-samples", type=_positive_int, default=512, help="calibration samples (default 512)")
     p.add_argument("--max-seq-length", type=_positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's context length if shorter)")
@@ -95,7 +99,7 @@ def _run_compress(args: argparse.Namespace) -> int:
         from .demo import DEMO_RECIPE, demo_output_dir, run_demo
 
         args.recipe = args.recipe or DEMO_RECIPE
-        output_dir = args.output_dir or str(demo_output_dir(_slug(args.recipe)))
+        output_dir = None if args.no_save else args.output_dir or str(demo_output_dir(_slug(args.recipe)))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
         model, agreement = run_demo(args.recipe, output_dir, overwrite=args.overwrite or not args.output_dir,
@@ -105,6 +109,9 @@ def _run_compress(args: argparse.Namespace) -> int:
               f"(nearest-neighbour agreement {agreement.nearest_neighbour_agreement:.3f}, "
               f"{agreement.sentences} held-out sentences)")
         return 0
+    if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
+        raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "
+                                   f"pass --output-dir FOLDER, or --no-save to compress without saving")
     from .compression import compress
 
     args.recipe = args.recipe or "W4A16"

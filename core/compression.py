@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ from .model_patch import ModelPatch, apply_patch, resolve_patch
 from .pipeline import PipelineOptions
 from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
-from .saving import check_output_dir
+from .saving import check_output_dir, reserve_output
 from .state import CompressionState
 from .tracing.targets import check_entries, choose_targets
 from .versions import warn_if_untested
@@ -137,74 +138,80 @@ def compress(
         raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
                            f"a datasets.Dataset or tokenized samples)")
     records = load_records(dataset) if needs_data else []
-    source = None
-    if not isinstance(model, torch.nn.Module):
-        source = str(model)
-        model = load_model(source, patch=patch)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-    chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
-    chosen_patch = chosen_patch or resolve_patch(model, patch)
-    warn_if_untested(chosen_patch)
-    apply_patch(model, chosen_patch)
-    model.eval()
-    skipped = check_weights(model, non_finite)  # a NaN weight fails in seconds, not after calibration
+    with _claim(output_dir if saver is not None else None, overwrite):  # a second run on it fails now
+        source = None
+        if not isinstance(model, torch.nn.Module):
+            source = str(model)
+            model = load_model(source, patch=patch)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+        chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
+        chosen_patch = chosen_patch or resolve_patch(model, patch)
+        warn_if_untested(chosen_patch)
+        apply_patch(model, chosen_patch)
+        model.eval()
+        skipped = check_weights(model, non_finite)  # a NaN weight fails in seconds, not after calibration
 
-    # what the user wrote is checked before any calibration: a typo is an error, never a fallback
-    choice = choose_targets(model, sequential_targets, chosen_patch)
-    if ignore is not None:
-        check_entries(model, ignore, "ignore entry")
-    targets, targets_found = list(choice.targets), choice.describe(model)
-    ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
-    if max_seq_length is None:
-        max_seq_length = default_max_seq_length(model)
-    batches = (batches_from_records(records, tokenizer, num_calibration_samples, max_seq_length, packing,
-                                    source=dataset) if needs_data else [])
+        # what the user wrote is checked before any calibration: a typo is an error, never a fallback
+        choice = choose_targets(model, sequential_targets, chosen_patch)
+        if ignore is not None:
+            check_entries(model, ignore, "ignore entry")
+        targets, targets_found = list(choice.targets), choice.describe(model)
+        ignore = list(ignore) if ignore is not None else list(chosen_patch.ignore if chosen_patch else [])
+        if max_seq_length is None:
+            max_seq_length = default_max_seq_length(model)
+        batches = (batches_from_records(records, tokenizer, num_calibration_samples, max_seq_length, packing,
+                                        source=dataset) if needs_data else [])
 
-    bytes_before = _parameter_bytes(model)
-    state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
-                             sequential_targets=targets, ignore=[*ignore, *skipped],
-                             execution_device=_execution_device())
-    options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
-                              offload=offload, execution_device=state.execution_device,
-                              targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
-    lifecycle = Lifecycle(state)
-    from .pipeline_selection import recording_fallbacks, run_pipeline
+        bytes_before = _parameter_bytes(model)
+        state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
+                                 sequential_targets=targets, ignore=[*ignore, *skipped],
+                                 execution_device=_execution_device())
+        options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
+                                  offload=offload, execution_device=state.execution_device,
+                                  targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
+        lifecycle = Lifecycle(state)
+        from .pipeline_selection import recording_fallbacks, run_pipeline
 
-    try:
-        lifecycle.initialize()
-        # targets the user named are never dropped for the whole model at once: no fallback to basic
-        with recording_fallbacks() as fallbacks:
-            pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
-                                         exclude=("basic",) if sequential_targets else ())
-    except BaseException:
-        lifecycle.remove_hooks()  # no modifier hook outlives a failed run
-        raise
-    lifecycle.finalize()
+        try:
+            lifecycle.initialize()
+            # targets the user named are never dropped for the whole model at once: no fallback to basic
+            with recording_fallbacks() as fallbacks:
+                pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
+                                             exclude=("basic",) if sequential_targets else ())
+        except BaseException:
+            lifecycle.remove_hooks()  # no modifier hook outlives a failed run
+            raise
+        lifecycle.finalize()
 
-    from .quantization.storage import quantized_modules
+        from .quantization.storage import quantized_modules
 
-    compressed = list(quantized_modules(model))
-    report = CompressionReport(
-        pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
-        compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
-        bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
-        targets_found=targets_found, targets_source=choice.source,
-        model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
-        fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
-    )
-    if saver is not None:
-        from .run_summary import SUMMARY_FILE, summary_json
+        compressed = list(quantized_modules(model))
+        report = CompressionReport(
+            pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
+            compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
+            bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
+            targets_found=targets_found, targets_source=choice.source,
+            model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
+            fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
+        )
+        if saver is not None:
+            from .run_summary import SUMMARY_FILE, summary_json
 
-        report.output_dir = str(Path(output_dir))
-        report.seconds = time.perf_counter() - start  # the saved summary counts up to saving
-        extra = {SUMMARY_FILE: summary_json(report)}
-        for modifier in modifiers:
-            extra.update(modifier.output_files())
-        saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
-              extra_files=extra, overwrite=overwrite)
-    report.seconds = time.perf_counter() - start
-    model.layerwise_report = report  # type: ignore[attr-defined]
-    return model
+            report.output_dir = str(Path(output_dir))
+            report.seconds = time.perf_counter() - start  # the saved summary counts up to saving
+            extra = {SUMMARY_FILE: summary_json(report)}
+            for modifier in modifiers:
+                extra.update(modifier.output_files())
+            saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
+                  extra_files=extra, overwrite=overwrite)
+        report.seconds = time.perf_counter() - start
+        model.layerwise_report = report  # type: ignore[attr-defined]
+        return model
+
+
+def _claim(output_dir: str | os.PathLike | None, overwrite: bool) -> contextlib.AbstractContextManager:
+    """The output claimed (locked) for the run, before the model loads; nothing without one."""
+    return reserve_output(output_dir, overwrite) if output_dir is not None else contextlib.nullcontext()
 
 
 def _check_counts(num_calibration_samples: int, max_seq_length: int | None, targets_per_subgraph: int) -> None:

@@ -9,23 +9,29 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError
+from .heads import best_class, checkpoint_keys, dropped_keys_error, named_class
 from .load_errors import explain as explain_load_failure
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 
 
-def _model_class(config: Any) -> type:
+def _model_class(config: Any, path: Path) -> type:
+    """The class ``architectures`` names, else the task class the weights' names fit, else AutoModel."""
     import transformers
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModel
+    named = named_class(config)
+    if named is not None:
+        return named
+    keys = checkpoint_keys(path) if path.is_dir() else None
+    return (best_class(config, keys) if keys else None) or transformers.AutoModel
 
 
 def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = "auto",
                patch: ModelPatch | str | bool | None = None, **kwargs: Any) -> torch.nn.Module:
     """Load a transformers model from a folder or hub id and apply its model patch.
+
+    The class is the one ``architectures`` names, else the task class whose weight names
+    the folder's checkpoint holds (so a missing ``architectures`` never drops ``lm_head``);
+    checkpoint weights the class does not use are a :class:`ModelLoadError` naming them.
 
     ``patch``: ``None`` picks the registered patch for the model's architecture,
     a name or :class:`ModelPatch` forces one, ``False`` disables patching.
@@ -39,7 +45,9 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     try:
         trust = kwargs.pop("trust_remote_code", False)
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
-        model = _model_class(config).from_pretrained(where, dtype=dtype, trust_remote_code=trust, **kwargs)
+        cls = _model_class(config, Path(where).expanduser())
+        model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
+                                          output_loading_info=True, **kwargs)
     except Exception as exc:  # what is recognised is explained, the rest re-raised as it was
         explained = explain_load_failure(where, exc)
         if explained is not None:
@@ -48,6 +56,9 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
             raise
         raise ModelLoadError(f"cannot load model {where!r}: {str(exc).rstrip('.')}. Pass a local folder with "
                              f"config.json and weights, or a hub id reachable from this machine") from exc
+    dropped = list(info.get("unexpected_keys") or [])
+    if dropped:  # weights the class does not use would be missing from the saved model
+        raise dropped_keys_error(where, type(model), dropped)
     model.eval()
     return apply_patch(model, resolve_patch(model, patch))
 

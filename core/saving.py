@@ -8,7 +8,9 @@ and an existing target folder is left exactly as it was, as are the folders abov
 
 :func:`check_output_dir` runs before any work (``compress()`` calls it before loading
 the model): an existing folder without ``overwrite``, or a location that cannot be
-written, fails in seconds, not after an hour of calibration.
+written, fails in seconds, not after an hour of calibration. :func:`reserve_output`
+claims the output for the whole run (a lock with our PID, see ``output_lock``), so a
+second run aiming at it fails at once and a killed run's debris is removed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import LayerwiseError
+from .output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
 
 
 class OutputExistsError(LayerwiseError, FileExistsError):
@@ -66,27 +69,50 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+#: output folders this process has claimed, and their locked temporary folders
+_RESERVED: dict[Path, Path] = {}
+
+
+@contextlib.contextmanager
+def reserve_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Claim ``path`` for this run: yield its locked temporary sibling, removed on exit.
+
+    ``compress()`` claims the output before loading the model, so a second run aiming at
+    it fails in seconds (:class:`OutputLockedError`); :func:`atomic_output_dir` inside the
+    claim writes into the same folder. Parents created for it are removed again on failure.
+    """
+    target = check_output_dir(path, overwrite)
+    if target in _RESERVED:  # claimed further up this call stack
+        yield _RESERVED[target]
+        return
+    existing = _nearest_existing(target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp = claim(target, held=set(_RESERVED.values()))
+        _RESERVED[target] = tmp
+        try:
+            yield tmp
+        finally:
+            del _RESERVED[target]
+            shutil.rmtree(tmp, ignore_errors=True)  # already gone once it became the output
+    except BaseException:
+        _remove_empty_parents(target.parent, existing)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder; on success it becomes ``path`` in one rename.
 
     An existing non-empty ``path`` is refused unless ``overwrite=True``, in which
-    case it is replaced only after everything was written.
+    case it is replaced only after everything was written. The output gets the
+    user's default folder mode (umask), not the 0700 of a temporary folder.
     """
-    target = check_output_dir(path, overwrite)
-    existing = _nearest_existing(target.parent)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.incomplete-", dir=target.parent))
-        try:
-            yield tmp
-            _move_into_place(tmp, target, overwrite)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    except BaseException:
-        _remove_empty_parents(target.parent, existing)
-        raise
+    with reserve_output(path, overwrite) as tmp:
+        yield tmp
+        release(tmp)
+        os.chmod(tmp, default_folder_mode())
+        _move_into_place(tmp, Path(path).expanduser().absolute(), overwrite)
 
 
 def _remove_empty_parents(folder: Path, stop: Path) -> None:

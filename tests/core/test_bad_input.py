@@ -270,6 +270,36 @@ def test_an_unwritable_output_is_refused_before_loading(where, model_dir, tmp_pa
     assert not (parent / "out").exists() and (not parent.is_dir() or list(parent.iterdir()) == [])
 
 
+def test_an_output_another_run_is_writing_is_refused_before_loading(model_dir, tmp_path, capsys, monkeypatch):
+    from layerwise.output_lock import LOCK_FILE
+
+    other = tmp_path / ".out.incomplete-other"
+    other.mkdir()
+    (other / LOCK_FILE).write_text(f"{os.getpid()}\n")  # a live owner that is not this run
+    monkeypatch.setattr(compression, "load_model", _never)
+    assert run_cli(["compress", "--model", str(model_dir), "--recipe", "W8A16", "--quiet",
+                    "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path / 'out'}' is being written by another run (process {os.getpid()}" in err
+    assert "choose another output_dir" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]
+
+
+def test_compress_model_without_output_dir_is_an_error_unless_no_save(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["compress", "--model", str(model_dir), "--recipe", "W8A16", "--quiet"]
+    monkeypatch.setattr(compression, "load_model", _never)
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "nowhere to save" in err and "--output-dir" in err and "--no-save" in err
+    assert run_cli([*argv, "--no-save", "--output-dir", "out"]) == 2  # one or the other
+    assert "not allowed with argument" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert run_cli([*argv, "--no-save"]) == 0
+    assert "modules compressed:" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
 def _never(*args, **kwargs):
     raise AssertionError("the model was loaded before the output location was checked")
 
@@ -287,7 +317,7 @@ def test_an_unexpected_error_is_one_line_that_says_how_to_see_more(model_dir, tm
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(compression, "load_model", bug)
-    argv = ["compress", "--model", str(model_dir), "--recipe", "W8A16"]
+    argv = ["compress", "--model", str(model_dir), "--recipe", "W8A16", "--no-save"]
     assert run_cli(argv) == 1
     err = capsys.readouterr().err
     assert "layerwise: error: unexpected ZeroDivisionError: division by zero" in err and "--debug" in err

@@ -120,3 +120,37 @@ def test_shared_storage_counted_once():
 def test_bad_offload_is_a_clear_error():
     with pytest.raises(ValueError, match="offload must be"):
         IntermediatesCache(offload="floppy")
+
+
+def test_a_killed_processs_disk_cache_is_removed_by_the_next_one(tmp_path):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = tmp_path / f"layerwise-cache-{child.pid}-abc"
+    live = tmp_path / f"layerwise-cache-{os.getpid()}-abc"  # another cache of a running process: kept
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "b0-1.pt").write_bytes(b"x")
+    with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
+        assert os.path.basename(cache.directory).startswith(f"layerwise-cache-{os.getpid()}-")
+        assert not stale.exists() and live.is_dir()
+
+
+def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tmp_path, monkeypatch):
+    import tempfile
+
+    import layerwise
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(self, batch, names=None):
+        assert self.directory and os.listdir(self.directory)  # the cache was on disk when it stopped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IntermediatesCache, "fetch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        layerwise.compress(tiny_llama, "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], offload="disk",
+                           pipeline="sequential", show_progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("layerwise-cache-")] == []

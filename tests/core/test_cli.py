@@ -14,13 +14,13 @@ def test_compress_a_local_model_prints_a_summary(tiny_llama_dir, tmp_path, capsy
 
 
 def test_bad_recipe_is_a_one_line_error_not_a_traceback(tiny_llama_dir, capsys):
-    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W5A16", "--quiet"]) == 2
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W5A16", "--quiet", "--no-save"]) == 2
     err = capsys.readouterr().err
     assert "unknown recipe 'W5A16'" in err and "W4A16" in err and "Traceback" not in err
 
 
 def test_bad_model_path_names_it(tmp_path, capsys):
-    assert main(["compress", "--model", str(tmp_path / "missing" / "model"), "--quiet"]) == 2
+    assert main(["compress", "--model", str(tmp_path / "missing" / "model"), "--quiet", "--no-save"]) == 2
     assert "missing/model" in capsys.readouterr().err
 
 

@@ -73,3 +73,57 @@ def test_an_unwritable_location_is_refused_naming_it(tmp_path, monkeypatch):
         check_output_dir(tmp_path / "new" / "out")
     assert f"'{tmp_path}' is not writable (Permission denied)" in str(info.value)
     assert not (tmp_path / "new").exists()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _sibling_of(target, owner: int):
+    """A temporary folder of ``target`` as a run with PID ``owner`` leaves it."""
+    from layerwise.output_lock import LOCK_FILE
+
+    folder = target.parent / f".{target.name}.incomplete-other"
+    folder.mkdir(parents=True)
+    (folder / LOCK_FILE).write_text(f"{owner}\n")
+    (folder / "model.safetensors").write_text("half written")
+    return folder
+
+
+def test_an_output_another_live_run_writes_is_refused_at_once(tmp_path):
+    import os
+
+    from layerwise.output_lock import OutputLockedError
+
+    target = tmp_path / "out"
+    other = _sibling_of(target, os.getpid())  # a live owner that is not this claim
+    locked = rf"'{target}' is being written by another run \(process {os.getpid()}"
+    with pytest.raises(OutputLockedError, match=locked), atomic_output_dir(target):
+        raise AssertionError("the second run must not start writing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name] and not target.exists()
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
+    target = tmp_path / "out"
+    _sibling_of(target, _dead_pid())
+    with atomic_output_dir(target) as tmp:
+        (tmp / "f.txt").write_text("x")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [p.name for p in target.iterdir()] == ["f.txt"]  # the lock file is not part of the output
+
+
+def test_the_output_folder_gets_the_users_default_mode(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        with atomic_output_dir(tmp_path / "out") as tmp:
+            (tmp / "f.txt").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
