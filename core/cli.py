@@ -62,6 +62,8 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-non-finite", action="store_true",
                    help="leave modules whose weights hold NaN/inf uncompressed (default: an error)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python shipped with the model (its config's auto_map); read it first")
     p.set_defaults(func=_run_compress)
 
 
@@ -121,7 +123,8 @@ def _run_compress(args: argparse.Namespace) -> int:
                      output_dir=args.output_dir, pipeline=args.pipeline,
                      propagate_error=not args.no_propagate_error, offload=args.offload,
                      overwrite=args.overwrite, show_progress=not args.quiet,
-                     non_finite="skip" if args.skip_non_finite else "error")
+                     non_finite="skip" if args.skip_non_finite else "error",
+                     trust_remote_code=args.trust_remote_code)
     _print_summary(model)
     return 0
 

@@ -107,6 +107,7 @@ def compress(
     save_format: str = "compressed-tensors",
     show_progress: bool = True,
     non_finite: str = "error",
+    trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
 
@@ -117,6 +118,8 @@ def compress(
     The run's summary is ``model.layerwise_report``.
     A parameter holding NaN or inf is an error before calibration; ``non_finite="skip"``
     leaves the modules holding one uncompressed instead (listed in the report).
+    ``trust_remote_code=True`` lets transformers run Python shipped with a model folder or
+    hub repo (its ``auto_map``); off, such a model is refused with the code it would run named.
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
@@ -142,8 +145,8 @@ def compress(
         source = None
         if not isinstance(model, torch.nn.Module):
             source = str(model)
-            model = load_model(source, patch=patch)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+            model = load_model(source, patch=patch, trust_remote_code=trust_remote_code)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, trust_remote_code)
         chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
         chosen_patch = chosen_patch or resolve_patch(model, patch)
         warn_if_untested(chosen_patch)

@@ -64,9 +64,10 @@ def _remote_code_refused(where: str) -> ModelLoadError:
     return ModelLoadError(
         f"refused to load '{where}': its config.json asks transformers to run Python shipped with the model "
         f"({code}), which needs trust_remote_code=True. layerwise keeps trust_remote_code off on purpose: it "
-        f"would run that code from the folder or the hub. Fix: read that code; if you trust it, load the model "
-        f"yourself (layerwise.load_model(path, trust_remote_code=True)) and pass the module to "
-        f"layerwise.compress(), with a model patch if it needs one (GUIDE.md section 5)")
+        f"would run that code from the folder or the hub. Fix: read that code; if you trust it, run "
+        f"layerwise compress --trust-remote-code (compress(..., trust_remote_code=True)), or load the model yourself "
+        f"(layerwise.load_model(path, trust_remote_code=True)) and pass the module to layerwise.compress(), "
+        f"with a model patch if it needs one (GUIDE.md section 5)")
 
 
 def _unknown_model_type(where: str) -> ModelLoadError:

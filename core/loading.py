@@ -87,11 +87,11 @@ def check_model_path(where: str | os.PathLike) -> None:
         raise ModelLoadError(f"model folder {where!r} does not exist")
 
 
-def load_tokenizer(path_or_id: str | os.PathLike) -> Any | None:
+def load_tokenizer(path_or_id: str | os.PathLike, trust_remote_code: bool = False) -> Any | None:
     """The tokenizer saved with a model, or ``None`` when the folder has none."""
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError):
         return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -382,3 +384,28 @@ def test_layerwise_trace_names_a_corrupt_model_like_compress(breaker, model_dir,
     assert run_cli(["trace", "--model", str(folder), "--verify"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors' is truncated or corrupt" in err and "Traceback" not in err
+
+
+def _cli_in_a_process(argv: list[str], stdin: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "layerwise.cli", *argv], input=stdin, capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_remote_code_never_runs_even_with_yes_on_standard_input(model_dir, tmp_path):
+    """A pipeline or CI job answering 'y' to transformers' prompt must not run the folder's code."""
+    folder = remote_code(model_dir, tmp_path)
+    out = tmp_path / "out"
+    done = _cli_in_a_process(["compress", "--model", str(folder), "--recipe", "W8A16", "--output-dir", str(out),
+                              "--quiet"], "y\ny\ny\n", tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "trust_remote_code off on purpose" in done.stderr and "--trust-remote-code" in done.stderr
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr
+    assert not (tmp_path / "RAN").exists() and not out.exists()
+
+
+def test_trust_remote_code_is_the_users_explicit_choice(model_dir, tmp_path):
+    folder = remote_code(model_dir, tmp_path)
+    _cli_in_a_process(["compress", "--model", str(folder), "--recipe", "W8A16", "--no-save", "--quiet",
+                       "--trust-remote-code"], "", tmp_path)
+    assert (tmp_path / "RAN").exists()  # asked for by name: transformers ran the folder's code
