@@ -38,7 +38,6 @@ def trace(
     leaf_modules: Sequence[str] = (),
     skip_uncalled_targets: bool | None = None,
     patch: ModelPatch | str | bool | None = None,
-    assumed: Mapping[str, Any] | None = None,
 ) -> TraceResult:
     """Trace ``model``'s forward on ``sample_inputs`` and cut it into per-target subgraphs.
 
@@ -56,8 +55,8 @@ def trace(
     caller named them; ``skip_uncalled_targets`` overrides either way.
 
     Decisions taken on values that can change from batch to batch are ``guards`` on the
-    result; ``replay`` checks them. ``assumed`` (guard key -> meta value) makes opaque calls
-    return what a batch that broke a guard showed (how the pipeline re-traces).
+    result; ``replay`` checks them. Where the sample itself breaks one (meta guessed what an
+    opaque call returns), the model is traced again with what the sample really gave.
 
     The first subgraph takes the model inputs by name; the last one returns
     ``{"output": <the model's ModelOutput class rebuilt, or its tuple/tensor>}``.
@@ -66,7 +65,7 @@ def trace(
     args = dict(sequential_targets=sequential_targets, ignore=ignore, targets_per_subgraph=targets_per_subgraph,
                 robust=robust, opaque_functions=opaque_functions, leaf_modules=leaf_modules,
                 skip_uncalled_targets=skip_uncalled_targets, patch=patch)
-    assumed = dict(assumed or {})
+    assumed: dict[str, Any] = {}  # guard key -> meta value the sample's opaque call really returned
     for _ in range(MAX_SAMPLE_RETRACES):
         result = _trace(model, sample_inputs, assumed=assumed, **args)
         broken = _broken_on_sample(result, sample_inputs)

@@ -4,8 +4,8 @@ Why: a graph holds for the batches whose guards it keeps (same lengths where the
 branched on a length, same ``None``-ness of a mask builder's result). Calibration data mixes
 kinds (padded and unpadded batches, several lengths), so the sequential pipeline asks
 :class:`TracesByGuards` which trace serves each batch; a batch no trace serves is traced
-itself, with opaque results assumed as that batch really gives them. Every trace must cut
-the model at the same targets, so piece ``k`` of each calibrates the same modules.
+itself (``trace()`` learns what the opaque calls really return for its sample). Every trace
+must cut the model at the same targets, so piece ``k`` of each calibrates the same modules.
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ from typing import Any
 
 from .guards import Guard, GuardViolation
 from .kinds import describe, kind_of
-from .meta import to_meta
 from .result import TraceError, TraceResult
 
-#: re-traces tried for one batch (each learns one more opaque result) before giving up
-MAX_RETRACES = 8
-
-TraceFn = Callable[[Mapping[str, Any], Mapping[str, Any]], TraceResult]
+TraceFn = Callable[[Mapping[str, Any]], TraceResult]
 
 
 @dataclass
 class TracesByGuards:
     """The traces a run needs, and which guard made each extra one necessary."""
 
-    trace: TraceFn  # (sample inputs, assumed opaque results) -> TraceResult
+    trace: TraceFn  # sample inputs -> a TraceResult that holds for them (what ``trace()`` gives)
     traces: list[TraceResult] = field(default_factory=list)
     #: one line per re-trace: the guard a batch broke and what it gave
     retraced: list[str] = field(default_factory=list)
@@ -42,22 +38,15 @@ class TracesByGuards:
             if broken is None:
                 return index
             first_broken = first_broken or broken
-        assumed: dict[str, Any] = {}
-        reasons = [_reason(*first_broken, label)] if first_broken else []
-        for _ in range(MAX_RETRACES):
-            result = self.trace(batch, assumed)
-            broken = result.guard_violation(batch)
-            if broken is None:
-                self._check_same_cut(result)
-                self.traces.append(result)
-                self.retraced.extend(reasons)
-                return len(self.traces) - 1
-            guard, got = broken
-            if guard.kind != "result" or guard.key in assumed:
-                raise GuardViolation(guard, got)  # tracing this very batch did not learn it: a real limit
-            assumed[guard.key] = to_meta(got)
-            reasons.append(_reason(guard, got, label))
-        raise TraceError(f"{label} still breaks guards after {MAX_RETRACES} re-traces (last: {reasons[-1]})")
+        result = self.trace(batch)
+        broken = result.guard_violation(batch)
+        if broken is not None:
+            raise GuardViolation(*broken)  # even a trace of this very batch breaks it: a real limit
+        self._check_same_cut(result)
+        self.traces.append(result)
+        if first_broken is not None:
+            self.retraced.append(_reason(*first_broken, label))
+        return len(self.traces) - 1
 
     def _check_same_cut(self, result: TraceResult) -> None:
         if not self.traces:

@@ -18,7 +18,7 @@ with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from ._common import (
 
 
 def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: PipelineOptions,
-                       lifecycle: Lifecycle, assumed: Mapping[str, Any] | None = None) -> Any:
+                       lifecycle: Lifecycle) -> Any:
     """The model's subgraphs for batches like ``sample``; any tracing error becomes :class:`PipelineFailed`."""
     try:
         from layerwise.tracing import trace
@@ -52,7 +52,7 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
     try:
         return trace(model, sample, sequential_targets=options.sequential_targets or None,
                      ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph,
-                     skip_uncalled_targets=True, patch=patch or False, assumed=assumed)
+                     skip_uncalled_targets=True, patch=patch or False)
     except FATAL_ERRORS:
         raise
     except Exception as exc:  # any tracing failure means "try another pipeline"
@@ -65,8 +65,7 @@ def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]]
 
     Checked before any modifier sees data: a graph never runs a batch that breaks its guards.
     """
-    traces = TracesByGuards(lambda sample, assumed: trace_for_pipeline(model, dict(sample), options, lifecycle,
-                                                                       assumed))
+    traces = TracesByGuards(lambda sample: trace_for_pipeline(model, dict(sample), options, lifecycle))
     try:
         assignment = [traces.for_batch(batch, f"batch {i}") for i, batch in enumerate(batches)]
     except (PipelineFailed, *FATAL_ERRORS):

@@ -36,8 +36,7 @@ def test_text_targets_on_images_replay_exactly_for_full_and_padded_images() -> N
     assert mask_guard.expected == "None"  # what the real full mask gives, learned from the sample
     assert result.verify(full) <= 1e-5
 
-    traces = TracesByGuards(lambda sample, assumed: trace(model, sample, sequential_targets=[TEXT_LAYERS],
-                                                          assumed=assumed))
+    traces = TracesByGuards(lambda sample: trace(model, sample, sequential_targets=[TEXT_LAYERS]))
     assert [traces.for_batch(b) for b in (full, padded, full)] == [0, 1, 0]
     assert "create_bidirectional_mask" in traces.retraced[0]
     assert traces.traces[1].verify(padded) <= 1e-5

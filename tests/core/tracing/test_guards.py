@@ -78,8 +78,7 @@ def test_trace_learns_what_its_own_sample_gives() -> None:
 @pytest.mark.parametrize("order", [(FULL, PADDED, FULL), (PADDED, FULL, PADDED)], ids=["none-first", "tensor-first"])
 def test_each_kind_of_batch_gets_its_own_trace_in_either_order(order) -> None:
     model = _model()
-    traces = TracesByGuards(lambda sample, assumed: trace(model, sample, sequential_targets=["Block"],
-                                                          assumed=assumed))
+    traces = TracesByGuards(lambda sample: trace(model, sample, sequential_targets=["Block"]))
     assignment = [traces.for_batch(batch, f"batch {i}") for i, batch in enumerate(order)]
     assert assignment == [0, 1, 0] and len(traces.traces) == 2
     assert len(traces.retraced) == 1 and "padding_bias" in traces.retraced[0] and "batch 1" in traces.retraced[0]
@@ -134,7 +133,7 @@ def test_a_length_branch_is_a_value_guard_checked_at_another_length() -> None:
     with pytest.raises(GuardViolation, match=r"bool\(.*\) was False while tracing .* got True"):
         result.verify(long)
 
-    traces = TracesByGuards(lambda sample, assumed: trace(model, sample, sequential_targets=["Block"]))
+    traces = TracesByGuards(lambda sample: trace(model, sample, sequential_targets=["Block"]))
     assert [traces.for_batch(b) for b in (short, long, short, long)] == [0, 1, 0, 1]
     assert _replays_like_the_model(model, traces.traces[1], long)
 
