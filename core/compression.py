@@ -17,7 +17,7 @@ from .errors import DatasetError, require_positive
 from .finite import NON_FINITE_MODES, check_weights
 from .lifecycle import Lifecycle
 from .loading import check_model_path, load_model, load_tokenizer
-from .model_patch import ModelPatch, apply_patch, resolve_patch
+from .model_patch import ModelPatch, use_patch
 from .pipeline import PipelineOptions
 from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
@@ -147,10 +147,8 @@ def compress(
             source = str(model)
             model = load_model(source, patch=patch, trust_remote_code=trust_remote_code)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, trust_remote_code)
-        chosen_patch = getattr(model, "_layerwise_patch", None) if patch is None else None
-        chosen_patch = chosen_patch or resolve_patch(model, patch)
+        chosen_patch = use_patch(model, patch)
         warn_if_untested(chosen_patch)
-        apply_patch(model, chosen_patch)
         model.eval()
         skipped = check_weights(model, non_finite)  # a NaN weight fails in seconds, not after calibration
 

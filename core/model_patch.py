@@ -103,3 +103,12 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch | None) -> torch.nn.Mo
         patch.apply(model)
     model._layerwise_patch = patch  # type: ignore[attr-defined]
     return model
+
+
+def use_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
+    """Resolve ``patch`` for ``model`` (``None``: the one already applied, else the registered match),
+    apply it, and return it: what ``compress()`` and ``trace()`` both do with their ``patch=``."""
+    chosen = getattr(model, "_layerwise_patch", None) if patch is None else None
+    chosen = chosen or resolve_patch(model, patch)
+    apply_patch(model, chosen)
+    return chosen

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..model_patch import ModelPatch, apply_patch, resolve_patch
+from ..model_patch import ModelPatch, use_patch
 from ..versions import warn_if_untested
 from . import kinds
 from .autowrap import ForwardRewriter, WrappedStatement
@@ -107,9 +107,7 @@ def _trace(
 ) -> TraceResult:
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
-    chosen = getattr(model, "_layerwise_patch", None) if patch is None else None
-    chosen = chosen or resolve_patch(model, patch)
-    apply_patch(model, chosen)
+    chosen = use_patch(model, patch)
     if skip_uncalled_targets is None:
         skip_uncalled_targets = sequential_targets is None
     if sequential_targets is None:  # the patch's, else _no_split_modules, else found by structure
