@@ -14,7 +14,7 @@ import torch
 
 from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
-from .finite import NON_FINITE_MODES, check_weights
+from .finite import check_mode, check_weights
 from .lifecycle import Lifecycle
 from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, use_patch
@@ -58,11 +58,6 @@ class CompressionReport:
     guards_retraced: list[str] = field(default_factory=list)
     #: modules left uncompressed because a parameter held NaN or inf (``non_finite="skip"``)
     skipped_non_finite: list[str] = field(default_factory=list)
-
-
-def default_targets(model: torch.nn.Module, patch: ModelPatch | None) -> list[str]:
-    """Sequential targets: the patch's, else ``_no_split_modules``, else the blocks found by structure."""
-    return list(choose_targets(model, patch=patch).targets)
 
 
 #: tokens per calibration sample unless the model's context is shorter
@@ -123,8 +118,7 @@ def compress(
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
-    if non_finite not in NON_FINITE_MODES:
-        check_weights(torch.nn.Module(), non_finite)  # the error that lists the modes, before loading
+    check_mode(non_finite)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
     warn_if_untested()

@@ -66,10 +66,15 @@ def non_finite_parameters(model: torch.nn.Module) -> list[str]:
     return [name for name, param in model.named_parameters() if not is_finite(param)]
 
 
-def check_weights(model: torch.nn.Module, mode: str = "error") -> list[str]:
-    """Fail on non-finite parameters, or (``mode="skip"``) mark their modules and return their names."""
+def check_mode(mode: str) -> None:
+    """``compress(non_finite=...)`` is one of :data:`NON_FINITE_MODES` (checked before the model loads)."""
     if mode not in NON_FINITE_MODES:
         raise InvalidArgumentError(f"non_finite must be one of {', '.join(NON_FINITE_MODES)}, got {mode!r}")
+
+
+def check_weights(model: torch.nn.Module, mode: str = "error") -> list[str]:
+    """Fail on non-finite parameters, or (``mode="skip"``) mark their modules and return their names."""
+    check_mode(mode)
     bad = non_finite_parameters(model)
     if not bad:
         return []
