@@ -81,10 +81,11 @@ def reserve_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator
     it fails in seconds (:class:`OutputLockedError`); :func:`atomic_output_dir` inside the
     claim writes into the same folder. Parents created for it are removed again on failure.
     """
-    target = check_output_dir(path, overwrite)
-    if target in _RESERVED:  # claimed further up this call stack
+    target = Path(path).expanduser().absolute()
+    if target in _RESERVED:  # claimed (and checked) further up this call stack
         yield _RESERVED[target]
         return
+    check_output_dir(target, overwrite)
     existing = _nearest_existing(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
