@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..errors import LayerwiseError
 from .autowrap import short_path
@@ -41,7 +41,7 @@ from .partition import resolve_attr
 LOOSE = (ANY, TENSOR_OR_NONE)
 #: folders and files whose frames are never a guard's source (the tracer's own machinery)
 _MACHINERY = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(fx.__file__) + os.sep,
-              os.path.abspath(torch.overrides.__file__), os.path.abspath(torch.utils._pytree.__file__))
+              os.path.abspath(torch.overrides.__file__), os.path.abspath(pytree.__file__))
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class _GuardInterpreter(fx.Interpreter):
             fn = getattr(receiver, n.target, None) if receiver is not UNKNOWN else None
         else:
             fn = getattr(n.target, "fn", n.target)  # a GuardedCall would reject a meta result
-        if fn is None or any(v is UNKNOWN for v in _leaves((args, kwargs))):
+        if fn is None or any(v is UNKNOWN for v in pytree.tree_leaves((args, kwargs))):
             return UNKNOWN
         return run_on_meta(fn, to_meta(args), to_meta(kwargs), real_weights=True)
 
@@ -269,8 +269,3 @@ def _mutable(value: Any) -> Any:
         return tuple(_mutable(v) for v in value)
     return value
 
-
-def _leaves(value: Any) -> list[Any]:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_leaves(value)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .guards import read_value
 from .meta import UNKNOWN
 
 
@@ -57,7 +58,10 @@ class MetaProxy(fx.Proxy):
 
     def _read(self, how: str, what: str) -> Any:
         """A concrete answer the graph will be specialised on: recorded as a guard."""
-        value = {"bool": bool, "int": int, "float": float}[how](self._concrete(what))
+        return self._recorded(how, read_value(how, self._concrete(what)))
+
+    def _recorded(self, how: str, value: Any) -> Any:
+        """``value``, after telling the tracer (if it keeps guards) that Python read it ``how``."""
         record = getattr(self.tracer, "record_read", None)
         if record is not None:
             record(self, how, value)
@@ -79,10 +83,7 @@ class MetaProxy(fx.Proxy):
         value = self._known("len()")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             raise TypeError("len() of a 0-d tensor")
-        record = getattr(self.tracer, "record_read", None)
-        if record is not None:
-            record(self, "len", len(value))
-        return len(value)
+        return self._recorded("len", len(value))
 
     def __iter__(self):  # type: ignore[override]
         value = self.meta
@@ -90,10 +91,7 @@ class MetaProxy(fx.Proxy):
             raise UntraceableError(f"iteration over traced value {self.node.name!r} of unknown length")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             raise TypeError("iteration over a 0-d tensor")
-        record = getattr(self.tracer, "record_read", None)
-        if record is not None:
-            record(self, "len", len(value))
-        return iter([self[i] for i in range(len(value))])
+        return iter([self[i] for i in range(self._recorded("len", len(value)))])
 
     def __contains__(self, item: Any) -> bool:
         return item in self._concrete("membership test")
