@@ -74,7 +74,6 @@ class LayerwiseTracer(fx.Tracer):
         self.assumed_meta: dict[str, Any] = {}
         self._calls: dict[str, int] = {}
         self._guarded_reads: set[tuple[str, str]] = set()
-        self._stubbed = False
         self._meta_depth = 0
         self._module_names = _first_names(model.named_modules(remove_duplicate=False))
         self._tensor_names = _first_names(itertools.chain(model.named_parameters(remove_duplicate=False),
@@ -92,13 +91,12 @@ class LayerwiseTracer(fx.Tracer):
             if isinstance(receiver, torch.Tensor) and not getattr(args[0], "uncertain", False):
                 return getattr(receiver, target)(*_metas(args[1:]), **_metas(kwargs))
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        self._stubbed = False
-        proxy.meta = self._infer(kind, target, args, kwargs)
+        proxy.meta, stubbed = self._infer(kind, target, args, kwargs)
         if kind in ("call_function", "call_method"):
             # an opaque result may differ in kind at run time; a stubbed meta value (``.item()`` read
             # as 0) says nothing about real data: Python must not decide on either
             proxy.uncertain = (id(target) in self._opaque_ids or hasattr(target, "__layerwise_stmt__")
-                               or self._stubbed
+                               or stubbed
                                or any(getattr(x, "uncertain", False) for x in pytree.tree_leaves((args, kwargs))))
         return proxy
 
@@ -113,19 +111,19 @@ class LayerwiseTracer(fx.Tracer):
         self.guards.append(Guard(id=f"G{len(self.guards) + 1}", kind="value", node=node.name, expected=value,
                                  how=how, source=decision_source()))
 
-    def _infer(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+    def _infer(self, kind: str, target: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        """The node's value on meta, and whether a value-dependent op got a stand-in answer in it."""
         if kind == "placeholder":
-            return to_meta(self.sample_inputs.get(target, UNKNOWN))
+            return to_meta(self.sample_inputs.get(target, UNKNOWN)), False
         if kind == "get_attr":
             self._meta_depth += 1  # plain attribute reads, no proxies
             try:
-                return to_meta(self._resolve_attr(target))
+                return to_meta(self._resolve_attr(target)), False
             finally:
                 self._meta_depth -= 1
         margs, mkwargs = _metas(args), _metas(kwargs)
         if any(leaf is UNKNOWN for leaf in pytree.tree_leaves((margs, mkwargs))):
-            return UNKNOWN
-        real = False
+            return UNKNOWN, False
         if kind == "call_function":
             fn = target
             real = self._real_weights or not getattr(fn, "__module__", "").startswith(("_operator", "builtins"))
@@ -133,19 +131,18 @@ class LayerwiseTracer(fx.Tracer):
             receiver, margs = margs[0], margs[1:]
             fn, real = getattr(receiver, target, None), False
             if fn is None:
-                return UNKNOWN
+                return UNKNOWN, False
         elif kind == "call_module":
             fn, real = self.model.get_submodule(target), self._real_weights
         else:
-            return UNKNOWN
+            return UNKNOWN, False
         self._meta_depth += 1
         try:
             with _capture_suspended():  # hooks must not record the meta values
                 value, stubbed = run_on_meta_stubbed(fn, margs, mkwargs, real_weights=real)
         finally:
             self._meta_depth -= 1
-        self._stubbed = stubbed and kind != "call_module"  # a leaf's output shape does not hang on its data
-        return value
+        return value, stubbed and kind != "call_module"  # a leaf's output shape does not hang on its data
 
     def _resolve_attr(self, target: str) -> Any:
         if target in self.constants:
