@@ -28,6 +28,7 @@ from .guards import Guard, decision_source
 from .kinds import kind_of
 from .meta import UNKNOWN, run_on_meta_stubbed, to_meta
 from .opaque import find_proxy, registry_mappings
+from .partition import resolve_attr
 from .proxy import CONCRETE_METHODS, MetaProxy
 
 _PURE_FUNCTIONS = {getattr, math.sqrt}
@@ -118,7 +119,7 @@ class LayerwiseTracer(fx.Tracer):
         if kind == "get_attr":
             self._meta_depth += 1  # plain attribute reads, no proxies
             try:
-                return to_meta(self._resolve_attr(target)), False
+                return to_meta(resolve_attr(self.model, self.constants, target)), False
             finally:
                 self._meta_depth -= 1
         margs, mkwargs = _metas(args), _metas(kwargs)
@@ -143,14 +144,6 @@ class LayerwiseTracer(fx.Tracer):
         finally:
             self._meta_depth -= 1
         return value, stubbed and kind != "call_module"  # a leaf's output shape does not hang on its data
-
-    def _resolve_attr(self, target: str) -> Any:
-        if target in self.constants:
-            return self.constants[target]
-        obj: Any = self.model
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
 
     # ---- arguments that fx cannot express become constants --------------------------
     def create_arg(self, a: Any) -> Any:
