@@ -169,8 +169,7 @@ class SequentialPipeline(Pipeline):
                             if compressed:
                                 raise
                             # nothing compressed yet: another pipeline can still take over
-                            raise PipelineFailed(f"subgraph {sub.index} ({', '.join(sub.target_names) or 'head'}) "
-                                                 f"failed to run: {type(exc).__name__}: {exc}") from exc
+                            raise PipelineFailed(f"{_where(sub)} failed to run: {type(exc).__name__}: {exc}") from exc
                         if keep and not drop_if_non_finite(i, outputs, _where(sub), dropped, num_batches):
                             cache.update(i, outputs)
                 finally:
