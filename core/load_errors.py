@@ -13,15 +13,29 @@ model's own Python from the folder or the hub).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import ModelLoadError
 
 #: how transformers names pickle weight files (one file or shards)
 PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth")
+
+
+@contextlib.contextmanager
+def explained(where: str) -> Iterator[None]:
+    """Inside the block, a load failure :func:`explain` recognises becomes its ModelLoadError."""
+    try:
+        yield
+    except Exception as exc:
+        known = explain(where, exc)
+        if known is None:
+            raise
+        raise known from exc
 
 
 def explain(where: str, exc: BaseException) -> ModelLoadError | None:

@@ -10,7 +10,7 @@ import torch
 
 from .errors import ModelLoadError
 from .heads import best_class, checkpoint_keys, dropped_keys_error, named_class
-from .load_errors import explain as explain_load_failure
+from .load_errors import explained
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 
 
@@ -42,18 +42,16 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
 
     where = str(path_or_id)
     check_model_path(where)
+    trust = kwargs.pop("trust_remote_code", False)
     try:
-        trust = kwargs.pop("trust_remote_code", False)
-        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
-        cls = _model_class(config, Path(where).expanduser())
-        model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
-                                          output_loading_info=True, **kwargs)
-    except Exception as exc:  # what is recognised is explained, the rest re-raised as it was
-        explained = explain_load_failure(where, exc)
-        if explained is not None:
-            raise explained from exc
-        if not isinstance(exc, OSError):
-            raise
+        with explained(where):  # what is recognised is explained, the rest re-raised as it was
+            config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
+            cls = _model_class(config, Path(where).expanduser())
+            model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
+                                              output_loading_info=True, **kwargs)
+    except ModelLoadError:
+        raise
+    except OSError as exc:
         raise ModelLoadError(f"cannot load model {where!r}: {str(exc).rstrip('.')}. Pass a local folder with "
                              f"config.json and weights, or a hub id reachable from this machine") from exc
     dropped = list(info.get("unexpected_keys") or [])

@@ -6,16 +6,15 @@ Wire-up: ``add_parser(subparsers)`` registers the subcommand, ``run(args)`` exec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from ..load_errors import explained
 from .targets import TargetChoice, check_entries, choose_targets, describe_modules, resolve_modules
 
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -56,7 +55,7 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json: pass a local model folder saved by "
                              f"transformers (save_pretrained)")
-    with _explained(folder):
+    with explained(str(folder)):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     names = list(getattr(config, "architectures", None) or [])
     cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
@@ -73,7 +72,7 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
         else:
             raise ValueError(f"no transformers model class for {type(config).__name__}; set 'architectures' in config.json")
     if has_weights:
-        with _explained(folder):
+        with explained(str(folder)):
             model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32, trust_remote_code=False)
     elif materialise:
         torch.manual_seed(0)
@@ -82,20 +81,6 @@ def load_for_tracing(path: str | Path, materialise: bool) -> torch.nn.Module:
         with torch.device("meta"):
             model = cls(config)
     return model.eval()
-
-
-@contextlib.contextmanager
-def _explained(folder: Path) -> Iterator[None]:
-    """A corrupt, refused or unknown model is a ModelLoadError that says so (exit 2), as for compress."""
-    from ..load_errors import explain
-
-    try:
-        yield
-    except Exception as exc:
-        known = explain(str(folder), exc)
-        if known is None:
-            raise
-        raise known from exc
 
 
 def _find_patch(model: torch.nn.Module) -> Any:
