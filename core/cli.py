@@ -68,7 +68,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_summary(model) -> None:
-    from .report import loss_chart, run_notes, size_text, supports_blocks
+    from .report import loss_chart, run_notes, size_text, skipped_lines, supports_blocks
 
     report = model.layerwise_report
     print(f"pipeline:           {report.pipeline}")
@@ -78,9 +78,8 @@ def _print_summary(model) -> None:
     if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
         print(f"targets:            {report.targets_found}")
     print(f"modules compressed: {len(report.compressed_modules)}")
-    if report.skipped_non_finite:
-        print(f"left uncompressed:  {len(report.skipped_non_finite)} with NaN/inf weights "
-              f"({', '.join(report.skipped_non_finite)})")
+    for line in skipped_lines(report.skipped_non_finite):
+        print(line)
     print(f"calibration:        {report.calibration_samples} samples")
     print(f"time:               {report.seconds:.1f} s")
     print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")

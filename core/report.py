@@ -206,3 +206,11 @@ def run_notes(fallbacks: Sequence[str], guards_retraced: Sequence[str], always: 
             lines.append(f"{title:<20}{items[0] if items else 'none'}")
             lines.extend(f"{'':<20}{item}" for item in items[1:])
     return lines
+
+
+def skipped_lines(skipped_non_finite: Sequence[str]) -> list[str]:
+    """The modules left uncompressed for NaN/inf weights (``non_finite="skip"``); nothing when none."""
+    if not skipped_non_finite:
+        return []
+    return [f"{'left uncompressed:':<20}{len(skipped_non_finite)} with NaN/inf weights "
+            f"({', '.join(skipped_non_finite)})"]

@@ -49,7 +49,7 @@ def test_a_nan_weight_is_an_error_before_calibration_naming_it(tmp_path):
     assert not any(hasattr(m, "weight_scale") for m in model.modules())  # nothing was calibrated
 
 
-def test_skip_leaves_the_module_uncompressed_and_lists_it(tmp_path):
+def test_skip_leaves_the_module_uncompressed_and_lists_it(tmp_path, capsys):
     model = build_tiny_llama()
     bad = "model.layers.1.mlp.down_proj"
     with torch.no_grad():
@@ -64,6 +64,11 @@ def test_skip_leaves_the_module_uncompressed_and_lists_it(tmp_path):
     assert not hasattr(model.get_submodule(bad), "weight_scale")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert bad in config["quantization_config"]["ignore"]
+    # the saved run says so too, as the compress summary does
+    from layerwise.cli import main
+
+    main(["report", str(tmp_path / "out")])
+    assert f"left uncompressed:  1 with NaN/inf weights ({bad})" in capsys.readouterr().out
 
 
 def test_a_nan_sample_is_dropped_by_name_and_the_rest_is_gptq(recwarn):
