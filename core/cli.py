@@ -57,6 +57,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")
     p.add_argument("--no-propagate-error", action="store_true",
                    help="feed each piece the uncompressed model's activations")
+    p.add_argument("--pieces", choices=["auto", "layers", "blocks"], default="auto",
+                   help="where the sequential pipeline cuts: before the layers a modifier reads (each piece runs "
+                        "once), after each block (each block runs twice), or auto: layers where exact (default)")
     p.add_argument("--offload", choices=["cpu", "disk"], default="cpu", help="where cached activations rest")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--skip-non-finite", action="store_true",
@@ -68,7 +71,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_summary(model) -> None:
-    from .report import loss_chart, run_notes, size_text, skipped_lines, supports_blocks
+    from .report import loss_chart, run_notes, size_text, skipped_lines, supports_blocks, time_text
 
     report = model.layerwise_report
     print(f"pipeline:           {report.pipeline}")
@@ -77,11 +80,13 @@ def _print_summary(model) -> None:
     print(f"modifiers:          {', '.join(report.modifiers)}")
     if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
         print(f"targets:            {report.targets_found}")
+    if report.pieces:
+        print(f"pieces:             {report.pieces}")
     print(f"modules compressed: {len(report.compressed_modules)}")
     for line in skipped_lines(report.skipped_non_finite):
         print(line)
     print(f"calibration:        {report.calibration_samples} samples")
-    print(f"time:               {report.seconds:.1f} s")
+    print(f"time:               {time_text(report.seconds, report.accounting)}")
     print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
     if report.output_dir:
         print(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
@@ -120,7 +125,7 @@ def _run_compress(args: argparse.Namespace) -> int:
                      max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,
                      targets_per_subgraph=args.targets_per_subgraph,
                      output_dir=args.output_dir, pipeline=args.pipeline,
-                     propagate_error=not args.no_propagate_error, offload=args.offload,
+                     propagate_error=not args.no_propagate_error, pieces=args.pieces, offload=args.offload,
                      overwrite=args.overwrite, show_progress=not args.quiet,
                      non_finite="skip" if args.skip_non_finite else "error",
                      trust_remote_code=args.trust_remote_code)

@@ -18,7 +18,7 @@ from .finite import check_mode, check_weights
 from .lifecycle import Lifecycle
 from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, use_patch
-from .pipeline import PipelineOptions
+from .pipeline import PipelineOptions, check_pieces
 from .plugin_manager import registry
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from .saving import check_output_dir, reserve_output
@@ -58,6 +58,10 @@ class CompressionReport:
     guards_retraced: list[str] = field(default_factory=list)
     #: modules left uncompressed because a parameter held NaN or inf (``non_finite="skip"``)
     skipped_non_finite: list[str] = field(default_factory=list)
+    #: how the pipeline cut the model into pieces, and why (``layers: ...`` / ``blocks: ...``)
+    pieces: str = ""
+    #: phase -> ``{"seconds", "flops", "calls", "gflops_per_second"}`` (forwards, GPTQ Hessians, solves, ...)
+    accounting: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 #: tokens per calibration sample unless the model's context is shorter
@@ -96,6 +100,7 @@ def compress(
     tokenizer: Any = None,
     packing: str | None = None,
     propagate_error: bool = True,
+    pieces: str = "auto",
     offload: str = "cpu",
     targets_per_subgraph: int = 1,
     overwrite: bool = False,
@@ -111,6 +116,11 @@ def compress(
     ``max_seq_length`` (tokens per calibration sample) defaults to 2048, or to the
     model's context length when that is shorter.
     The run's summary is ``model.layerwise_report``.
+    ``pieces`` says where the ``sequential`` pipeline cuts the model: ``"layers"`` before each
+    group of layers a modifier reads (their statistics come from cached inputs and every piece
+    runs once per sample: "true sequential"), ``"blocks"`` after each sequential target (each
+    block runs twice, once observed and once compressed), ``"auto"`` layers where the model
+    traces that finely and every modifier only reads layer inputs, else blocks.
     A parameter holding NaN or inf is an error before calibration; ``non_finite="skip"``
     leaves the modules holding one uncompressed instead (listed in the report).
     ``trust_remote_code=True`` lets transformers run Python shipped with a model folder or
@@ -118,6 +128,7 @@ def compress(
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
+    check_pieces(pieces)
     check_mode(non_finite)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
@@ -162,7 +173,7 @@ def compress(
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
                                  execution_device=_execution_device())
         options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
-                                  offload=offload, execution_device=state.execution_device,
+                                  pieces=pieces, offload=offload, execution_device=state.execution_device,
                                   targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
         lifecycle = Lifecycle(state)
         from .pipeline_selection import recording_fallbacks, run_pipeline
@@ -188,6 +199,7 @@ def compress(
             targets_found=targets_found, targets_source=choice.source,
             model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
             fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
+            pieces=state.pieces, accounting=state.accounting.as_dict(),
         )
         if saver is not None:
             from .run_summary import SUMMARY_FILE, summary_json

@@ -50,10 +50,14 @@ class Modifier:
         """Which modules' inputs this modifier reads while calibration data runs through ``modules``.
 
         ``modules`` are the qualified names of one piece of the model. Return the names
-        (among them) whose *inputs* the modifier's hooks read, or ``None`` when it needs the
-        whole forward (outputs, other activations). Pipelines use the answer to skip a piece
-        nobody reads from and to end a forward whose outputs are not used as soon as every
-        needed input was seen. Default: ``None`` for a modifier that requires data, else none.
+        (among them) whose *inputs* the modifier's forward **pre**-hooks read, or ``None``
+        when it needs the whole forward (outputs, other activations). Pipelines use the
+        answer to skip a piece nobody reads from, to end a forward whose outputs are not used
+        as soon as every needed input was seen, and (``sequential`` at layers) to cut the
+        model before those modules: their pre-hooks are then called with cached inputs and
+        their forward is skipped, so a modifier answering with names must read nothing but
+        what its pre-hooks receive. Default: ``None`` for a modifier that requires data,
+        else none.
         """
         return None if self.requires_data else set()
 

@@ -26,12 +26,29 @@ class PipelineOptions:
     ignore: list[str] = field(default_factory=list)
     #: re-run each compressed subgraph to feed the next one its compressed-model inputs
     propagate_error: bool = True
+    #: where ``sequential`` cuts: ``"layers"``, ``"blocks"`` or ``"auto"`` (see :data:`PIECES`)
+    pieces: str = "auto"
     #: where cached intermediates rest: "cpu" or "disk"
     offload: str = "cpu"
     offload_dir: str | None = None
     targets_per_subgraph: int = 1
     execution_device: torch.device | None = None
     show_progress: bool = True
+
+
+#: ``layers``: cut before each group of layers a modifier reads, every piece runs once per sample;
+#: ``blocks``: cut after each sequential target, a block runs observed then compressed;
+#: ``auto``: layers where exact (the model traces that finely, modifiers read layer inputs only)
+PIECES = ("auto", "layers", "blocks")
+
+
+def check_pieces(pieces: str) -> None:
+    """Refuse an unknown ``pieces`` value before anything loads."""
+    if pieces not in PIECES:
+        from .errors import InvalidArgumentError, did_you_mean
+
+        raise InvalidArgumentError(f"unknown pieces {pieces!r};{did_you_mean(pieces, PIECES)} "
+                                   f"choose one of: {', '.join(PIECES)} (CLI: --pieces)")
 
 
 class Pipeline(ABC):

@@ -15,7 +15,7 @@ Bars are drawn with eighth blocks (``▏``..``█``), or ``#`` where the stream 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -206,6 +206,22 @@ def run_notes(fallbacks: Sequence[str], guards_retraced: Sequence[str], always: 
             lines.append(f"{title:<20}{items[0] if items else 'none'}")
             lines.extend(f"{'':<20}{item}" for item in items[1:])
     return lines
+
+
+def time_text(seconds: float, accounting: Mapping[str, Mapping[str, Any]]) -> str:
+    """``41.3 s (forward 20.1 s, GPTQ Hessians 4.2 s at 171 GFLOP/s, ..., other 5.0 s)``.
+
+    Where the time went, from the run's accounting; just the seconds when nothing was timed.
+    """
+    timed = [(phase, work) for phase, work in accounting.items() if work.get("seconds")]
+    if not timed:
+        return f"{seconds:.1f} s"
+    parts = []
+    for phase, work in timed:
+        rate = work.get("gflops_per_second")
+        parts.append(f"{phase} {work['seconds']:.1f} s" + (f" at {rate:.0f} GFLOP/s" if rate else ""))
+    other = seconds - sum(work["seconds"] for _, work in timed)
+    return f"{seconds:.1f} s ({', '.join(parts)}, other {max(other, 0.0):.1f} s)"
 
 
 def skipped_lines(skipped_non_finite: Sequence[str]) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import LayerwiseError
-from .report import layer_table, loss_chart, run_notes, size_text, skipped_lines, supports_blocks
+from .report import layer_table, loss_chart, run_notes, size_text, skipped_lines, supports_blocks, time_text
 from .run_summary import SUMMARY_FILE, RunSummary, read_summary
 
 if TYPE_CHECKING:
@@ -52,10 +52,11 @@ def header_lines(summary: RunSummary) -> list[str]:
              f"{'pipeline:':<20}{report.pipeline}",
              *run_notes(report.fallbacks, report.guards_retraced, always=True),
              f"{'targets:':<20}{report.targets_found or ', '.join(report.sequential_targets) or 'none'}",
+             *([f"{'pieces:':<20}{report.pieces}"] if report.pieces else []),
              f"{'modules compressed:':<20}{len(report.compressed_modules)}",
              *skipped_lines(report.skipped_non_finite),
              f"{'calibration:':<20}{report.calibration_samples} samples",
-             f"{'time:':<20}{report.seconds:.1f} s (up to saving)",
+             f"{'time:':<20}{time_text(report.seconds, report.accounting)} (up to saving)",
              f"{'size:':<20}{size_text(report.bytes_before, report.bytes_after)}",
              f"{'versions:':<20}layerwise {summary.layerwise_version}" + (f", {libraries}" if libraries else "")]
     if report.recipe.strip():

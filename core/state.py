@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .accounting import Accounting
 from .model_patch import ModelPatch
 
 
@@ -25,3 +26,7 @@ class CompressionState:
     log: list[dict[str, Any]] = field(default_factory=list)
     #: trace guards some batch broke, each forcing a trace of its own (see layerwise.tracing.retrace)
     guards_retraced: list[str] = field(default_factory=list)
+    #: how the pipeline cut the model and why (``layers: 43 pieces, each run once per batch``)
+    pieces: str = ""
+    #: seconds (and FLOPs where counted) per phase: pipelines' forwards, modifiers' own work
+    accounting: Accounting = field(default_factory=Accounting)

@@ -55,6 +55,7 @@ __all__ = [
     "DAMPENING_RETRIES",
     "GPTQError",
     "GPTQResult",
+    "GRAM_STRIP",
     "accumulate_hessian",
     "add_gram",
     "gptq_quantize",

@@ -18,7 +18,7 @@ from .autowrap import ForwardRewriter, WrappedStatement
 from .guards import Guard, GuardedCall, GuardProgram
 from .meta import to_meta
 from .opaque import default_opaque_functions
-from .partition import eliminate_dead_pure_nodes, is_pure, partition, resolve_attr
+from .partition import CUTS, Subgraph, eliminate_dead_pure_nodes, is_pure, partition, resolve_attr
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult
 from .targets import TargetError, choose_targets, resolve_modules, resolve_targets
 from .tracer import LayerwiseTracer, forward_signature
@@ -38,6 +38,7 @@ def trace(
     leaf_modules: Sequence[str] = (),
     skip_uncalled_targets: bool | None = None,
     patch: ModelPatch | str | bool | None = None,
+    cut: str = "after",
 ) -> TraceResult:
     """Trace ``model``'s forward on ``sample_inputs`` and cut it into per-target subgraphs.
 
@@ -54,6 +55,13 @@ def trace(
     left out of ``target_names`` (and noted) when the targets are defaults, an error when the
     caller named them; ``skip_uncalled_targets`` overrides either way.
 
+    ``cut="after"`` ends each subgraph with its targets (blocks: a piece's targets see inputs
+    it computed). ``cut="before"`` starts each subgraph after the first with the targets that
+    read one same value (q/k/v, gate/up; ``targets_per_subgraph`` must be 1) and ends it with
+    what the next ones read, so a pipeline can gather the targets' statistics from cached
+    inputs and run every piece once (see :attr:`~layerwise.tracing.partition.Subgraph.entries`);
+    each target must then be called exactly once.
+
     Decisions taken on values that can change from batch to batch are ``guards`` on the
     result; ``replay`` checks them. Where the sample itself breaks one (meta guessed what an
     opaque call returns), the model is traced again with what the sample really gave.
@@ -64,7 +72,7 @@ def trace(
     warn_if_untested()
     args = dict(sequential_targets=sequential_targets, ignore=ignore, targets_per_subgraph=targets_per_subgraph,
                 robust=robust, opaque_functions=opaque_functions, leaf_modules=leaf_modules,
-                skip_uncalled_targets=skip_uncalled_targets, patch=patch)
+                skip_uncalled_targets=skip_uncalled_targets, patch=patch, cut=cut)
     assumed: dict[str, Any] = {}  # guard key -> meta value the sample's opaque call really returned
     for _ in range(MAX_SAMPLE_RETRACES):
         result = _trace(model, sample_inputs, assumed=assumed, **args)
@@ -104,9 +112,14 @@ def _trace(
     skip_uncalled_targets: bool | None,
     patch: ModelPatch | str | bool | None,
     assumed: Mapping[str, Any],
+    cut: str = "after",
 ) -> TraceResult:
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {', '.join(CUTS)}, got {cut!r}")
+    if cut == "before" and targets_per_subgraph != 1:
+        raise ValueError("cut='before' groups the targets that read one same value; targets_per_subgraph must be 1")
     chosen = use_patch(model, patch)
     if skip_uncalled_targets is None:
         skip_uncalled_targets = sequential_targets is None
@@ -174,12 +187,17 @@ def _trace(
                      f"{_name_ranges(uncalled)}")
     if missing:
         raise SwallowedTargetsError(_swallowed_message(missing))
-    groups = [target_nodes[i:i + targets_per_subgraph] for i in range(0, len(target_nodes), targets_per_subgraph)]
+    if cut == "before":
+        groups = _groups_by_input(target_nodes)
+    else:
+        groups = [target_nodes[i:i + targets_per_subgraph] for i in range(0, len(target_nodes), targets_per_subgraph)]
 
     attrs = {n.target: resolve_attr(model, tracer.constants, n.target) for n in graph.nodes
              if n.op in ("get_attr", "call_module")}
     graph_module = fx.GraphModule(attrs, graph, class_name=f"{type(model).__name__}Traced")
-    subgraphs = partition(graph, model, tracer.constants, groups)
+    subgraphs = partition(graph, model, tracer.constants, groups, cut=cut)
+    if cut == "before":
+        _check_entries_cached(subgraphs)
     leaves = sorted(n for n in tracer.visited if n and tracer.is_leaf_module(model.get_submodule(n), n))
     return TraceResult(
         model=model, graph_module=graph_module, subgraphs=subgraphs, target_names=list(targets),
@@ -189,7 +207,39 @@ def _trace(
         opaque_calls=[OpaqueCall(n.name, f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}")
                       for n in graph.nodes if n.meta.get("is_wrapped")],
         output_type=tracer.output_type, notes=[*notes, *tracer.notes], skipped_targets=skipped,
-        guards=guards.guards, guard_program=guards, patch=chosen)
+        guards=guards.guards, guard_program=guards, patch=chosen, cut=cut)
+
+
+def _groups_by_input(target_nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
+    """Target calls grouped by the arguments they read (q/k/v share one), in order of first call.
+
+    Each target must be called once: a piece that starts with a target gathers its inputs
+    from the cache once, and a second call would read values no piece has cached yet.
+    """
+    calls: dict[str, int] = {}
+    for node in target_nodes:
+        calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    repeated = {t: n for t, n in calls.items() if n > 1}
+    if repeated:
+        shown = ", ".join(f"{t} ({n} calls)" for t, n in list(repeated.items())[:3])
+        raise TraceError(f"cutting before each target needs one call per target; called more than once: {shown}. "
+                         f"Cut after the blocks instead (cut='after')")
+    groups: dict[str, list[fx.Node]] = {}
+    for node in target_nodes:
+        key = repr(fx.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}"))
+        groups.setdefault(key, []).append(node)
+    return list(groups.values())
+
+
+def _check_entries_cached(subgraphs: Sequence[Subgraph]) -> None:
+    """Every entry call reads values its piece receives (not a parameter read inside the piece)."""
+    for sub in subgraphs:
+        inputs = set(sub.input_names)
+        for entry in sub.entries:
+            missing = [n for n in entry.input_names if n not in inputs]
+            if missing:
+                raise TraceError(f"target {entry.module!r} reads {missing}, which its piece computes itself, so its "
+                                 f"inputs cannot be gathered before the piece runs; cut after the blocks instead")
 
 
 def _concrete_args(model: torch.nn.Module, sample_inputs: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -1,9 +1,18 @@
 """Cutting a traced graph into one executable subgraph per target group, plus the rest.
 
-Each target group's subgraph holds the group's target calls and every not-yet-placed
-node they depend on; the final subgraph holds what is left (head, output). Values cross
-subgraph boundaries by node name, so a pipeline can cache them by name and free each
-after its last consumer.
+Two ways to cut (``cut``):
+
+* ``"after"`` (blocks): each target group's subgraph holds the group's target calls and
+  every not-yet-placed node they depend on; the final subgraph holds what is left (head,
+  output). A piece *ends* with its targets.
+* ``"before"`` (layers): the first subgraph computes what the first group reads; every later
+  one *starts* with a group's target calls and computes what the next group reads; the last
+  holds the last group and the rest. A piece's entry targets read values the previous piece
+  produced, so their statistics come from the cache without running anything
+  (:attr:`Subgraph.entries`).
+
+Values cross subgraph boundaries by node name, so a pipeline can cache them by name and
+free each after its last consumer.
 """
 
 from __future__ import annotations
@@ -18,6 +27,44 @@ from torch import fx
 
 #: name of the single value the final subgraph produces: the model's output
 OUTPUT_NAME = "output"
+#: where a piece is cut relative to its targets: after their calls (blocks) or before (layers)
+CUTS = ("after", "before")
+
+
+@dataclass(frozen=True)
+class EntryCall:
+    """A target call a piece starts with, its arguments named by the values that hold them."""
+
+    module: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def of(cls, node: fx.Node) -> EntryCall:
+        return cls(str(node.target), fx.map_arg(node.args, _ValueRef.of), fx.map_arg(node.kwargs, _ValueRef.of))
+
+    @property
+    def input_names(self) -> list[str]:
+        names: list[str] = []
+        fx.node.map_aggregate((self.args, self.kwargs),
+                              lambda v: names.append(v.name) if isinstance(v, _ValueRef) else None)
+        return names
+
+    def bind(self, values: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's real arguments, read from ``values`` (a piece's inputs)."""
+        def real(value: Any) -> Any:
+            return values[value.name] if isinstance(value, _ValueRef) else value
+
+        return fx.node.map_aggregate(self.args, real), fx.node.map_aggregate(self.kwargs, real)
+
+
+@dataclass(frozen=True)
+class _ValueRef:
+    name: str
+
+    @classmethod
+    def of(cls, node: fx.Node) -> _ValueRef:
+        return cls(node.name)
 
 
 @dataclass
@@ -33,6 +80,8 @@ class Subgraph:
     modules: list[str]
     num_nodes: int = 0
     node_names: list[str] = field(default_factory=list, repr=False)
+    #: the target calls this piece starts with (``cut="before"`` only), in graph order
+    entries: list[EntryCall] = field(default_factory=list)
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Outputs of this piece from ``values`` (a mapping holding at least ``input_names``)."""
@@ -54,18 +103,31 @@ def resolve_attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
 
 
 def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, Any],
-              groups: Sequence[Sequence[fx.Node]]) -> list[Subgraph]:
-    """``len(groups) + 1`` subgraphs: one per target group (in graph order), then the rest."""
+              groups: Sequence[Sequence[fx.Node]], cut: str = "after") -> list[Subgraph]:
+    """``len(groups) + 1`` subgraphs, cut after (or before) each target group, in graph order."""
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
+    before = cut == "before"
+    after_effects = _after_effects(graph)
     assign: dict[fx.Node, int] = {}
     for index, group in enumerate(groups):
-        stack = list(group)
+        if before:  # the previous group opens this piece; what this group reads closes it
+            for node in groups[index - 1] if index else ():
+                assign.setdefault(node, index)
+            stack = [src for node in group for src in node.all_input_nodes]
+        else:
+            stack = list(group)
         while stack:
             node = stack.pop()
             if node in assign or node.op in ("placeholder", "get_attr"):
                 continue
             assign[node] = index
             stack.extend(node.all_input_nodes)
+            stack.extend(after_effects.get(node, ()))
     last = len(groups)
+    if before and groups:
+        for node in groups[-1]:
+            assign.setdefault(node, last)
     for node in graph.nodes:
         if node.op not in ("placeholder", "get_attr") and node not in assign:
             assign[node] = last
@@ -87,7 +149,9 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
             if src.op != "placeholder" and src not in outputs[assign[src]]:
                 outputs[assign[src]].append(src)
 
-    group_targets = [[str(n.target) for n in group] for group in groups] + [[]]
+    group_targets = [[str(n.target) for n in group] for group in groups]
+    group_targets = [[], *group_targets] if before else [*group_targets, []]
+    entries = [[], *([EntryCall.of(n) for n in group] for group in groups)] if before else [[]] * count
     subgraphs = []
     for index in range(count):
         members = [n for n in graph.nodes if assign.get(n) == index]
@@ -121,8 +185,30 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
             consumed_names=[n.name for n, i in last_use.items() if i == index],
             target_names=group_targets[index],
             modules=list(dict.fromkeys(called + [o for o in owners if o])),
-            num_nodes=len(members), node_names=[n.name for n in members]))
+            num_nodes=len(members), node_names=[n.name for n in members], entries=list(entries[index])))
     return _without_containers(subgraphs)
+
+
+def _after_effects(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Node -> the in-place operations it must follow (``out.index_add_(...)`` before ``out.reshape()``).
+
+    An in-place call whose result nobody uses has no edge to the nodes that read what it
+    changed; without one it would land in the last piece, after its readers ran (a mixture
+    of experts summing expert outputs into a buffer would read zeros).
+    """
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    pending: dict[fx.Node, list[fx.Node]] = {}  # mutated value -> effects on it so far
+    for node in graph.nodes:
+        for value in node.all_input_nodes:
+            for effect in pending.get(value, ()):
+                if effect is not node:
+                    deps.setdefault(node, []).append(effect)
+        if node.users or node.op not in ("call_method", "call_function") or is_pure(node):
+            continue
+        target = node.args[0] if node.args else None
+        if isinstance(target, fx.Node):
+            pending.setdefault(target, []).append(node)
+    return deps
 
 
 def _without_containers(subgraphs: list[Subgraph]) -> list[Subgraph]:

@@ -60,6 +60,8 @@ class TraceResult:
     guard_program: GuardProgram | None = field(default=None, repr=False)
     #: the model patch the trace used (``None``: none)
     patch: Any = None
+    #: ``"after"``: each subgraph ends with its targets; ``"before"``: each starts with them
+    cut: str = "after"
 
     # ---- guards ---------------------------------------------------------------------
     def check_guards(self, inputs: Mapping[str, Any]) -> None:
@@ -92,21 +94,7 @@ class TraceResult:
         if any(p.is_meta for p in self.model.parameters()):
             raise VerifyError("the model's weights are on the meta device; load or materialise them to verify")
         expected = self.model(**inputs, **self.concrete_args)
-        got = self.replay(inputs)
-        want, have = _tensor_leaves(expected), _tensor_leaves(got)
-        if not want:
-            raise VerifyError(f"the model output ({type(expected).__name__}) holds no tensors to compare")
-        missing = sorted(set(want) - set(have))
-        if missing:
-            raise VerifyError(f"replayed output lacks {missing} of the plain forward's output")
-        diff = 0.0
-        for key, tensor in want.items():
-            other = have[key]
-            if tensor.shape != other.shape:
-                raise VerifyError(f"output {key}: shape {tuple(other.shape)} replayed vs {tuple(tensor.shape)}")
-            if tensor.numel():
-                diff = max(diff, (tensor.double() - other.double()).abs().max().item())
-        return diff
+        return output_difference(expected, self.replay(inputs))
 
     # ---- views ----------------------------------------------------------------------
     def subgraph_of(self) -> dict[str, int]:
@@ -161,6 +149,28 @@ class TraceResult:
                          ", ".join(sub.consumed_names) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows)
+
+
+def output_difference(expected: Any, got: Any, relative: bool = False) -> float:
+    """Max abs difference over every tensor of two model outputs (``relative``: over the largest |expected|).
+
+    Raises :class:`VerifyError` when ``got`` lacks a tensor of ``expected`` or a shape differs.
+    """
+    want, have = _tensor_leaves(expected), _tensor_leaves(got)
+    if not want:
+        raise VerifyError(f"the model output ({type(expected).__name__}) holds no tensors to compare")
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise VerifyError(f"replayed output lacks {missing} of the plain forward's output")
+    diff, scale = 0.0, 0.0
+    for key, tensor in want.items():
+        other = have[key]
+        if tensor.shape != other.shape:
+            raise VerifyError(f"output {key}: shape {tuple(other.shape)} replayed vs {tuple(tensor.shape)}")
+        if tensor.numel():
+            diff = max(diff, (tensor.double() - other.double().to(tensor.device)).abs().max().item())
+            scale = max(scale, tensor.double().abs().max().item())
+    return diff / max(scale, 1e-30) if relative else diff
 
 
 def _label(node: fx.Node) -> str:

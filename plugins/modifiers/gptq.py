@@ -24,6 +24,7 @@ and in ``gptq_summary.json`` next to the saved model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,10 +34,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerwise.accounting import Accounting, gptq_solve_flops, gram_flops
 from layerwise.errors import NonFiniteError, RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite
 from layerwise.quantization.args import ACTORDERS, QuantizationArgs
 from layerwise.quantization.gptq import (
+    GRAM_STRIP,
     GPTQError,
     GPTQResult,
     add_gram,
@@ -100,6 +103,9 @@ class GPTQModifier(QuantizationModifier):
         self._non_finite: dict[str, int] = {}
         # the previous hook's input, its float32 copy, and the Gram that took it
         self._last: tuple[torch.Tensor, int, torch.Tensor, _SharedGram] | None = None
+        #: where the Hessian and solve time goes (the run's, from calibration_start on)
+        self._accounting = Accounting()
+        self._gram_flops = _FlopCount()
 
     def resolve_args(self) -> QuantizationArgs:
         args = super().resolve_args()
@@ -117,6 +123,8 @@ class GPTQModifier(QuantizationModifier):
         self._free_all()
 
     def on_calibration_start(self, state: CompressionState) -> None:
+        accounting = getattr(state, "accounting", None)
+        self._accounting = accounting if accounting is not None else Accounting()
         for name, module in self._modules.items():
             if name not in self._done:
                 self._handles[name] = self.register_hook(module, self._hessian_hook(name), "forward_pre",
@@ -156,8 +164,18 @@ class GPTQModifier(QuantizationModifier):
             if not is_finite(x):  # one NaN row would make the whole Hessian NaN
                 self._non_finite[name] = self._non_finite.get(name, 0) + 1
                 return
-            self._accumulate(name, x)
+            with self._hessian_work():
+                self._accumulate(name, x)
         return hook
+
+    @contextlib.contextmanager
+    def _hessian_work(self):
+        """Time a Hessian step into the run's accounting, with the Gram FLOPs it did."""
+        start, flops = time.perf_counter(), self._gram_flops.value
+        try:
+            yield
+        finally:
+            self._accounting.add(HESSIAN_PHASE, time.perf_counter() - start, self._gram_flops.value - flops)
 
     @torch.no_grad()
     def _accumulate(self, name: str, x: torch.Tensor) -> None:
@@ -177,7 +195,7 @@ class GPTQModifier(QuantizationModifier):
             if last is not None and last[2] is flat and last[3].joinable(flat):
                 gram = last[3]  # first input, and the same one another layer just started with: share
             else:
-                gram = _SharedGram()
+                gram = _SharedGram(self._gram_flops)
             self._grams[name] = gram
         gram = gram.read(name, flat, self._grams)
         self._last = (x, x._version, flat, gram)
@@ -203,7 +221,8 @@ class GPTQModifier(QuantizationModifier):
         handle = self._handles.pop(name, None)
         if handle is not None:
             handle.remove()
-        hessian, samples = self._hessian(name)
+        with self._hessian_work():
+            hessian, samples = self._hessian(name)
         dropped = self._non_finite.pop(name, 0)
         weight = linear_weight(module)
         _check_finite_weight(name, weight)
@@ -216,9 +235,10 @@ class GPTQModifier(QuantizationModifier):
             reason = "it saw no calibration data"
         else:
             try:
-                result = gptq_quantize(weight, hessian, self.args, observer=self._observer,
-                                       block_size=self.block_size, dampening_frac=self.dampening_frac,
-                                       scale_dtype=dtype)
+                with self._accounting.timed(SOLVE_PHASE, gptq_solve_flops(*weight.shape)):
+                    result = gptq_quantize(weight, hessian, self.args, observer=self._observer,
+                                           block_size=self.block_size, dampening_frac=self.dampening_frac,
+                                           scale_dtype=dtype)
             except GPTQError as exc:
                 reason = str(exc)
             del hessian
@@ -265,6 +285,25 @@ def _warn_dropped(name: str, dropped: int, none_left: bool) -> None:
     warn_user(message, NonFiniteSampleWarning)
 
 
+#: accounting phases (see layerwise.accounting): the Gram products with their copies, and the solves
+HESSIAN_PHASE = "GPTQ Hessians"
+SOLVE_PHASE = "GPTQ solves"
+
+
+class _FlopCount:
+    """FLOPs of the Gram products so far (shared by a modifier's Gram matrices)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+def _add_gram(gram: torch.Tensor, x: torch.Tensor, flops: _FlopCount) -> None:
+    add_gram(gram, x)
+    flops.value += gram_flops(x.shape[0], x.shape[1], GRAM_STRIP)
+
+
 #: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this
 #: tall run near the machine's peak, and the matrix is read and written once per fold, not per batch
 FLUSH_ROWS = 256
@@ -280,9 +319,10 @@ class _SharedGram:
     exact copy of its own history.
     """
 
-    __slots__ = ("folded", "gram", "pending", "positions", "samples")
+    __slots__ = ("flops", "folded", "gram", "pending", "positions", "samples")
 
-    def __init__(self) -> None:
+    def __init__(self, flops: _FlopCount) -> None:
+        self.flops = flops
         self.gram: torch.Tensor | None = None
         self.samples = 0                                # rows folded into ``gram``
         self.pending: list[torch.Tensor] = []           # inputs not folded yet, in order
@@ -305,7 +345,7 @@ class _SharedGram:
         return self
 
     def _split(self, name: str, position: int, flat: torch.Tensor, owners: dict[str, _SharedGram]) -> _SharedGram:
-        mine = _SharedGram()
+        mine = _SharedGram(self.flops)
         mine.gram = None if self.gram is None else self.gram.clone()
         mine.samples, mine.folded = self.samples, self.folded
         mine.pending = [*self.pending[:position - self.folded], flat]
@@ -320,7 +360,7 @@ class _SharedGram:
 
     def fold_now(self, name: str, x: torch.Tensor) -> None:
         """Fold the sole member's next input directly."""
-        add_gram(self.gram, x)
+        _add_gram(self.gram, x, self.flops)
         self.samples += x.shape[0]
         self.folded += 1
         self.positions[name] += 1
@@ -336,7 +376,7 @@ class _SharedGram:
         x = chunk[0] if len(chunk) == 1 else torch.cat(chunk)
         if self.gram is None:
             self.gram = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-        add_gram(self.gram, x)
+        _add_gram(self.gram, x, self.flops)
         self.samples += x.shape[0]
         del self.pending[:count]
         self.folded += count
@@ -357,6 +397,6 @@ class _SharedGram:
         if chunk:
             x = torch.cat(chunk)
             mine = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device) if mine is None else mine
-            add_gram(mine, x)
+            _add_gram(mine, x, self.flops)
             rows += x.shape[0]
         return (None, 0) if mine is None else (gram_to_hessian(mine, rows), rows)

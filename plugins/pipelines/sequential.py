@@ -1,14 +1,27 @@
 """``sequential``: the traced subgraphs, one after another, with cached intermediates.
 
-The model is traced (the first batch gives the sample shapes) into one subgraph per
-sequential target plus the rest. Before any modifier sees data, every batch is checked
-against the trace's guards; a batch that breaks one gets a trace of its own
-(:mod:`layerwise.tracing.retrace`), cut at the same targets, so each piece runs every
-batch through the subgraph of that batch's trace. Every batch flows through subgraph 1, its outputs
-go to the intermediates cache, the subgraph's modules are compressed, the subgraph
-re-runs with the compressed weights (``propagate_error``) to produce the next
-subgraph's inputs, values are freed after their last consumer, and so on. A batch whose
-outputs of a piece hold NaN or inf is dropped from the later pieces, with a warning naming it
+Where the model is cut (``PipelineOptions.pieces``):
+
+* **layers** (the default where exact): the model is traced with the layers the modifiers
+  read (:meth:`Modifier.calibration_inputs`: GPTQ's Linears) as targets, cut *before* each
+  group of layers that read one value (q/k/v, gate/up). A piece's entry layers read the
+  previous piece's outputs, so their statistics come straight from the cache: their
+  forward pre-hooks are called with the cached inputs, the forward itself is skipped; they
+  are compressed; then the piece runs once, with compressed weights, producing the next
+  piece's inputs. Every piece runs once per batch and every layer sees the inputs of the
+  model compressed so far ("true sequential").
+* **blocks**: one subgraph per sequential target (decoder layer) plus the rest. Every
+  batch flows through subgraph 1 with the modifiers' hooks on, its modules are
+  compressed, the subgraph re-runs with the compressed weights (``propagate_error``) to
+  produce the next subgraph's inputs, and so on. Used when a modifier needs whole
+  forwards, with ``propagate_error=False``, when asked, or when the model does not trace
+  inside its blocks (the reason is in ``state.pieces`` and the run report).
+
+Before any modifier sees data, every batch is checked against the trace's guards; a batch
+that breaks one gets a trace of its own (:mod:`layerwise.tracing.retrace`), cut at the same
+targets, so each piece runs every batch through the subgraph of that batch's trace. Values
+are freed after their last consumer. A batch whose outputs of a piece hold NaN or inf is
+dropped from the later pieces, with a warning naming it
 (:func:`layerwise.finite.drop_if_non_finite`).
 
 Tracing happens before any modifier sees data: a model that cannot be traced fails
@@ -24,16 +37,21 @@ from typing import Any
 
 import torch
 
-from layerwise.cache import IntermediatesCache
+from layerwise.accounting import Accounting
+from layerwise.cache import IntermediatesCache, move_to
+from layerwise.errors import InvalidArgumentError
 from layerwise.finite import drop_if_non_finite
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
+from layerwise.tracing.partition import OUTPUT_NAME
+from layerwise.tracing.result import output_difference
 from layerwise.tracing.retrace import TracesByGuards
 from layerwise.user_warnings import warn_user
 
 from ._common import (
     FATAL_ERRORS,
+    all_module_names,
     calibration_hooks_paused,
     calibration_mode,
     execution_device,
@@ -42,17 +60,24 @@ from ._common import (
 
 
 def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: PipelineOptions,
-                       lifecycle: Lifecycle) -> Any:
-    """The model's subgraphs for batches like ``sample``; any tracing error becomes :class:`PipelineFailed`."""
+                       lifecycle: Lifecycle, layers: Sequence[str] | None = None) -> Any:
+    """The model's subgraphs for batches like ``sample``; any tracing error becomes :class:`PipelineFailed`.
+
+    With ``layers`` the cut is before each group of those modules (their qualified names),
+    else after each sequential target.
+    """
     try:
         from layerwise.tracing import trace
     except ImportError as exc:  # pragma: no cover - the tracer ships with layerwise
         raise PipelineFailed(f"the tracer is not available: {exc}") from exc
     patch = getattr(lifecycle.state, "patch", None)
+    if layers is not None:
+        targets, per_subgraph, cut = list(layers), 1, "before"
+    else:
+        targets, per_subgraph, cut = options.sequential_targets or None, options.targets_per_subgraph, "after"
     try:
-        return trace(model, sample, sequential_targets=options.sequential_targets or None,
-                     ignore=options.ignore or None, targets_per_subgraph=options.targets_per_subgraph,
-                     skip_uncalled_targets=True, patch=patch or False)
+        return trace(model, sample, sequential_targets=targets, ignore=options.ignore or None,
+                     targets_per_subgraph=per_subgraph, skip_uncalled_targets=True, patch=patch or False, cut=cut)
     except FATAL_ERRORS:
         raise
     except Exception as exc:  # any tracing failure means "try another pipeline"
@@ -60,27 +85,118 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
 
 
 def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]], options: PipelineOptions,
-                       lifecycle: Lifecycle) -> tuple[TracesByGuards, list[int]]:
+                       lifecycle: Lifecycle, layers: Sequence[str] | None = None) -> tuple[TracesByGuards, list[int]]:
     """The traces the batches need (one per kind of batch) and which one serves each batch.
 
     Checked before any modifier sees data: a graph never runs a batch that breaks its guards.
     """
-    traces = TracesByGuards(lambda sample: trace_for_pipeline(model, dict(sample), options, lifecycle))
+    traces = TracesByGuards(lambda sample: trace_for_pipeline(model, dict(sample), options, lifecycle, layers))
     try:
         assignment = [traces.for_batch(batch, f"batch {i}") for i, batch in enumerate(batches)]
     except (PipelineFailed, *FATAL_ERRORS):
         raise
     except Exception as exc:  # a guard no re-trace could satisfy, or differently cut traces
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
-    state_log = getattr(lifecycle.state, "guards_retraced", None)
-    if isinstance(state_log, list):
-        state_log.extend(traces.retraced)
     skipped = traces.traces[0].skipped_targets
-    if skipped:  # e.g. a vision tower calibrated on text only
+    if skipped and layers is None:  # e.g. a vision tower calibrated on text only
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
         warn_user(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
                   f"modifiers get no samples for them")
     return traces, assignment
+
+
+def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> tuple[list[str], str]:
+    """The modules to cut before (model order) and ``""``, or ``[]`` and why the cut stays at blocks."""
+    if options.pieces == "blocks":
+        return [], "asked for (pieces='blocks')"
+    if not options.propagate_error:
+        return [], "propagate_error=False: each block runs once, on the uncompressed model's activations"
+    if options.targets_per_subgraph > 1:
+        return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
+    names = all_module_names(model)
+    whole = [type(m).__name__ for m in lifecycle.modifiers if m.calibration_inputs(names) is None]
+    if whole:
+        return [], f"{', '.join(whole)} needs whole forwards, not only layer inputs"
+    read = lifecycle.calibration_inputs(names) or set()
+    if not read:
+        return [], "no modifier reads layer inputs"
+    return [n for n in names if n in read], ""
+
+
+#: the largest relative difference between the layers' and the blocks' replay of the first batch
+#: that still counts as the same computation (the ops are the same; only kernels' rounding may differ)
+SAME_OUTPUT_TOLERANCE = 1e-4
+
+
+def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], options: PipelineOptions,
+                  lifecycle: Lifecycle, device: torch.device) -> tuple[TracesByGuards, list[int], bool]:
+    """Traces cut before the layers modifiers read where that is exact, else after the blocks.
+
+    Exact means: the model traces with those layers as targets, every batch fits a trace, and
+    the first batch replayed through the layer pieces gives what it gives through the block
+    pieces (tracing inside blocks meets code the block trace never sees). Returns the traces,
+    the batch assignment and whether the cut is at layers; the choice and its reason go to
+    ``state.pieces``, and the chosen traces' re-traces to ``state.guards_retraced``.
+    """
+    blocks, assignment = traces_for_batches(model, batches, options, lifecycle)
+    layers, why_not = layers_read(model, lifecycle, options)
+    if not layers and options.pieces == "layers":
+        raise InvalidArgumentError(f"pieces='layers' cannot be used: {why_not}. Use pieces='auto' or 'blocks'")
+    if layers:
+        try:
+            fine, fine_assignment = traces_for_batches(model, batches, options, lifecycle, layers)
+            difference = _first_batch_difference(model, fine, blocks, batches[0], device)
+        except PipelineFailed as exc:
+            why_not = f"cutting before the layers failed ({exc})"
+        else:
+            if difference <= SAME_OUTPUT_TOLERANCE:
+                count = len(fine.traces[0].subgraphs)
+                _record(lifecycle, fine, f"layers: {count} pieces, each cut before the layers that read one "
+                                         f"value; every piece runs once per batch")
+                return fine, fine_assignment, True
+            why_not = (f"the layer pieces replay the first batch {difference:.2g} (relative) away from the "
+                       f"block pieces")
+        if options.pieces == "layers":
+            raise InvalidArgumentError(f"pieces='layers' cannot be used for this model: {why_not}. Use "
+                                       f"pieces='auto' (blocks where layers fail) or 'blocks'")
+    count = len(blocks.traces[0].subgraphs)
+    runs = "once" if not options.propagate_error else "observed, then again compressed"
+    _record(lifecycle, blocks, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
+    return blocks, assignment, False
+
+
+def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,
+                            batch: dict[str, Any], device: torch.device) -> float:
+    """Relative difference of the model output replayed through both cuts (the first batch's trace of each)."""
+    targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
+    offloader = ModuleOffloader(model, device, protected=targets)
+    try:
+        expected = _replay(blocks.traces[0], batch, offloader)
+        got = _replay(fine.traces[0], batch, offloader)
+        return output_difference(expected, got, relative=True)
+    except FATAL_ERRORS:
+        raise
+    except Exception as exc:
+        raise PipelineFailed(f"replaying the first batch failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _replay(result: Any, batch: dict[str, Any], offloader: ModuleOffloader) -> Any:
+    """The model output of ``batch`` through ``result``'s subgraphs, each piece onloaded in turn."""
+    values: dict[str, Any] = dict(move_to(dict(batch), offloader.execution_device))
+    for sub in result.subgraphs:
+        with offloader.onloaded(sub.modules):
+            values.update(sub.run(values))
+        for name in sub.consumed_names:
+            values.pop(name, None)
+    return values[OUTPUT_NAME]
+
+
+def _record(lifecycle: Lifecycle, traces: TracesByGuards, pieces: str) -> None:
+    state = lifecycle.state
+    if hasattr(state, "pieces"):
+        state.pieces = pieces
+    if isinstance(getattr(state, "guards_retraced", None), list):
+        state.guards_retraced.extend(traces.retraced)
 
 
 @dataclass
@@ -107,10 +223,22 @@ class Piece:
     def consumed_names(self) -> list[str]:
         return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.consumed_names))
 
+    def subgraph(self, batch: int) -> Any:
+        """The subgraph of the trace that serves ``batch``."""
+        return self.subgraphs[self.assignment[batch]]
+
     def run(self, batch: int, cache: IntermediatesCache) -> dict[str, Any]:
         """This piece's outputs for one batch, through the subgraph of that batch's trace."""
-        sub = self.subgraphs[self.assignment[batch]]
+        sub = self.subgraph(batch)
         return sub.run(cache.fetch(batch, sub.input_names))
+
+    def free(self, cache: IntermediatesCache, num_batches: int) -> None:
+        """Drop the values each batch's own trace reads for the last time here (names differ per trace)."""
+        if len(self.subgraphs) == 1:
+            cache.free(self.subgraphs[0].consumed_names)
+            return
+        for batch in range(num_batches):
+            cache.free(self.subgraph(batch).consumed_names, batch=batch)
 
 
 class SequentialPipeline(Pipeline):
@@ -122,70 +250,145 @@ class SequentialPipeline(Pipeline):
             raise PipelineFailed("sequential needs at least one calibration batch")
         device = execution_device(model, lifecycle, options)
         with calibration_mode(model, lifecycle):
-            traces, assignment = traces_for_batches(model, batches, options, lifecycle)
-            subgraphs = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
-                         for k in range(len(traces.traces[0].subgraphs))]
-            targets = [t for sub in subgraphs for t in sub.target_names]
-            offloader = ModuleOffloader(model, device, protected=targets)
+            traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
+            pieces = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
+                      for k in range(len(traces.traces[0].subgraphs))]
+            offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names])
             cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
+            accounting = getattr(lifecycle.state, "accounting", None)
+            run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
+                          accounting if accounting is not None else Accounting())
             try:
-                wanted = set().union(*(s.input_names for s in subgraphs))
+                wanted = set().union(*(p.input_names for p in pieces))
                 for index, batch in enumerate(batches):
                     cache.update(index, {k: v for k, v in batch.items() if k in wanted})
                 with lifecycle.calibrating():
-                    self._calibrate(subgraphs, offloader, cache, lifecycle, options, len(batches))
+                    run.layers() if at_layers else run.blocks()
             finally:
                 cache.close()
 
-    def _calibrate(self, subgraphs: list[Piece], offloader: ModuleOffloader, cache: IntermediatesCache,
-                   lifecycle: Lifecycle, options: PipelineOptions, num_batches: int) -> None:
-        last = len(subgraphs) - 1
-        compressed = False
-        tail = list(subgraphs[last].modules)
-        tail_inputs = lifecycle.calibration_inputs(tail)
+
+@dataclass
+class _Runner:
+    """One calibration run over the pieces: at layers (one forward each) or at blocks (two)."""
+
+    pieces: list[Piece]
+    offloader: ModuleOffloader
+    cache: IntermediatesCache
+    lifecycle: Lifecycle
+    options: PipelineOptions
+    num_batches: int
+    accounting: Accounting
+    compressed: bool = False  # has any modifier changed a weight yet? (then no other pipeline may take over)
+
+    def __post_init__(self) -> None:
+        self.dropped: set[int] = set()  # batches whose activations became non-finite
+
+    def layers(self) -> None:
+        """Each piece: gather its entry layers' inputs from the cache, compress, run once with the result.
+
+        The entry layers' statistics need no forward (their inputs are the previous piece's outputs),
+        and every later layer sees the inputs of the model compressed so far ("true sequential").
+        The last piece's outputs feed nothing, so it never runs.
+        """
+        last = len(self.pieces) - 1
+        for position, piece in enumerate(progress(self.pieces, "calibrating pieces", self.options.show_progress)):
+            with self.offloader.onloaded(piece.modules):
+                entries = self._observe_entries(piece)
+                self.lifecycle.sequential_epoch_end(list(piece.modules))
+                self.compressed = self.compressed or entries
+                if position < last:
+                    with calibration_hooks_paused(self.lifecycle):
+                        self._forward(piece, keep=True)
+            piece.free(self.cache, self.num_batches)
+
+    def blocks(self) -> None:
+        """Each piece: run it observed, compress its modules, run it again compressed to feed the next."""
+        last = len(self.pieces) - 1
+        tail = list(self.pieces[last].modules)
+        tail_inputs = self.lifecycle.calibration_inputs(tail)
         tail_runs = tail_inputs is None or bool(tail_inputs)
-        dropped: set[int] = set()  # batches whose activations became non-finite
-        for position, sub in enumerate(progress(subgraphs, "calibrating subgraphs", options.show_progress)):
+        propagate = self.options.propagate_error
+        for position, piece in enumerate(progress(self.pieces, "calibrating subgraphs", self.options.show_progress)):
             # the tail's outputs are never used: it runs only when a modifier reads data in it (an LLM's
             # lm_head, usually ignored, costs more than a decoder layer), and so does what feeds it
             feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
-            keep = feeds_next and not options.propagate_error
-            run = position < last or tail_runs
-            with offloader.onloaded(sub.modules):
-                # outputs not kept: the forward may end once every input the modifiers read was seen
-                stop = None if keep or not run else _EarlyStop.for_piece(offloader.model, sub, lifecycle)
-                try:
-                    for i in range(num_batches if run else 0):
-                        if i in dropped:
-                            continue
-                        try:
-                            with stop.batch() if stop is not None else contextlib.nullcontext():
-                                outputs = sub.run(i, cache)
-                        except _StopPiece:
-                            continue
-                        except FATAL_ERRORS:
+            keep = feeds_next and not propagate
+            with self.offloader.onloaded(piece.modules):
+                if position < last or tail_runs:
+                    self._forward(piece, keep=keep, observed=True)
+                self.lifecycle.sequential_epoch_end(list(piece.modules))
+                self.compressed = True
+                if feeds_next and propagate:  # re-run with the compressed weights
+                    with calibration_hooks_paused(self.lifecycle):
+                        self._forward(piece, keep=True)
+            piece.free(self.cache, self.num_batches)
+
+    def _forward(self, piece: Piece, keep: bool, observed: bool = False) -> None:
+        """Run every live batch through ``piece``; cache the outputs when ``keep``.
+
+        An observed forward whose outputs are not kept may end once every input the
+        modifiers read was seen (:class:`_EarlyStop`).
+        """
+        stop = _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle) if observed and not keep else None
+        try:
+            with self.accounting.timed("forward"):
+                for i in range(self.num_batches):
+                    if i in self.dropped:
+                        continue
+                    try:
+                        with stop.batch() if stop is not None else contextlib.nullcontext():
+                            outputs = piece.run(i, self.cache)
+                    except _StopPiece:
+                        continue
+                    except FATAL_ERRORS:
+                        raise
+                    except Exception as exc:
+                        if self.compressed:
                             raise
-                        except Exception as exc:
-                            if compressed:
-                                raise
-                            # nothing compressed yet: another pipeline can still take over
-                            raise PipelineFailed(f"{_where(sub)} failed to run: {type(exc).__name__}: {exc}") from exc
-                        if keep and not drop_if_non_finite(i, outputs, _where(sub), dropped, num_batches):
-                            cache.update(i, outputs)
-                finally:
-                    if stop is not None:
-                        stop.close()
-                lifecycle.sequential_epoch_end(list(sub.modules))
-                compressed = True
-                if feeds_next and options.propagate_error:  # re-run with the compressed weights
-                    with calibration_hooks_paused(lifecycle):
-                        for i in range(num_batches):
-                            if i in dropped:
-                                continue
-                            outputs = sub.run(i, cache)
-                            if not drop_if_non_finite(i, outputs, _where(sub), dropped, num_batches):
-                                cache.update(i, outputs)
-            cache.free(sub.consumed_names)
+                        # nothing compressed yet: another pipeline can still take over
+                        raise PipelineFailed(f"{_where(piece)} failed to run: {type(exc).__name__}: {exc}") from exc
+                    if keep and not drop_if_non_finite(i, outputs, _where(piece), self.dropped, self.num_batches):
+                        self.cache.update(i, outputs)
+        finally:
+            if stop is not None:
+                stop.close()
+
+    def _observe_entries(self, piece: Piece) -> bool:
+        """Show each entry layer its cached inputs: its pre-hooks (the modifiers') run, its forward does not.
+
+        Returns whether the piece has entry layers.
+        """
+        model = self.offloader.model
+        modules = {e.module: model.get_submodule(e.module) for sub in piece.subgraphs for e in sub.entries}
+        if not modules:
+            return False
+        # registered after the modifiers' hooks, so it runs last and ends the call before the forward
+        stops = [m.register_forward_pre_hook(_end_observation) for m in modules.values()]
+        try:
+            for i in range(self.num_batches):
+                if i in self.dropped:
+                    continue
+                sub = piece.subgraph(i)
+                values = self.cache.fetch(i, [n for e in sub.entries for n in e.input_names])
+                for entry in sub.entries:
+                    args, kwargs = entry.bind(values)
+                    try:
+                        modules[entry.module](*args, **kwargs)
+                    except _Observed:
+                        pass
+        finally:
+            for handle in stops:
+                handle.remove()
+        return True
+
+
+class _Observed(BaseException):
+    """Ends an entry layer's call once its pre-hooks saw the input (the forward itself is not needed)."""
+
+
+def _end_observation(module: torch.nn.Module, args: tuple) -> None:
+    raise _Observed
 
 
 def _where(sub: Piece) -> str:

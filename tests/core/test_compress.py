@@ -84,7 +84,7 @@ def test_gptq_recipe_on_text_data_runs_sequentially(wide_llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("per_subgraph,pieces", [(1, 3), (2, 2)])
-def test_targets_per_subgraph_groups_layers_into_fewer_pieces(per_subgraph, pieces, monkeypatch):
+def test_targets_per_subgraph_groups_blocks_into_fewer_pieces(per_subgraph, pieces, monkeypatch):
     from layerwise.lifecycle import Lifecycle
 
     seen = []
@@ -94,8 +94,9 @@ def test_targets_per_subgraph_groups_layers_into_fewer_pieces(per_subgraph, piec
     batches = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
                for i in range(2)]
     model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches,
-                               targets_per_subgraph=per_subgraph, show_progress=False)
+                               targets_per_subgraph=per_subgraph, pieces="blocks", show_progress=False)
     assert model.layerwise_report.pipeline == "sequential"
+    assert model.layerwise_report.pieces.startswith("blocks: ")
     assert len(seen) == pieces
     assert sum(any(m.startswith("model.layers.") for m in piece) for piece in seen) == 2 // per_subgraph
 

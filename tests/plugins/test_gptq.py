@@ -301,10 +301,10 @@ def test_hooks_are_gone_after_compress_fails(monkeypatch):
 
 
 # -- through the pipelines and compress() ---------------------------------------------------------
-def run_pipeline(model, modifier, pipeline, propagate_error=True):
+def run_pipeline(model, modifier, pipeline, propagate_error=True, pieces="auto"):
     lifecycle = make_lifecycle(model, modifier)
     options = PipelineOptions(sequential_targets=["LlamaDecoderLayer"], propagate_error=propagate_error,
-                              show_progress=False)
+                              pieces=pieces, show_progress=False)
     registry("pipelines").get(pipeline)().run(model, make_batches(), lifecycle, options)
     lifecycle.finalize()
     return lifecycle
@@ -406,7 +406,7 @@ def test_sequential_skips_the_tail_unless_a_layer_in_it_is_calibrated():
         handle = model.lm_head.register_forward_pre_hook(  # (tracing runs it on the meta device)
             lambda m, a, n=count: calls.append(n) if a[0].device.type != "meta" else None)
         modifier = gptq(scheme="W4A16", strategy="channel", ignore=ignore)
-        run_pipeline(model, modifier, "sequential")
+        run_pipeline(model, modifier, "sequential", pieces="blocks")
         handle.remove()
         assert ("lm_head" in [r["name"] for r in modifier.summary]) == (not ignore)
     assert calls == [0, 0, 0]  # three batches, all for the run that quantizes lm_head
@@ -417,7 +417,7 @@ def test_the_last_layer_is_not_re_run_when_the_tail_does_not_run():
     last_layer = model.model.layers[-1]
     calls = []
     last_layer.register_forward_pre_hook(lambda m, a: calls.append(1) if a[0].device.type != "meta" else None)
-    run_pipeline(model, gptq(scheme="W4A16", strategy="channel"), "sequential")
+    run_pipeline(model, gptq(scheme="W4A16", strategy="channel"), "sequential", pieces="blocks")
     assert len(calls) == 3  # the calibration pass only: its outputs would feed nothing
 
 
@@ -431,7 +431,7 @@ def test_calibration_forward_ends_after_the_last_input_gptq_reads():
     layer.register_forward_hook(lambda m, a, o: calls["layer_out"].append(1) if real(a) else None)
     reference = build_tiny_llama()
     modifier = gptq(scheme="W4A16", strategy="channel")
-    run_pipeline(model, modifier, "sequential")
+    run_pipeline(model, modifier, "sequential", pieces="blocks")
     # first batch in full, two stopped before down_proj ran; then the re-run (3 batches)
     assert len(calls["down_proj"]) == 1 + 3 and len(calls["layer_out"]) == 1 + 3
     # and the Hessians are those of the full forward: same result as the basic pipeline without stops
