@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import LayerwiseError
-from .report import layer_table, loss_chart, run_notes, size_text, skipped_lines, supports_blocks, time_text
+from .report import (
+    layer_table,
+    loss_chart,
+    run_notes,
+    size_text,
+    skipped_lines,
+    supports_blocks,
+    time_text,
+)
 from .run_summary import SUMMARY_FILE, RunSummary, read_summary
 
 if TYPE_CHECKING:

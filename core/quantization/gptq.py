@@ -53,9 +53,9 @@ from .qmath import _check_weight, fake_quantize_weight, qrange, weight_qparams
 
 __all__ = [
     "DAMPENING_RETRIES",
+    "GRAM_STRIP",
     "GPTQError",
     "GPTQResult",
-    "GRAM_STRIP",
     "accumulate_hessian",
     "add_gram",
     "gptq_quantize",

@@ -109,3 +109,24 @@ def test_quiet_prints_no_progress_bar(tiny_llama_dir, tmp_path, capfd):
         assert "it/s]" not in captured.err and "%|" not in captured.err, captured.err
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_compress_says_where_it_cut_and_where_the_time_went(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text("\n".join(f"the quick brown fox jumps over the lazy dog number {i}" for i in range(8)))
+    for pieces in ("auto", "blocks"):
+        assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "GPTQ_W8A16", "--dataset", str(data),
+                     "--num-samples", "4", "--pieces", pieces, "--quiet", "--no-save"]) == 0
+        printed = capsys.readouterr().out
+        want = "pieces:             layers: " if pieces == "auto" else "pieces:             blocks: "
+        assert want in printed
+        time_line = next(line for line in printed.splitlines() if line.startswith("time:"))
+        assert "forward " in time_line and "GPTQ Hessians " in time_line and "GFLOP/s" in time_line
+
+
+def test_an_unknown_pieces_value_is_refused_by_the_parser(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["compress", "--pieces", "layer", "--no-save"])
+    assert "invalid choice: 'layer'" in capsys.readouterr().err
