@@ -191,13 +191,14 @@ class GPTQModifier(QuantizationModifier):
         else:
             flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             flat = flat.reshape(-1, flat.shape[-1])
-        if gram is None:
-            if last is not None and last[2] is flat and last[3].joinable(flat):
-                gram = last[3]  # first input, and the same one another layer just started with: share
-            else:
-                gram = _SharedGram(self._gram_flops)
+        if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
+            gram = last[3]  # first input, and the same one another layer just started with: share
             self._grams[name] = gram
-        gram = gram.read(name, flat, self._grams)
+            gram.join(name)
+        else:
+            if gram is None:
+                gram = self._grams[name] = _SharedGram(self._gram_flops)
+            gram = gram.read(name, flat, self._grams)
         self._last = (x, x._version, flat, gram)
         gram.fold_confirmed(FLUSH_ROWS)
 
@@ -319,10 +320,11 @@ class _SharedGram:
     exact copy of its own history.
     """
 
-    __slots__ = ("flops", "folded", "gram", "pending", "positions", "samples")
+    __slots__ = ("first", "flops", "folded", "gram", "pending", "positions", "samples")
 
     def __init__(self, flops: _FlopCount) -> None:
         self.flops = flops
+        self.first: torch.Tensor | None = None          # the only input so far (``None`` once there are two)
         self.gram: torch.Tensor | None = None
         self.samples = 0                                # rows folded into ``gram``
         self.pending: list[torch.Tensor] = []           # inputs not folded yet, in order
@@ -330,14 +332,19 @@ class _SharedGram:
         self.positions: dict[str, int] = {}             # member -> inputs it has read
 
     def joinable(self, flat: torch.Tensor) -> bool:
-        """Has this Gram seen exactly one input, ``flat``, and nothing folded yet?"""
-        return self.folded == 0 and len(self.pending) == 1 and self.pending[0] is flat
+        """Has this Gram seen exactly one input, ``flat`` (folded already or not)?"""
+        return self.folded + len(self.pending) == 1 and self.first is flat
+
+    def join(self, name: str) -> None:
+        """A new member whose first input is this Gram's only one (see :meth:`joinable`)."""
+        self.positions[name] = 1
 
     def read(self, name: str, flat: torch.Tensor, owners: dict[str, _SharedGram]) -> _SharedGram:
         """Member ``name`` read ``flat``; returns the Gram that holds its history now."""
         position = self.positions.get(name, 0)
         end = self.folded + len(self.pending)
         if position == end:
+            self.first = flat if end == 0 else None
             self.pending.append(flat)
         elif self.pending[position - self.folded] is not flat:
             return self._split(name, position, flat, owners)
