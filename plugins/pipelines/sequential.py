@@ -350,6 +350,8 @@ class _Runner:
                         raise PipelineFailed(f"{_where(piece)} failed to run: {type(exc).__name__}: {exc}") from exc
                     if keep and not drop_if_non_finite(i, outputs, _where(piece), self.dropped, self.num_batches):
                         self.cache.update(i, outputs)
+                    if keep:  # the piece's last run: this batch's inputs that end here go now, not after all
+                        self.cache.free(piece.subgraph(i).consumed_names, batch=i)
         finally:
             if stop is not None:
                 stop.close()
