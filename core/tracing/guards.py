@@ -131,6 +131,9 @@ class GuardProgram:
     #: node name -> meta value tracing assumed for it (opaque results decided by a re-trace)
     assumed_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     _shape_checked: dict[tuple, tuple[Guard, Any] | None] = dataclasses.field(default_factory=dict)
+    #: every shape guard reads only the length of a shape (``len(x.shape[:-1])``): batches whose tensors
+    #: have the same ranks (and size-1 dimensions, which squeeze could drop) answer them alike
+    rank_only: bool = False
 
     @classmethod
     def extract(cls, graph: fx.Graph, guards: list[Guard], targets: Iterable[str], root: torch.nn.Module,
@@ -154,8 +157,9 @@ class GuardProgram:
             elif guard.expected not in LOOSE and not any(n.op == "call_module" and n.target in targets
                                                          for n in ancestors):
                 real_guards[guard.id] = node  # a loose pattern is left to the in-line check: no per-batch cost
+        rank_only = bool(meta_guards) and all(n.meta.get("lw_rank_only") for n in meta_guards.values())
         return cls(kept, _program(graph, meta_guards, root, constants), _program(graph, real_guards, root, constants),
-                   dict(assumed_meta))
+                   dict(assumed_meta), rank_only=rank_only)
 
     def first_violation(self, inputs: Mapping[str, Any]) -> tuple[Guard, Any] | None:
         """The first guard ``inputs`` break, with what they gave instead; ``None`` when all hold.
@@ -166,7 +170,7 @@ class GuardProgram:
         """
         by_id = {g.id: g for g in self.guards}
         if self.on_meta is not None:
-            signature = _signature(inputs)
+            signature = _signature(inputs, ranks_only=self.rank_only)
             if signature not in self._shape_checked:
                 values = _run(self.on_meta, inputs, on_meta=True, assumed=self.assumed_meta)
                 read = {gid: _read(by_id[gid], value) for gid, value in values.items()}
@@ -219,8 +223,11 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _signature(inputs: Mapping[str, Any]) -> tuple:
-    return tuple(sorted((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
+def _signature(inputs: Mapping[str, Any], ranks_only: bool = False) -> tuple:
+    def shape(v: torch.Tensor) -> tuple:
+        return tuple(d == 1 for d in v.shape) if ranks_only else tuple(v.shape)
+
+    return tuple(sorted((k, shape(v), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
                         for k, v in inputs.items()))
 
 

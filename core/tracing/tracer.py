@@ -109,6 +109,8 @@ class LayerwiseTracer(fx.Tracer):
         if (node.name, how) in self._guarded_reads:
             return
         self._guarded_reads.add((node.name, how))
+        if how == "len" and isinstance(getattr(proxy, "meta", None), torch.Size):
+            node.meta["lw_rank_only"] = True  # the length of a shape: the same for every batch of equal ranks
         self.guards.append(Guard(id=f"G{len(self.guards) + 1}", kind="value", node=node.name, expected=value,
                                  how=how, source=decision_source()))
 

@@ -233,3 +233,37 @@ def test_a_shape_guard_meta_cannot_answer_is_asked_of_the_real_batch() -> None:
     result = trace(model, {"x": torch.randn(2, 6, 8)}, sequential_targets=["Block"], leaf_modules=["MetaShy"])
     with pytest.raises(GuardViolation, match="got True"):  # never silently the short-input branch
         result.replay({"x": torch.randn(2, 12, 8)})
+
+
+class RankBranch(nn.Module):
+    """Decides on the rank of a shape only (``len(x.shape[:-1])``), as BERT's attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        if len(lead) == 2:
+            x = x * 2
+        return self.block(x)
+
+
+def test_shape_guards_that_read_only_ranks_are_checked_once_per_rank(monkeypatch) -> None:
+    from layerwise.tracing import guards
+
+    model = RankBranch().eval()
+    result = trace(model, {"x": torch.randn(2, 5, 8)}, sequential_targets=["block"])
+    (guard,) = result.guards
+    assert guard.how == "len" and result.guard_program.rank_only
+    runs = []
+    real_run = guards._run
+    monkeypatch.setattr(guards, "_run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    for length in (3, 7, 9, 12):  # other lengths, same rank: the check trace() made answers them all
+        assert result.guard_violation({"x": torch.randn(2, length, 8)}) is None
+    assert runs == []
+    broken = result.guard_violation({"x": torch.randn(5, 8)})  # another rank: checked, and broken
+    assert broken is not None and broken[0] is guard and len(runs) == 1
+    # a guard on a size keeps one check per shape
+    sized = trace(LengthBranch().eval(), {"x": torch.randn(2, 6, 8)}, sequential_targets=["Block"])
+    assert not sized.guard_program.rank_only
