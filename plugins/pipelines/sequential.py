@@ -151,8 +151,8 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
         else:
             if difference <= SAME_OUTPUT_TOLERANCE:
                 count = len(fine.traces[0].subgraphs)
-                _record(lifecycle, fine, f"layers: {count} pieces, each cut before the layers that read one "
-                                         f"value; every piece runs once per batch")
+                _record(lifecycle, fine, f"layers: {count} pieces cut before the layers modifiers read, "
+                                         f"one forward each")
                 return fine, fine_assignment, True
             why_not = (f"the layer pieces replay the first batch {difference:.2g} (relative) away from the "
                        f"block pieces")
@@ -160,7 +160,7 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
             raise InvalidArgumentError(f"pieces='layers' cannot be used for this model: {why_not}. Use "
                                        f"pieces='auto' (blocks where layers fail) or 'blocks'")
     count = len(blocks.traces[0].subgraphs)
-    runs = "once" if not options.propagate_error else "observed, then again compressed"
+    runs = "once" if not options.propagate_error else "twice (observed, then compressed)"
     _record(lifecycle, blocks, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
     return blocks, assignment, False
 
