@@ -213,12 +213,12 @@ def test_layer_sequential_fails_cleanly_on_a_non_chain_and_basic_takes_over(monk
         run_pipeline(model, batches, make_lifecycle(model, Spy()), opts, requested="layer_sequential")
     assert events == []  # refused before calibration started
 
-    from layerwise.plugins.pipelines import sequential
+    from layerwise.plugins.pipelines import pieces
 
     def untraceable(*a, **k):
         raise PipelineFailed("tracing failed: simulated")
 
-    monkeypatch.setattr(sequential, "trace_for_pipeline", untraceable)
+    monkeypatch.setattr(pieces, "trace_for_pipeline", untraceable)
     with pytest.warns(PipelineFallbackWarning) as record:
         used = run_pipeline(model, batches, make_lifecycle(model, Spy()), opts)
     assert used == "basic"

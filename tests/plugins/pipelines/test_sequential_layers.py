@@ -203,9 +203,9 @@ def test_without_error_propagation_blocks_run_once():
 
 
 def test_layers_whose_replay_differs_from_the_blocks_are_not_used(monkeypatch):
-    from layerwise.plugins.pipelines import sequential
+    from layerwise.plugins.pipelines import pieces
 
-    monkeypatch.setattr(sequential, "_first_batch_difference", lambda *a: 0.25)
+    monkeypatch.setattr(pieces, "_first_batch_difference", lambda *a: 0.25)
     state = run(build_tiny_llama(), gptq(ignore=["lm_head"]))
     assert state.pieces.startswith("blocks: ") and "0.25 (relative) away" in state.pieces
     with pytest.raises(InvalidArgumentError, match="pieces='layers' cannot be used for this model"):

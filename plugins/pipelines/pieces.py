@@ -1,0 +1,166 @@
+"""Where ``sequential`` cuts the model: before the layers modifiers read, or after each block.
+
+Both cuts are traced (one trace per kind of batch, :mod:`layerwise.tracing.retrace`); the
+layer cut is used only where it is exact: the model traces that finely, every modifier reads
+nothing but layer inputs, and the first batch replayed through the layer pieces equals its
+replay through the block pieces. The choice and its reason are recorded on the run's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from layerwise.cache import move_to
+from layerwise.errors import InvalidArgumentError
+from layerwise.lifecycle import Lifecycle
+from layerwise.offload import ModuleOffloader
+from layerwise.pipeline import PipelineFailed, PipelineOptions
+from layerwise.tracing.partition import OUTPUT_NAME
+from layerwise.tracing.result import output_difference
+from layerwise.tracing.retrace import TracesByGuards
+from layerwise.user_warnings import warn_user
+
+from ._common import FATAL_ERRORS, all_module_names
+
+
+def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: PipelineOptions,
+                       lifecycle: Lifecycle, layers: Sequence[str] | None = None) -> Any:
+    """The model's subgraphs for batches like ``sample``; any tracing error becomes :class:`PipelineFailed`.
+
+    With ``layers`` the cut is before each group of those modules (their qualified names),
+    else after each sequential target.
+    """
+    try:
+        from layerwise.tracing import trace
+    except ImportError as exc:  # pragma: no cover - the tracer ships with layerwise
+        raise PipelineFailed(f"the tracer is not available: {exc}") from exc
+    patch = getattr(lifecycle.state, "patch", None)
+    if layers is not None:
+        targets, per_subgraph, cut = list(layers), 1, "before"
+    else:
+        targets, per_subgraph, cut = options.sequential_targets or None, options.targets_per_subgraph, "after"
+    try:
+        return trace(model, sample, sequential_targets=targets, ignore=options.ignore or None,
+                     targets_per_subgraph=per_subgraph, skip_uncalled_targets=True, patch=patch or False, cut=cut)
+    except FATAL_ERRORS:
+        raise
+    except Exception as exc:  # any tracing failure means "try another pipeline"
+        raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
+
+
+def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]], options: PipelineOptions,
+                       lifecycle: Lifecycle, layers: Sequence[str] | None = None) -> tuple[TracesByGuards, list[int]]:
+    """The traces the batches need (one per kind of batch) and which one serves each batch.
+
+    Checked before any modifier sees data: a graph never runs a batch that breaks its guards.
+    """
+    traces = TracesByGuards(lambda sample: trace_for_pipeline(model, dict(sample), options, lifecycle, layers))
+    try:
+        assignment = [traces.for_batch(batch, f"batch {i}") for i, batch in enumerate(batches)]
+    except (PipelineFailed, *FATAL_ERRORS):
+        raise
+    except Exception as exc:  # a guard no re-trace could satisfy, or differently cut traces
+        raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
+    skipped = traces.traces[0].skipped_targets
+    if skipped and layers is None:  # e.g. a vision tower calibrated on text only
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        warn_user(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
+                  f"modifiers get no samples for them")
+    return traces, assignment
+
+
+def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> tuple[list[str], str]:
+    """The modules to cut before (model order) and ``""``, or ``[]`` and why the cut stays at blocks."""
+    if options.pieces == "blocks":
+        return [], "asked for (pieces='blocks')"
+    if not options.propagate_error:
+        return [], "propagate_error=False: each block runs once, on the uncompressed model's activations"
+    if options.targets_per_subgraph > 1:
+        return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
+    names = all_module_names(model)
+    whole = [type(m).__name__ for m in lifecycle.modifiers if m.calibration_inputs(names) is None]
+    if whole:
+        return [], f"{', '.join(whole)} needs whole forwards, not only layer inputs"
+    read = lifecycle.calibration_inputs(names) or set()
+    if not read:
+        return [], "no modifier reads layer inputs"
+    return [n for n in names if n in read], ""
+
+
+#: the largest relative difference between the layers' and the blocks' replay of the first batch
+#: that still counts as the same computation (the ops are the same; only kernels' rounding may differ)
+SAME_OUTPUT_TOLERANCE = 1e-4
+
+
+def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], options: PipelineOptions,
+                  lifecycle: Lifecycle, device: torch.device) -> tuple[TracesByGuards, list[int], bool]:
+    """Traces cut before the layers modifiers read where that is exact, else after the blocks.
+
+    Exact means: the model traces with those layers as targets, every batch fits a trace, and
+    the first batch replayed through the layer pieces gives what it gives through the block
+    pieces (tracing inside blocks meets code the block trace never sees). Returns the traces,
+    the batch assignment and whether the cut is at layers; the choice and its reason go to
+    ``state.pieces``, and the chosen traces' re-traces to ``state.guards_retraced``.
+    """
+    blocks, assignment = traces_for_batches(model, batches, options, lifecycle)
+    layers, why_not = layers_read(model, lifecycle, options)
+    if not layers and options.pieces == "layers":
+        raise InvalidArgumentError(f"pieces='layers' cannot be used: {why_not}. Use pieces='auto' or 'blocks'")
+    if layers:
+        try:
+            fine, fine_assignment = traces_for_batches(model, batches, options, lifecycle, layers)
+            difference = _first_batch_difference(model, fine, blocks, batches[0], device)
+        except PipelineFailed as exc:
+            why_not = f"cutting before the layers failed ({exc})"
+        else:
+            if difference <= SAME_OUTPUT_TOLERANCE:
+                count = len(fine.traces[0].subgraphs)
+                _record(lifecycle, fine, f"layers: {count} pieces cut before the layers modifiers read, "
+                                         f"one forward each")
+                return fine, fine_assignment, True
+            why_not = (f"the layer pieces replay the first batch {difference:.2g} (relative) away from the "
+                       f"block pieces")
+        if options.pieces == "layers":
+            raise InvalidArgumentError(f"pieces='layers' cannot be used for this model: {why_not}. Use "
+                                       f"pieces='auto' (blocks where layers fail) or 'blocks'")
+    count = len(blocks.traces[0].subgraphs)
+    runs = "once" if not options.propagate_error else "twice (observed, then compressed)"
+    _record(lifecycle, blocks, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
+    return blocks, assignment, False
+
+
+def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,
+                            batch: dict[str, Any], device: torch.device) -> float:
+    """Relative difference of the model output replayed through both cuts (the first batch's trace of each)."""
+    targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
+    offloader = ModuleOffloader(model, device, protected=targets)
+    try:
+        expected = _replay(blocks.traces[0], batch, offloader)
+        got = _replay(fine.traces[0], batch, offloader)
+        return output_difference(expected, got, relative=True)
+    except FATAL_ERRORS:
+        raise
+    except Exception as exc:
+        raise PipelineFailed(f"replaying the first batch failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _replay(result: Any, batch: dict[str, Any], offloader: ModuleOffloader) -> Any:
+    """The model output of ``batch`` through ``result``'s subgraphs, each piece onloaded in turn."""
+    values: dict[str, Any] = dict(move_to(dict(batch), offloader.execution_device))
+    for sub in result.subgraphs:
+        with offloader.onloaded(sub.modules):
+            values.update(sub.run(values))
+        for name in sub.consumed_names:
+            values.pop(name, None)
+    return values[OUTPUT_NAME]
+
+
+def _record(lifecycle: Lifecycle, traces: TracesByGuards, pieces: str) -> None:
+    state = lifecycle.state
+    if hasattr(state, "pieces"):
+        state.pieces = pieces
+    if isinstance(getattr(state, "guards_retraced", None), list):
+        state.guards_retraced.extend(traces.retraced)
