@@ -98,8 +98,11 @@ def test_report_shows_header_table_and_chart(gptq_run, capsys):
     printed = capsys.readouterr().out
     for line in ("pipeline:           sequential", "fallbacks:          none", "guards re-traced:   none",
                  "targets:            2 x LlamaDecoderLayer (model.layers.0-1), from the model patch", "model:              LlamaForCausalLM",
-                 "modules compressed: 14", "calibration:        3 samples", "    - GPTQModifier:"):
+                 "modules compressed: 14", "calibration:        3 samples", "    - GPTQModifier:",
+                 "pieces:             layers: 9 pieces cut before the layers modifiers read, one forward each"):
         assert line in printed
+    time_line = next(line for line in printed.splitlines() if line.startswith("time:"))
+    assert "GPTQ Hessians" in time_line and "GFLOP/s" in time_line and time_line.endswith("(up to saving)")
     table = [line for line in printed.splitlines() if line.startswith("model.layers.")]
     assert len(table) == 14 and table[0].split()[:2] == ["model.layers.0.self_attn.q_proj", "gptq"]
     assert "GPTQModifier loss per layer:" in printed

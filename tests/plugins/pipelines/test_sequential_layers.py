@@ -228,3 +228,28 @@ def test_compress_reports_the_cut_and_refuses_an_unknown_one():
     assert report.accounting["GPTQ Hessians"]["gflops_per_second"] > 0
     with pytest.raises(InvalidArgumentError, match="unknown pieces 'layer'; did you mean 'layers'"):
         layerwise.compress(build_tiny_llama(), "W4A16", pieces="layer")
+
+
+def test_a_batch_lets_go_of_its_inputs_as_soon_as_its_piece_ran(monkeypatch):
+    from layerwise.cache import IntermediatesCache
+    from layerwise.plugins.pipelines import sequential
+
+    early = []
+
+    class Watched(IntermediatesCache):
+        def free(self, names, batch=None):
+            names = list(names)
+            if batch is not None and batch + 1 < self.num_batches:
+                waiting = set(names) & set(self.names(batch + 1))  # the next batch has not run yet
+                super().free(names, batch)
+                early.append((batch, bool(waiting), bool(set(names) & set(self.names(batch)))))
+                return
+            super().free(names, batch)
+
+    monkeypatch.setattr(sequential, "IntermediatesCache", Watched)
+    batches = make_batches(lengths=(7, 9, 5))
+    run(build_tiny_llama(), gptq(ignore=["lm_head"]), batches=batches)
+    assert early, "no per-batch free happened"
+    # while batch i's inputs go, batch i+1 still holds its own (same names), and batch i holds none of them
+    assert all(waiting and not left for _, waiting, left in early)
+    assert {batch for batch, _, _ in early} == {0, 1}
