@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +77,22 @@ class TraceResult:
         return None if self.guard_program is None else self.guard_program.first_violation(inputs)
 
     # ---- replay ---------------------------------------------------------------------
-    def replay(self, inputs: Mapping[str, Any]) -> Any:
-        """Check the guards, then run the subgraphs one after another, freeing values after their last consumer."""
-        self.check_guards(inputs)
+    def replay(self, inputs: Mapping[str, Any],
+               onloaded: Callable[[list[str]], AbstractContextManager[Any]] | None = None,
+               guards_checked: bool = False) -> Any:
+        """Check the guards, then run the subgraphs one after another, freeing values after their last consumer.
+
+        ``onloaded(modules)`` (e.g. :meth:`ModuleOffloader.onloaded`) is entered around each
+        subgraph, so a model whose weights rest elsewhere runs piece by piece; then pass
+        ``guards_checked=True`` once the inputs were checked where they rest (the guards' own
+        program runs the first layers with the weights where they are).
+        """
+        if not guards_checked:
+            self.check_guards(inputs)
         values: dict[str, Any] = dict(inputs)
         for sub in self.subgraphs:
-            values.update(sub.run(values))
+            with onloaded(sub.modules) if onloaded is not None else contextlib.nullcontext():
+                values.update(sub.run(values))
             for name in sub.consumed_names:
                 values.pop(name, None)
         return values[OUTPUT_NAME]

@@ -18,7 +18,6 @@ from layerwise.errors import InvalidArgumentError
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import PipelineFailed, PipelineOptions
-from layerwise.tracing.partition import OUTPUT_NAME
 from layerwise.tracing.result import output_difference
 from layerwise.tracing.retrace import TracesByGuards
 from layerwise.user_warnings import warn_user
@@ -81,10 +80,10 @@ def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineO
     if options.targets_per_subgraph > 1:
         return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
     names = all_module_names(model)
-    whole = [type(m).__name__ for m in lifecycle.modifiers if m.calibration_inputs(names) is None]
-    if whole:
+    read = lifecycle.calibration_inputs(names)
+    if read is None:  # ask each modifier again only to name the ones that need whole forwards
+        whole = [type(m).__name__ for m in lifecycle.modifiers if m.calibration_inputs(names) is None]
         return [], f"{', '.join(whole)} needs whole forwards, not only layer inputs"
-    read = lifecycle.calibration_inputs(names) or set()
     if not read:
         return [], "no modifier reads layer inputs"
     return [n for n in names if n in read], ""
@@ -138,24 +137,14 @@ def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks
     targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
     offloader = ModuleOffloader(model, device, protected=targets)
     try:
-        expected = _replay(blocks.traces[0], batch, offloader)
-        got = _replay(fine.traces[0], batch, offloader)
+        inputs = move_to(dict(batch), offloader.execution_device)  # its guards held: it was assigned to both
+        expected = blocks.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
+        got = fine.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
         return output_difference(expected, got, relative=True)
     except FATAL_ERRORS:
         raise
     except Exception as exc:
         raise PipelineFailed(f"replaying the first batch failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _replay(result: Any, batch: dict[str, Any], offloader: ModuleOffloader) -> Any:
-    """The model output of ``batch`` through ``result``'s subgraphs, each piece onloaded in turn."""
-    values: dict[str, Any] = dict(move_to(dict(batch), offloader.execution_device))
-    for sub in result.subgraphs:
-        with offloader.onloaded(sub.modules):
-            values.update(sub.run(values))
-        for name in sub.consumed_names:
-            values.pop(name, None)
-    return values[OUTPUT_NAME]
 
 
 def _record(lifecycle: Lifecycle, traces: TracesByGuards, pieces: str) -> None:

@@ -51,9 +51,7 @@ from ._common import (
     execution_device,
     progress,
 )
-from .pieces import choose_pieces, trace_for_pipeline, traces_for_batches
-
-__all__ = ["Piece", "SequentialPipeline", "choose_pieces", "trace_for_pipeline", "traces_for_batches"]
+from .pieces import choose_pieces
 
 
 @dataclass
@@ -223,7 +221,7 @@ class _Runner:
         if not modules:
             return False
         # registered after the modifiers' hooks, so it runs last and ends the call before the forward
-        stops = [m.register_forward_pre_hook(_end_observation) for m in modules.values()]
+        stops = [m.register_forward_pre_hook(_stop_before_forward) for m in modules.values()]
         try:
             for i in range(self.num_batches):
                 if i in self.dropped:
@@ -234,7 +232,7 @@ class _Runner:
                     args, kwargs = entry.bind(values)
                     try:
                         modules[entry.module](*args, **kwargs)
-                    except _Observed:
+                    except _StopPiece:
                         pass
         finally:
             for handle in stops:
@@ -242,12 +240,9 @@ class _Runner:
         return True
 
 
-class _Observed(BaseException):
+def _stop_before_forward(module: torch.nn.Module, args: tuple) -> None:
     """Ends an entry layer's call once its pre-hooks saw the input (the forward itself is not needed)."""
-
-
-def _end_observation(module: torch.nn.Module, args: tuple) -> None:
-    raise _Observed
+    raise _StopPiece
 
 
 def _where(sub: Piece) -> str:
@@ -255,7 +250,7 @@ def _where(sub: Piece) -> str:
 
 
 class _StopPiece(BaseException):
-    """Ends a calibration forward whose outputs are not used (raised by :class:`_EarlyStop`).
+    """Ends a forward whose outputs are not used (raised by :class:`_EarlyStop` and when observing entries).
 
     A BaseException, so that model code catching ``Exception`` cannot swallow it.
     """
