@@ -470,30 +470,30 @@ def report_tiny_llama(results: dict[str, dict]) -> list[str]:
              "| config | ppl | mean layer rel. error | compress() wall s | peak RSS GB | load avg |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        errs = list(r["layer_error"].values())
-        mean = f"{sum(errs) / len(errs):.4f}" if errs else "-"
+        mean = f"{_mean_error(r):.4f}" if r["layer_error"] else "-"
         lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} "
                      f"| {r.get('load', float('nan')):.1f} |")
     lines.append("")
     g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
-    if g and rtn:
+    if not g:
+        return lines
+    if rtn:
         worse = [n for n, e in g["layer_error"].items() if e >= rtn["layer_error"][n]]
         ratios = [g["layer_error"][n] / rtn["layer_error"][n] for n in g["layer_error"] if rtn["layer_error"][n]]
         lines.append(f"- per-layer ||WX-QX||/||WX||, GPTQ / RTN (W4A16 g128): mean {sum(ratios) / len(ratios):.3f}, "
                      f"max {max(ratios):.3f}; layers where GPTQ is not better: "
                      f"{', '.join(worse) if worse else 'none'} ({_ok(not worse)})")
-        lines.append(_versus_llmcompressor(g, results.get(LLMC), ref, tgt, "tiny-llama"))
-        llmc = results.get(LLMC)
-        if llmc:
-            lines.append(f"- quality vs llm-compressor: ppl {g['ppl']:.3f} vs {llmc['ppl']:.3f} (target <= its x "
-                         f"{PPL_FACTOR}: {_ok(g['ppl'] <= llmc['ppl'] * PPL_FACTOR)})")
-        blocks = results.get("GPTQ W4A16 g128 blocks")
-        if blocks:
-            mean = sum(g["layer_error"].values()) / len(g["layer_error"])
-            mean_blocks = sum(blocks["layer_error"].values()) / len(blocks["layer_error"])
-            lines.append(f"- one forward per piece (layers) vs two-pass blocks: ppl {g['ppl']:.3f} vs {blocks['ppl']:.3f}, "
-                         f"mean layer error {mean:.4f} vs {mean_blocks:.4f}, time {g['seconds']:.2f} s vs "
-                         f"{blocks['seconds']:.2f} s")
+    lines.append(_versus_llmcompressor(g, results.get(LLMC), ref, tgt, "tiny-llama"))
+    llmc = results.get(LLMC)
+    if llmc:
+        lines.append(f"- quality vs llm-compressor: ppl {g['ppl']:.3f} vs {llmc['ppl']:.3f} (target <= its x "
+                     f"{PPL_FACTOR}: {_ok(g['ppl'] <= llmc['ppl'] * PPL_FACTOR)})")
+    blocks = results.get("GPTQ W4A16 g128 blocks")
+    if blocks:
+        lines.append(f"- one forward per piece (layers) vs two-pass blocks: ppl {g['ppl']:.3f} vs {blocks['ppl']:.3f}, "
+                     f"mean layer error {_mean_error(g):.4f} vs {_mean_error(blocks):.4f}, time {g['seconds']:.2f} s "
+                     f"vs {blocks['seconds']:.2f} s")
+    if rtn:
         lines.append(f"- GPTQ / RTN time {_ratio(g['seconds'], rtn['seconds'])}")
         lines.append("")
         lines.append("| layer | RTN rel. error | GPTQ rel. error | GPTQ / RTN |")
@@ -502,6 +502,12 @@ def report_tiny_llama(results: dict[str, dict]) -> list[str]:
             r = rtn["layer_error"][n]
             lines.append(f"| {n} | {r:.4f} | {e:.4f} | {e / r if r else 0:.3f} |")
     return lines
+
+
+def _mean_error(result: dict) -> float:
+    """Mean per-layer relative output error of one configuration."""
+    errors = list(result["layer_error"].values())
+    return sum(errors) / len(errors)
 
 
 def _torch_version() -> str:
