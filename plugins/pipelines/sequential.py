@@ -74,10 +74,6 @@ class Piece:
     def input_names(self) -> list[str]:
         return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.input_names))
 
-    @property
-    def consumed_names(self) -> list[str]:
-        return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.consumed_names))
-
     def subgraph(self, batch: int) -> Any:
         """The subgraph of the trace that serves ``batch``."""
         return self.subgraphs[self.assignment[batch]]
