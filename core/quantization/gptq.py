@@ -38,18 +38,27 @@ Hessian (no correlation between inputs) the result equals round-to-nearest bit f
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..errors import LayerwiseError
+from ..hessian import (
+    DAMPENING_RETRIES,
+    GRAM_STRIP,
+    HessianError,
+    accumulate_hessian,
+    add_gram,
+    gram_to_hessian,
+    inverse_hessian_factor,
+    single_thread,
+)
 from .args import QuantizationArgs
 from .qmath import _check_weight, fake_quantize_weight, qrange, weight_qparams
+
+GPTQError = HessianError  # the name callers of the GPTQ solver catch
 
 __all__ = [
     "DAMPENING_RETRIES",
@@ -63,14 +72,8 @@ __all__ = [
     "rtn_quantize",
 ]
 
-#: how often the dampening is multiplied by 10 when a Cholesky factorisation fails
-DAMPENING_RETRIES = 2
 #: columns whose rank-1 updates are applied one by one inside a block; then one product for the rest
 _SUB_BLOCK = 16
-
-
-class GPTQError(LayerwiseError, ArithmeticError):
-    """The Hessian cannot be factorised (not finite, or not positive definite even when dampened)."""
 
 
 @dataclass
@@ -89,111 +92,20 @@ class GPTQResult:
     dampening_frac: float
 
 
-def accumulate_hessian(hessian: Tensor | None, num_samples: int, inputs: Tensor) -> tuple[Tensor, int]:
-    """Fold ``inputs`` (``(..., in)``) into the running mean ``H = 2/n sum x x^T``.
-
-    ``num_samples`` counts the rows (tokens) already in ``hessian``; returns the
-    updated Hessian (float32, updated in place when given) and the new count.
-    """
-    x = inputs.detach().reshape(-1, inputs.shape[-1])
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    columns = x.shape[1]
-    if hessian is None:
-        hessian = torch.zeros(columns, columns, dtype=torch.float32, device=x.device)
-    rows = x.shape[0]
-    if rows == 0:
-        return hessian, num_samples
-    total = num_samples + rows
-    # H <- n/(n+m) H + 2/(n+m) X^T X, one BLAS call, no temporary
-    hessian.addmm_(x.t(), x, beta=num_samples / total, alpha=2.0 / total)
-    return hessian, total
-
-
-#: rows per strip of the Gram matrix: only the blocks on or above the diagonal are computed
-GRAM_STRIP = 128
-
-
-def add_gram(gram: Tensor, x: Tensor) -> Tensor:
-    """``gram += X^T X`` on and above the diagonal only (``x``: ``(rows, in)`` float32).
-
-    The Gram matrix is symmetric; computed as row strips of its upper triangle, ``GRAM_STRIP``
-    rows each, it costs a little more than half the full product (9/16 for 1024 inputs).
-    Only the entries on and above the diagonal are meaningful: read the result with
-    :func:`gram_to_hessian`.
-    """
-    columns = x.shape[1]
-    step = GRAM_STRIP
-    for i in range(0, columns, step):
-        gram[i:i + step, i:].addmm_(x[:, i:i + step].t(), x[:, i:])
-    return gram
-
-
-def gram_to_hessian(gram: Tensor, num_samples: int) -> Tensor:
-    """``H = 2/n X^T X`` (a new, full, symmetric matrix) from the upper triangle of a Gram matrix."""
-    upper = torch.triu(gram)
-    hessian = upper + torch.triu(gram, diagonal=1).t()
-    return hessian.mul_(2.0 / max(num_samples, 1))
-
-
 # -- the solver ----------------------------------------------------------------------------
-def _inverse_hessian_factor(reversed_hessian: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
-    """Upper triangular ``U`` with ``U^T U`` = the dampened ``H^-1``; retries with more dampening.
-
-    Takes ``J H J`` (``H`` with rows and columns in reverse order; ``J`` is the exchange
-    matrix) and overwrites it. With ``J H J = L L^T`` (lower Cholesky factor ``L``),
-    ``H = R R^T`` for the upper triangular ``R = J L J``, so ``H^-1 = (R^-1)^T R^-1`` and
-    ``U = R^-1 = J L^-1 J``: one factorisation and one triangular inverse, instead of
-    factorising ``H``, inverting it and factorising the inverse.
-    """
-    diagonal = torch.diagonal(reversed_hessian)
-    diag_mean = torch.mean(diagonal).item()
-    frac = dampening_frac
-    for _ in range(DAMPENING_RETRIES + 1):
-        damp = frac * diag_mean
-        diagonal.add_(damp)
-        lower, info = torch.linalg.cholesky_ex(reversed_hessian)
-        if int(info) == 0:
-            upper = _lower_triangular_inverse(lower).flip(0, 1)
-            if bool(torch.isfinite(torch.diagonal(upper)).all()):
-                return upper, frac
-        diagonal.sub_(damp)
-        frac = frac * 10 if frac > 0 else 1e-4
-    raise GPTQError(f"the Hessian is not positive definite even with dampening {frac / 10:g} of its mean "
-                    f"diagonal (Cholesky factorisation failed)")
-
-
-def _lower_triangular_inverse(lower: Tensor, leaf: int = 128) -> Tensor:
-    """``L^-1`` by halves: ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``.
-
-    Matrix products instead of a triangular solve against the identity, which would do
-    three times the work on zeros.
-    """
-    n = lower.shape[0]
-    if n <= leaf:
-        eye = torch.eye(n, dtype=lower.dtype, device=lower.device)
-        return torch.linalg.solve_triangular(lower, eye, upper=False)
-    h = n // 2
-    a_inv = _lower_triangular_inverse(lower[:h, :h], leaf)
-    c_inv = _lower_triangular_inverse(lower[h:, h:], leaf)
-    out = torch.empty_like(lower)
-    out[:h, :h] = a_inv
-    out[:h, h:] = 0
-    out[h:, h:] = c_inv
-    torch.neg(c_inv @ (lower[h:, :h] @ a_inv), out=out[h:, :h])
-    return out
-
-
 @torch.no_grad()
 def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, observer: Any = None,
                   block_size: int = 128, dampening_frac: float = 0.01,
-                  scale_dtype: torch.dtype | None = None) -> GPTQResult:
+                  scale_dtype: torch.dtype | None = None, pruned: Tensor | None = None) -> GPTQResult:
     """Quantize a ``(out, in)`` weight with GPTQ given its layer's ``(in, in)`` Hessian.
 
     ``observer(weight) -> (min, max)`` measures ranges as for round-to-nearest
     (``None``: min-max). ``scale_dtype`` is the dtype the scales will be stored in
     (the model's weight dtype); the solve quantizes with scales already rounded to it,
-    so storing them changes nothing. ``hessian`` is not modified.
+    so storing them changes nothing. ``hessian`` is not modified. ``pruned`` (bool,
+    ``(out, in)``, ``True`` where a pruning modifier zeroed a weight) keeps those weights at
+    exactly 0: they are quantized to 0 and their error, like any other, is pushed onto the
+    columns not solved yet, so quantization never revives a pruned weight.
 
     Raises :class:`GPTQError` when the Hessian has non-finite entries or cannot be
     factorised; the caller decides what to do (round-to-nearest, usually).
@@ -237,10 +149,16 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
     H_reversed = H.index_select(0, reverse).index_select(1, reverse)  # a copy: ``hessian`` stays as it was
     if any_dead:
         H_reversed.diagonal()[dead[reverse]] = 1.0
-    U, used_frac = _inverse_hessian_factor(H_reversed, dampening_frac)
+    U, used_frac = inverse_hessian_factor(H_reversed, dampening_frac)
     del H_reversed
     # rows of Wt are input columns in solve order: the per-column work touches contiguous memory
     Wt = (W.index_select(1, perm) if perm is not None else W).t().contiguous()
+    keep = None
+    if pruned is not None:
+        if tuple(pruned.shape) != (rows, columns):
+            raise ValueError(f"the pruning mask has shape {tuple(pruned.shape)}, the weight {(rows, columns)}")
+        kept = (~pruned.to(device=Wt.device, dtype=torch.bool)).to(torch.float32)
+        keep = (kept.index_select(1, perm) if perm is not None else kept).t().contiguous()
     del W
 
     # static groups: the (original-order) group of each column, in solve order
@@ -273,13 +191,14 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
         V1 = U1 / d
         # per-column views made once per block (indexing one by one costs more than the math)
         w_rows, q_rows, e_rows, v_rows = W1.unbind(0), Q1.unbind(0), E1.unbind(0), V1.unbind(0)
+        keep_rows = keep[i1:i2].unbind(0) if keep is not None else None
         if not group:
             s_rows, z_rows = (s_row,) * count, (z_row,) * count
         elif upfront:
             block_groups = column_group[i1:i2]
             s_rows = scale.t()[block_groups].unbind(0)
             z_rows = zero_point.t()[block_groups].unbind(0)
-        with _single_thread():  # many tiny ops: a second thread only adds synchronisation
+        with single_thread():  # many tiny ops: a second thread only adds synchronisation
             for j1 in range(0, count, sub_block):
                 j2 = min(j1 + sub_block, count)
                 for i in range(j1, j2):
@@ -301,6 +220,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
                     if not symmetric:
                         q.sub_(z_col)
                     q.mul_(s_col)
+                    if keep_rows is not None:
+                        q.mul_(keep_rows[i])
                     torch.sub(w, q, out=e)
                     if i + 1 < j2:
                         W1[i + 1:j2].addr_(v_rows[i][i + 1:j2], e, alpha=-1.0)
@@ -322,19 +243,6 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
         Q = Wt.t().contiguous()
     return GPTQResult(weight=Q, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=float(loss),
                       dampening_frac=used_frac)
-
-
-@contextlib.contextmanager
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _stored(scale: Tensor, dtype: torch.dtype | None) -> Tensor:

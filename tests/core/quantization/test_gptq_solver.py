@@ -281,3 +281,19 @@ def test_scale_is_rounded_to_its_storage_dtype_before_the_solve():
     result = gptq_quantize(w, h, args, scale_dtype=torch.bfloat16)
     assert torch.equal(result.scale, result.scale.to(torch.bfloat16).float())
     assert torch.equal(fake_quantize_weight(result.weight, result.scale, result.zero_point, args), result.weight)
+
+
+def test_a_pruning_mask_keeps_every_pruned_weight_at_zero_and_the_rest_compensates():
+    from layerwise.sparsity.masks import MaskStructure, magnitude_mask
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 64, generator=g) @ (torch.eye(64) + torch.randn(64, 64, generator=g) / 8)
+    hessian = 2 * x.t() @ x / 256
+    weight = torch.randn(16, 64, generator=g)
+    pruned = magnitude_mask(weight, MaskStructure(2, 4), 0.5)
+    sparse = weight.masked_fill(pruned, 0.0)
+    args = QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=16)
+    kept = gptq_quantize(sparse, hessian, args, pruned=pruned).weight
+    assert (kept[pruned] == 0).all()
+    revived = gptq_quantize(sparse, hessian, args).weight  # without the mask GPTQ fills the zeros in
+    assert (revived[pruned] != 0).any()

@@ -1,0 +1,263 @@
+"""Hessian hooks: the inputs of a modifier's layers, folded into shared float32 Gram matrices.
+
+Used by every modifier that solves with a layer's Hessian ``H = 2/n X^T X`` (GPTQ,
+SparseGPT). Each layer gets a forward pre-hook that folds its inputs into the upper
+triangle of ``X^T X`` (float32, every 256 tokens, at matmul speed); layers that read the
+very same tensor (q/k/v projections, gate/up) share one matrix. An input holding NaN or
+inf is left out (it would poison the matrix) and counted. The modifier takes a layer's
+Hessian once, when it compresses the layer, and the matrix is freed when its last
+member took it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from layerwise.accounting import Accounting, gram_flops
+from layerwise.errors import NonFiniteError
+from layerwise.finite import NonFiniteSampleWarning, is_finite
+from layerwise.hessian import GRAM_STRIP, add_gram, gram_to_hessian
+from layerwise.user_warnings import warn_user
+
+
+class HessianHooks:
+    """Mixin for modifiers whose layers need their input Hessian; keeps no dataclass fields.
+
+    The modifier calls :meth:`_init_hessians` from ``__post_init__``, :meth:`_hook_hessians`
+    at calibration start, :meth:`_take_hessian` when it compresses a layer, and
+    :meth:`_free_all` on reset; ``self._done`` names the layers already compressed.
+    """
+
+    #: the accounting phase the Gram work is timed under (see layerwise.accounting)
+    hessian_phase = "Hessians"
+    #: how warnings and errors name the modifier
+    label = "Hessian"
+    _done: set[str]
+
+    def _init_hessians(self) -> None:
+        #: per layer, the (possibly shared) Gram matrix of its inputs
+        self._grams: dict[str, _SharedGram] = {}
+        self._handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        #: per layer, the calibration inputs left out of its Hessian because they held NaN or inf
+        self._non_finite: dict[str, int] = {}
+        # the previous hook's input, its float32 copy, and the Gram that took it
+        self._last: tuple[torch.Tensor, int, torch.Tensor, _SharedGram] | None = None
+        #: where the Hessian and solve time goes (the run's, from calibration_start on)
+        self._accounting = Accounting()
+        self._gram_flops = _FlopCount()
+
+    def _hook_hessians(self, state, modules: dict[str, torch.nn.Module]) -> None:
+        """Start collecting: the run's accounting, and one pre-hook per layer not compressed yet."""
+        accounting = getattr(state, "accounting", None)
+        self._accounting = accounting if accounting is not None else Accounting()
+        for name, module in modules.items():
+            if name not in self._done:
+                self._handles[name] = self.register_hook(module, self._hessian_hook(name), "forward_pre",
+                                                         with_kwargs=True)
+
+    def _take_hessian(self, name: str) -> tuple[torch.Tensor | None, int, int]:
+        """The layer's Hessian, token count (``None, 0`` without data) and inputs left out as non-finite.
+
+        Stops the layer's hook and forgets it. Left-out inputs are a warning naming the
+        layer, or a :class:`NonFiniteError` when no finite input was left.
+        """
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.remove()
+        with self._hessian_work():
+            hessian, samples = self._hessian(name)
+        dropped = self._non_finite.pop(name, 0)
+        if dropped:
+            _warn_dropped(self.label, name, dropped, hessian is None or samples == 0)
+        return hessian, samples, dropped
+
+    def _hessian_hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            if not isinstance(x, torch.Tensor) or name in self._done:
+                return
+            if not is_finite(x):  # one NaN row would make the whole Hessian NaN
+                self._non_finite[name] = self._non_finite.get(name, 0) + 1
+                return
+            with self._hessian_work():
+                self._accumulate(name, x)
+        return hook
+
+    @contextlib.contextmanager
+    def _hessian_work(self):
+        """Time a Hessian step into the run's accounting, with the Gram FLOPs it did."""
+        start, flops = time.perf_counter(), self._gram_flops.value
+        try:
+            yield
+        finally:
+            self._accounting.add(self.hessian_phase, time.perf_counter() - start, self._gram_flops.value - flops)
+
+    @torch.no_grad()
+    def _accumulate(self, name: str, x: torch.Tensor) -> None:
+        last = self._last
+        gram = self._grams.get(name)
+        if gram is not None and gram.alone_and_idle() and x.numel() >= FLUSH_ROWS * x.shape[-1]:
+            # a layer with its own matrix and a long input: fold it right away, no copy kept
+            self._last = None
+            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
+            return
+        if last is not None and last[0] is x and last[1] == x._version:
+            flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
+        else:
+            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            flat = flat.reshape(-1, flat.shape[-1])
+        if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
+            gram = last[3]  # first input, and the same one another layer just started with: share
+            self._grams[name] = gram
+            gram.join(name)
+        else:
+            if gram is None:
+                gram = self._grams[name] = _SharedGram(self._gram_flops)
+            gram = gram.read(name, flat, self._grams)
+        self._last = (x, x._version, flat, gram)
+        gram.fold_confirmed(FLUSH_ROWS)
+
+    def _hessian(self, name: str) -> tuple[torch.Tensor | None, int]:
+        """The layer's Hessian ``2/n X^T X`` (``None`` without data) and ``n``; forgets the layer."""
+        gram = self._grams.pop(name, None)
+        if gram is None:
+            return None, 0
+        return gram.take(name)
+
+    def _free_all(self) -> None:
+        self._grams.clear()
+        self._non_finite.clear()
+        self._last = None
+
+
+def _warn_dropped(label: str, name: str, dropped: int, none_left: bool) -> None:
+    """Non-finite calibration inputs of one layer: a warning, or an error when no finite one was left."""
+    if none_left:
+        raise NonFiniteError(f"{label}: every calibration input of layer {name!r} ({dropped}) held NaN or inf, so "
+                             f"there is no data to calibrate it with; the model's forward is not finite on this "
+                             f"data (a non-finite weight upstream, or float16 overflow: load it in bfloat16 or "
+                             f"float32)")
+    message = (f"{label}: layer {name!r}: {dropped} calibration input(s) held NaN or inf and were left out of its "
+               f"Hessian")
+    warn_user(message, NonFiniteSampleWarning)
+
+
+class _FlopCount:
+    """FLOPs of the Gram products so far (shared by a modifier's Gram matrices)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+def _add_gram(gram: torch.Tensor, x: torch.Tensor, flops: _FlopCount) -> None:
+    add_gram(gram, x)
+    flops.value += gram_flops(x.shape[0], x.shape[1], GRAM_STRIP)
+
+
+#: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this
+#: tall run near the machine's peak, and the matrix is read and written once per fold, not per batch
+FLUSH_ROWS = 256
+
+
+class _SharedGram:
+    """The Gram matrix ``X^T X`` (upper triangle) of the inputs one or more layers read.
+
+    Layers that read the very same tensors (q/k/v projections, gate/up) share one
+    instance: one product, one matrix. Each member's position counts the inputs it
+    has read; an input is folded into the matrix only once every member read it, so
+    a member whose inputs stop matching (never seen in practice) splits off with an
+    exact copy of its own history.
+    """
+
+    __slots__ = ("first", "flops", "folded", "gram", "pending", "positions", "samples")
+
+    def __init__(self, flops: _FlopCount) -> None:
+        self.flops = flops
+        self.first: torch.Tensor | None = None          # the only input so far (``None`` once there are two)
+        self.gram: torch.Tensor | None = None
+        self.samples = 0                                # rows folded into ``gram``
+        self.pending: list[torch.Tensor] = []           # inputs not folded yet, in order
+        self.folded = 0                                 # inputs folded (index of pending[0])
+        self.positions: dict[str, int] = {}             # member -> inputs it has read
+
+    def joinable(self, flat: torch.Tensor) -> bool:
+        """Has this Gram seen exactly one input, ``flat`` (folded already or not)?"""
+        return self.folded + len(self.pending) == 1 and self.first is flat
+
+    def join(self, name: str) -> None:
+        """A new member whose first input is this Gram's only one (see :meth:`joinable`)."""
+        self.positions[name] = 1
+
+    def read(self, name: str, flat: torch.Tensor, owners: dict[str, _SharedGram]) -> _SharedGram:
+        """Member ``name`` read ``flat``; returns the Gram that holds its history now."""
+        position = self.positions.get(name, 0)
+        end = self.folded + len(self.pending)
+        if position == end:
+            self.first = flat if end == 0 else None
+            self.pending.append(flat)
+        elif self.pending[position - self.folded] is not flat:
+            return self._split(name, position, flat, owners)
+        self.positions[name] = position + 1
+        return self
+
+    def _split(self, name: str, position: int, flat: torch.Tensor, owners: dict[str, _SharedGram]) -> _SharedGram:
+        mine = _SharedGram(self.flops)
+        mine.gram = None if self.gram is None else self.gram.clone()
+        mine.samples, mine.folded = self.samples, self.folded
+        mine.pending = [*self.pending[:position - self.folded], flat]
+        mine.positions[name] = position + 1
+        del self.positions[name]
+        owners[name] = mine
+        return mine
+
+    def alone_and_idle(self) -> bool:
+        """One member, nothing waiting, and past its first input (when another layer could have joined)."""
+        return len(self.positions) == 1 and not self.pending and self.folded > 0
+
+    def fold_now(self, name: str, x: torch.Tensor) -> None:
+        """Fold the sole member's next input directly."""
+        _add_gram(self.gram, x, self.flops)
+        self.samples += x.shape[0]
+        self.folded += 1
+        self.positions[name] += 1
+
+    def fold_confirmed(self, min_rows: int) -> None:
+        """Fold the inputs every member has read, once they add up to ``min_rows`` rows."""
+        ready = min(self.positions.values()) - self.folded
+        if ready and sum(t.shape[0] for t in self.pending[:ready]) >= min_rows:
+            self._fold(ready)
+
+    def _fold(self, count: int) -> None:
+        chunk = self.pending[:count]
+        x = chunk[0] if len(chunk) == 1 else torch.cat(chunk)
+        if self.gram is None:
+            self.gram = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        _add_gram(self.gram, x, self.flops)
+        self.samples += x.shape[0]
+        del self.pending[:count]
+        self.folded += count
+
+    def take(self, name: str) -> tuple[torch.Tensor | None, int]:
+        """Member ``name``'s Hessian and row count; it leaves the group."""
+        position = self.positions.pop(name)
+        others_caught_up = all(p >= position for p in self.positions.values())
+        if others_caught_up:  # fold for everyone: the next member reuses the work
+            if position > self.folded:
+                self._fold(position - self.folded)
+            if self.gram is None:
+                return None, 0
+            return gram_to_hessian(self.gram, self.samples), self.samples
+        mine = self.gram.clone() if self.gram is not None else None
+        rows = self.samples
+        chunk = self.pending[:position - self.folded]
+        if chunk:
+            x = torch.cat(chunk)
+            mine = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device) if mine is None else mine
+            _add_gram(mine, x, self.flops)
+            rows += x.shape[0]
+        return (None, 0) if mine is None else (gram_to_hessian(mine, rows), rows)
