@@ -4,10 +4,14 @@ from layerwise.hookspecs import hookimpl
 
 from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
+from .sparsegpt import SparseGPTModifier
+from .wanda import WandaModifier
 
 MODIFIERS = [
     ("QuantizationModifier", QuantizationModifier),
     ("GPTQModifier", GPTQModifier),
+    ("SparseGPTModifier", SparseGPTModifier),
+    ("WandaModifier", WandaModifier),
 ]
 
 

@@ -1,0 +1,161 @@
+"""What every pruning modifier shares: the recipe fields, the layers, writing a mask back, the summary.
+
+A pruning modifier zeroes a fraction ``sparsity`` of the weights of each targeted layer
+(``mask_structure`` ``"0:0"``: anywhere; ``"N:M"``: N of every M consecutive input
+columns), leaves exact zeros in the dense ``weight`` and marks the layer with its
+structure (:func:`layerwise.sparsity.mark_sparse`), which later modifiers (GPTQ keeps
+the zeros) and the saver (sparse compressed-tensors formats) read. Every bad value is a
+:class:`~layerwise.errors.RecipeError` when the recipe is parsed, or, for a layer whose
+width does not fit ``N:M``, when the run starts: before any calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from layerwise.errors import RecipeError
+from layerwise.matching import find_modules, unmatched
+from layerwise.modifier import Modifier
+from layerwise.quantization.storage import is_transposed, linear_weight
+from layerwise.sparsity.masks import (
+    MaskStructure,
+    check_sparsity,
+    magnitude_mask,
+    parse_mask_structure,
+)
+from layerwise.sparsity.storage import mark_sparse
+from layerwise.state import CompressionState
+from layerwise.user_warnings import warn_user
+
+from .quantization import _in_piece, _missing_target_message
+
+log = logging.getLogger("layerwise")
+
+
+class PruningFallbackWarning(RuntimeWarning):
+    """A layer was magnitude-pruned instead (the message says which and why)."""
+
+
+@dataclass
+class PruningModifier(Modifier):
+    """Base of the pruning modifiers: ``sparsity`` of ``targets`` (minus ``ignore``) in ``mask_structure``.
+
+    ``sparsity`` defaults to 0.5 for unstructured masks and to N/M for ``N:M``, where
+    giving a different value is an error (the structure fixes it).
+    """
+
+    requires_data: ClassVar[bool] = True
+    #: the file of per-layer records saved next to the model
+    summary_file: ClassVar[str] = "pruning_summary.json"
+
+    sparsity: float | None = None
+    mask_structure: str = "0:0"
+    targets: list[str] = field(default_factory=lambda: ["Linear"])
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        self.targets = [self.targets] if isinstance(self.targets, str) else list(self.targets or [])
+        self.ignore = [self.ignore] if isinstance(self.ignore, str) else list(self.ignore or [])
+        if not self.targets:
+            raise RecipeError(f"{owner}.targets is empty; e.g. targets: [Linear]")
+        self.structure: MaskStructure = parse_mask_structure(self.mask_structure, f"{owner}.mask_structure")
+        implied = self.structure.sparsity
+        if self.sparsity is None:
+            self.fraction = 0.5 if implied is None else implied
+        else:
+            self.fraction = check_sparsity(self.sparsity, f"{owner}.sparsity")
+            if implied is not None and abs(self.fraction - implied) > 1e-9:
+                raise RecipeError(f"{owner}: sparsity {self.sparsity!r} contradicts mask_structure "
+                                  f"{self.mask_structure!r}, which prunes {implied:g} of the weights; leave "
+                                  f"sparsity out, or use mask_structure '0:0' for unstructured sparsity")
+        #: one record per pruned layer: name, method, sparsity, loss, seconds, samples
+        self.summary: list[dict[str, Any]] = []
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._done: set[str] = set()
+
+    # -- layers ------------------------------------------------------------------------
+    def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
+        """The layers to prune; errors for a target matching nothing or a width N:M cannot cut."""
+        model = state.model
+        missing = unmatched(model, self.targets)
+        if missing:
+            raise RecipeError(_missing_target_message(type(self).__name__, missing, model))
+        modules = find_modules(model, self.targets, [*self.ignore, *(state.ignore or [])])
+        modules = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        for name, module in modules.items():
+            self.structure.check_columns(linear_weight(module).shape[-1], name)
+        return modules
+
+    def sparsity_for(self, name: str) -> float:
+        """The fraction to prune in layer ``name`` (the same for every layer here)."""
+        return self.fraction
+
+    # -- events ------------------------------------------------------------------------
+    def on_initialize(self, state: CompressionState) -> None:
+        self._modules = self.resolve_modules(state)
+        self._done = set()
+        self.summary = []
+
+    def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
+        for name, module in self._modules.items():
+            if name not in self._done and _in_piece(name, modules):
+                self.prune_module(name, module, state)
+
+    def on_calibration_end(self, state: CompressionState) -> None:
+        for name, module in self._modules.items():
+            if name not in self._done:
+                self.prune_module(name, module, state)
+
+    def calibration_inputs(self, modules: list[str]) -> set[str]:
+        """A pruning modifier reads only the inputs of its layers still to be pruned."""
+        return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
+
+    def output_files(self) -> dict[str, str]:
+        return {self.summary_file: json.dumps(self.summary, indent=1)} if self.summary else {}
+
+    # -- work --------------------------------------------------------------------------
+    def prune_module(self, name: str, module: torch.nn.Module, state: CompressionState | None = None) -> None:
+        """Prune one layer (subclasses: :meth:`solve`), write the result back and record it."""
+        start = time.perf_counter()
+        weight = linear_weight(module)
+        pruned, record = self.solve(name, weight.detach().to(torch.float32))
+        if pruned is None:
+            pruned = weight.detach().to(torch.float32) * ~magnitude_mask(weight, self.structure,
+                                                                        self.sparsity_for(name))
+        write_pruned(module, pruned)
+        mark_sparse(module, self.structure)
+        self._done.add(name)
+        zeros = float((linear_weight(module) == 0).sum()) / max(weight.numel(), 1)
+        record = {"name": name, **record, "sparsity": round(zeros, 6),
+                  "seconds": round(time.perf_counter() - start, 4)}
+        self.summary.append(record)
+        if state is not None:
+            state.log.append({"modifier": type(self).__name__, **record})
+        log.info("%s %s: %s, sparsity %.3f, %.3f s", type(self).__name__, name, record.get("method"), zeros,
+                 record["seconds"])
+
+    def solve(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """The pruned ``(out, in)`` float32 weight and the layer's record; ``None`` to magnitude-prune."""
+        raise NotImplementedError
+
+    def fallback(self, name: str, reason: str) -> tuple[None, dict[str, Any]]:
+        """Magnitude-prune ``name`` instead, with a warning that says why."""
+        warn_user(f"{type(self).__name__}: layer {name!r} is magnitude-pruned instead: {reason}",
+                  PruningFallbackWarning)
+        return None, {"method": "magnitude"}
+
+
+@torch.no_grad()
+def write_pruned(module: torch.nn.Module, pruned: torch.Tensor) -> None:
+    """Copy a pruned ``(out, in)`` weight into the module (its layout and dtype)."""
+    target = module.weight
+    values = pruned.to(device=target.device, dtype=target.dtype)
+    target.data.copy_(values.t() if is_transposed(module) else values)

@@ -1,0 +1,75 @@
+"""Wanda pruning: weight magnitude times input norm, no second-order solve.
+
+A weight's importance is ``|W[r, j]| * ||X_j||_2``, where ``X_j`` is input column ``j``
+over every calibration token; each output row keeps its most important weights
+(``mask_structure`` ``"0:0"``: exactly ``round(sparsity * in)`` pruned per row; ``N:M``:
+N per run of M). Data-light: a pre-hook keeps one float32 sum of squares per input
+column, nothing else, and nothing is updated after pruning. A layer that saw no data is
+magnitude-pruned with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from layerwise.finite import is_finite
+from layerwise.sparsity.masks import score_mask
+from layerwise.state import CompressionState
+
+from .hessians import _warn_dropped
+from .pruning import PruningModifier
+
+
+@dataclass
+class WandaModifier(PruningModifier):
+    """Prune ``targets`` (minus ``ignore``) to ``sparsity`` by ``|W| x ||X||`` per output row."""
+
+    summary_file: ClassVar[str] = "wanda_summary.json"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        #: per layer: the sum over tokens of each input column's square, and the token count
+        self._norms: dict[str, tuple[torch.Tensor, int]] = {}
+        self._non_finite: dict[str, int] = {}
+
+    def on_initialize(self, state: CompressionState) -> None:
+        super().on_initialize(state)
+        self._norms, self._non_finite = {}, {}
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        for name, module in self._modules.items():
+            if name not in self._done:
+                self.register_hook(module, self._norm_hook(name), "forward_pre", with_kwargs=True)
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self._norms.clear()
+
+    def _norm_hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            if not isinstance(x, torch.Tensor) or name in self._done:
+                return
+            if not is_finite(x):
+                self._non_finite[name] = self._non_finite.get(name, 0) + 1
+                return
+            flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+            squares = torch.linalg.vector_norm(flat, dim=0).square_()
+            total, count = self._norms.get(name, (None, 0))
+            self._norms[name] = (squares if total is None else total.add_(squares), count + flat.shape[0])
+        return hook
+
+    def solve(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        total, samples = self._norms.pop(name, (None, 0))
+        dropped = self._non_finite.pop(name, 0)
+        if dropped:  # a warning, or an error when no finite input was left
+            _warn_dropped("Wanda", name, dropped, samples == 0)
+        extra = {"samples": samples, **({"non_finite_inputs": dropped} if dropped else {})}
+        if total is None or samples == 0:
+            return self.fallback(name, "it saw no calibration data")[0], {"method": "magnitude", **extra}
+        score = weight.abs() * total.to(weight.device).sqrt().unsqueeze(0)
+        mask = score_mask(score, self.structure, self.sparsity_for(name))
+        return weight.masked_fill(mask, 0.0), {"method": "wanda", **extra}

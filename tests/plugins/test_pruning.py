@@ -1,0 +1,193 @@
+"""SparseGPTModifier and WandaModifier: recipe errors before any work, exact masks, GPTQ keeping the zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import RecipeError
+from layerwise.lifecycle import Lifecycle
+from layerwise.plugin_manager import registry
+from layerwise.quantization.storage import quantized_modules
+from layerwise.recipe import parse_recipe
+from layerwise.sparsity.masks import MaskStructure, magnitude_mask, score_mask
+from layerwise.sparsity.sparsegpt import sparsegpt_prune
+from layerwise.sparsity.storage import sparse_modules
+from layerwise.state import CompressionState
+from tests.conftest import build_tiny_llama
+from tests.plugins.pipelines.helpers import make_batches
+
+
+def modifier(name, **fields):
+    return registry("modifiers").get(name)(**fields)
+
+
+def linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def prune_tiny_llama(recipe, **options):
+    model = build_tiny_llama()
+    return layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 6), show_progress=False,
+                              **options)
+
+
+# -- recipe errors, before any calibration ------------------------------------------------------
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaModifier"])
+@pytest.mark.parametrize("fields, message", [
+    (dict(sparsity=1.0), r"sparsity must be a fraction in \[0, 1\)"),
+    (dict(sparsity=-0.2), r"sparsity must be a fraction in \[0, 1\)"),
+    (dict(mask_structure="4:2"), r"0 < N < M"),
+    (dict(mask_structure="2by4"), r"'0:0' \(unstructured\) or 'N:M'"),
+    (dict(mask_structure="2:4", sparsity=0.3), r"contradicts mask_structure '2:4'"),
+    (dict(targets=[]), r"targets is empty"),
+])
+def test_bad_fields_are_named_errors_when_the_recipe_is_read(name, fields, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({name: fields})
+
+
+def test_sparsity_defaults_to_half_and_to_what_n_m_implies():
+    assert modifier("SparseGPTModifier").fraction == 0.5
+    assert modifier("WandaModifier", mask_structure="1:4").fraction == 0.25
+    assert modifier("SparseGPTModifier", mask_structure="2:4", sparsity=0.5).fraction == 0.5
+
+
+class Narrow(torch.nn.Module):
+    """A layer 30 columns wide: 2:4 cannot cut it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 30)
+        self.down = torch.nn.Linear(30, 8)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaModifier"])
+def test_n_m_on_a_layer_whose_width_m_does_not_divide_fails_before_calibrating(name):
+    model = Narrow()
+    lifecycle = Lifecycle(CompressionState(model, parse_recipe({name: {"mask_structure": "2:4"}})))
+    with pytest.raises(RecipeError, match=r"layer 'down' has 30 input columns"):
+        lifecycle.initialize()  # the first event of a run: no data has flowed
+    assert model.forwards == 0
+
+
+# -- exact masks through compress() -------------------------------------------------------------
+def test_sparsegpt_prunes_every_targeted_layer_to_exactly_the_asked_fraction():
+    model = prune_tiny_llama({"SparseGPTModifier": {"sparsity": 0.5, "block_size": 16}})
+    layers = linears(model)
+    assert set(sparse_modules(model)) == set(layers)
+    for name, layer in layers.items():
+        assert int((layer.weight == 0).sum()) == layer.weight.numel() // 2, name
+    records = {r["name"]: r for r in model.layerwise_report.layer_log if r.get("modifier") == "SparseGPTModifier"}
+    assert set(records) == set(layers) and {r["method"] for r in records.values()} == {"sparsegpt"}
+
+
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaModifier"])
+def test_two_four_leaves_exactly_two_zeros_in_every_run_of_four(name):
+    model = prune_tiny_llama({name: {"mask_structure": "2:4"}})
+    for layer_name, layer in linears(model).items():
+        runs = (layer.weight == 0).reshape(layer.weight.shape[0], -1, 4).sum(-1)
+        assert (runs == 2).all(), layer_name
+        assert sparse_modules(model)[layer_name].sparsity_structure == MaskStructure(2, 4)
+
+
+def test_wanda_prunes_exactly_the_fraction_of_every_row():
+    model = prune_tiny_llama({"WandaModifier": {"sparsity": 0.3}})
+    for name, layer in linears(model).items():
+        per_row = (layer.weight == 0).sum(dim=1)
+        assert (per_row == int(0.3 * layer.weight.shape[1] + 0.5)).all(), name
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(32, 32, bias=False)
+        self.second = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_wanda_keeps_the_weights_with_the_largest_magnitude_times_input_norm():
+    model, reference = TwoLinears(), TwoLinears()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(1, 20, 32, generator=g) * torch.linspace(0.1, 4, 32) for _ in range(3)]
+    wanda = modifier("WandaModifier", sparsity=0.5, ignore=[])
+    lifecycle = Lifecycle(CompressionState(model, [wanda]))
+    lifecycle.initialize()
+    with torch.no_grad(), lifecycle.calibrating():  # a plain forward: every layer sees the dense inputs
+        for x in batches:
+            model(x)
+    x = torch.cat(batches, 1).reshape(-1, 32)
+    inputs = {"first": x, "second": torch.relu(reference.first(x))}
+    for name in ("first", "second"):
+        w = getattr(reference, name).weight.detach()
+        expected = score_mask(w.abs() * inputs[name].norm(dim=0), MaskStructure(0, 0), 0.5)
+        assert torch.equal(getattr(model, name).weight == 0, expected), name
+
+
+# -- sparse, then quantized ---------------------------------------------------------------------
+@pytest.mark.parametrize("pieces", ["layers", "blocks"])
+def test_gptq_after_sparsegpt_keeps_every_pruned_weight_at_zero(monkeypatch, pieces):
+    masks = {}
+    cls = registry("modifiers").get("SparseGPTModifier")
+    original = cls.prune_module
+
+    def recording(self, name, module, state=None):
+        original(self, name, module, state)
+        masks[name] = (module.weight == 0).clone()
+
+    monkeypatch.setattr(cls, "prune_module", recording)
+    recipe = [{"SparseGPTModifier": {"mask_structure": "2:4"}},
+              {"GPTQModifier": {"scheme": "W4A16_ASYM", "group_size": 32}}]
+    model = prune_tiny_llama(recipe, pieces=pieces)
+    layers = linears(model)
+    assert set(masks) == set(layers) == set(quantized_modules(model)) == set(sparse_modules(model))
+    for name, layer in layers.items():
+        assert (layer.weight[masks[name]] == 0).all(), name
+
+
+def test_rtn_after_wanda_keeps_the_zeros_too():
+    model = prune_tiny_llama([{"WandaModifier": {"sparsity": 0.5}}, {"QuantizationModifier": {"scheme": "W4A16_ASYM",
+                                                                                            "group_size": 32}}])
+    for name, layer in linears(model).items():
+        assert int((layer.weight == 0).sum()) >= layer.weight.numel() // 2, name
+
+
+# -- on a trained layer: SparseGPT beats magnitude and Wanda --------------------------------------
+@pytest.mark.parametrize("structure", [MaskStructure(0, 0), MaskStructure(2, 4)])
+def test_sparsegpt_has_a_lower_output_error_than_magnitude_and_wanda_on_trained_layers(minilm_path, structure):
+    from layerwise.loading import load_model, load_tokenizer
+
+    model, tokenizer = load_model(minilm_path), load_tokenizer(minilm_path)
+    names = ["encoder.layer.1.attention.self.query", "encoder.layer.3.intermediate.dense",
+             "encoder.layer.3.output.dense"]
+    inputs = {}
+    handles = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: inputs.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]))) for n in names]
+    sentences = [f"Layer {i} of the model compresses its weights with sample number {i * 7} today."
+                 for i in range(24)]
+    with torch.no_grad():
+        model(**tokenizer(sentences, return_tensors="pt", padding=True))
+    for handle in handles:
+        handle.remove()
+    for name in names:
+        x = torch.cat(inputs[name]).to(torch.float32)
+        w = model.get_submodule(name).weight.detach().to(torch.float32)
+        hessian = 2 * x.t() @ x / x.shape[0]
+
+        def error(pruned, x=x, w=w):
+            return float(((pruned - w) @ x.t()).norm() / (w @ x.t()).norm())
+
+        sparsegpt = error(sparsegpt_prune(w, hessian, structure, 0.5).weight)
+        magnitude = error(w.masked_fill(magnitude_mask(w, structure, 0.5), 0.0))
+        wanda = error(w.masked_fill(score_mask(w.abs() * x.norm(dim=0), structure, 0.5), 0.0))
+        assert sparsegpt < wanda < magnitude or sparsegpt < min(wanda, magnitude), (name, sparsegpt, wanda, magnitude)
+        assert sparsegpt < min(wanda, magnitude)
