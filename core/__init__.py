@@ -18,13 +18,15 @@ from .modifier import Modifier
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelPatch", "Modifier", "__version__", "compress", "hookimpl", "load_model", "trace"]
+__all__ = ["ModelPatch", "Modifier", "__version__", "compress", "hookimpl", "load_compressed", "load_model", "trace"]
 
-# compress/trace/load_model pull in transformers; import them on first use so that
-# `import layerwise` (and plugin discovery) stays cheap.
-_LAZY = {"compress": ".compression", "load_model": ".loading", "trace": ".tracing"}
+# compress/trace/load_model/load_compressed pull in transformers; import them on first use so
+# that `import layerwise` (and plugin discovery) stays cheap.
+_LAZY = {"compress": ".compression", "load_compressed": ".compressed_loading", "load_model": ".loading",
+         "trace": ".tracing"}
 
 if TYPE_CHECKING:
+    from .compressed_loading import load_compressed
     from .compression import compress
     from .loading import load_model
     from .tracing import trace

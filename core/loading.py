@@ -14,14 +14,19 @@ from .load_errors import explained
 from .model_patch import ModelPatch, apply_patch, resolve_patch
 
 
-def _model_class(config: Any, path: Path) -> type:
-    """The class ``architectures`` names, else the task class the weights' names fit, else AutoModel."""
+def _model_class(config: Any, path: Path, keys: set[str] | None = None) -> type:
+    """The class ``architectures`` names, else the task class the weights' names fit, else AutoModel.
+
+    ``keys`` are the weights' names when the caller has them (decoded sparse tensors), else the
+    folder's checkpoint is asked.
+    """
     import transformers
 
     named = named_class(config)
     if named is not None:
         return named
-    keys = checkpoint_keys(path) if path.is_dir() else None
+    if keys is None:
+        keys = checkpoint_keys(path) if path.is_dir() else None
     return (best_class(config, keys) if keys else None) or transformers.AutoModel
 
 
@@ -37,8 +42,12 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     a name or :class:`ModelPatch` forces one, ``False`` disables patching.
     ``trust_remote_code`` stays off (and transformers never prompts for it) unless the
     caller passes ``trust_remote_code=True`` after reading the model's code.
+    A folder whose pruned weights are stored ``sparse-bitmask`` / ``sparse-24-bitmask`` is
+    decoded first (:mod:`layerwise.compressed_loading`): transformers alone would leave them random.
     """
     import transformers
+
+    from .compressed_loading import load_sparse, sparse_format
 
     where = str(path_or_id)
     check_model_path(where)
@@ -46,9 +55,13 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     try:
         with explained(where):  # what is recognised is explained, the rest re-raised as it was
             config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
-            cls = _model_class(config, Path(where).expanduser())
-            model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
-                                              output_loading_info=True, **kwargs)
+            if sparse_format(config) is not None:
+                model, info = load_sparse(Path(where).expanduser(), config, dtype=dtype, trust_remote_code=trust,
+                                          output_loading_info=True, **kwargs)
+            else:
+                cls = _model_class(config, Path(where).expanduser())
+                model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
+                                                  output_loading_info=True, **kwargs)
     except ModelLoadError:
         raise
     except OSError as exc:

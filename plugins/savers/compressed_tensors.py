@@ -17,6 +17,13 @@ one config group per distinct set of args, and ``ignore`` listing every Linear
 left unquantized). The tokenizer, ``recipe.yaml`` and any extra files go alongside.
 The folder is written atomically (see :mod:`layerwise.saving`), and only when every tensor
 is finite (:func:`layerwise.finite.check_saved`): a NaN scale is an error, not a checkpoint.
+
+A pruned model (layers marked by :func:`layerwise.sparsity.mark_sparse`) also gets
+``quantization_config.sparsity_config``. Without quantization its pruned weights are stored
+compressed (``<name>.weight.compressed`` / ``.bitmask`` / ``.shape`` / ``.row_offsets``, format
+``sparse-bitmask`` or ``sparse-24-bitmask``; :func:`layerwise.load_compressed` loads them, plain
+transformers no longer can); beside quantization they stay packed as above and the
+``dense`` sparsity_config only says what the zeros are. Details: :mod:`.sparse`.
 """
 
 from __future__ import annotations
@@ -30,32 +37,41 @@ from typing import Any
 
 import torch
 
-from layerwise.errors import LayerwiseError
 from layerwise.finite import check_saved, skipped_prefixes
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import default_g_idx, quantize_weight
 from layerwise.quantization.storage import is_transposed, linear_weight, quantized_modules
 from layerwise.saving import atomic_output_dir, check_output_dir
+from layerwise.sparsity.storage import sparse_modules
+
+from .errors import SaveError
+from .sparse import build_sparsity_config, check_sparse_layers, encode_sparse_weights, sparse_format
+
+__all__ = ["FORMAT", "SaveError", "build_quantization_config", "compressed_state_dict", "save_compressed"]
 
 FORMAT = "pack-quantized"
-
-
-class SaveError(LayerwiseError):
-    """A model that cannot be written in the compressed-tensors format."""
 
 
 def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None,
                     recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
                     overwrite: bool = False) -> Path:
-    """Write ``model`` (quantized in place by layerwise) to ``output_dir``; returns the folder."""
+    """Write ``model`` (quantized and/or pruned in place by layerwise) to ``output_dir``; returns the folder."""
     check_output_dir(output_dir, overwrite)  # fail before any work
-    modules = quantized_modules(model)
+    modules, pruned = quantized_modules(model), sparse_modules(model)
+    if not modules and not pruned:
+        raise SaveError("the model has no quantized module and no pruned one; quantize it first (e.g. recipe "
+                        "'W4A16') or prune it (SparseGPT, Wanda)")
     for name, module in modules.items():
         if is_transposed(module):
             raise SaveError(f"layer {name!r} is a transformers Conv1D (GPT-2 style); the compressed-tensors "
                             f"loader handles nn.Linear only, so this model cannot be saved in this format yet")
+    check_sparse_layers(pruned)
     quant_config = build_quantization_config(model, modules)
     state_dict = compressed_state_dict(model, modules)
+    if pruned:
+        fmt = sparse_format(pruned, modules)
+        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, fmt)
+        state_dict = encode_sparse_weights(state_dict, pruned, fmt)
     check_saved(state_dict, skipped_prefixes(model))  # before anything is written
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
@@ -95,12 +111,14 @@ def _ct_weight_args(args: QuantizationArgs) -> dict[str, Any]:
 
 
 def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, Any]:
-    """The ``quantization_config`` dict of config.json (validated by compressed-tensors' own classes)."""
+    """The ``quantization_config`` dict of config.json (validated by compressed-tensors' own classes).
+
+    With no quantized module it has no config groups and format ``dense``: the frame a
+    ``sparsity_config`` goes in.
+    """
     from compressed_tensors.quantization import QuantizationArgs as CTArgs
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    if not modules:
-        raise SaveError("the model has no quantized module; quantize it first (e.g. recipe 'W4A16')")
     by_args: dict[QuantizationArgs, list[str]] = defaultdict(list)
     for name, module in modules.items():
         by_args[module.quantization_args].append(name)
@@ -112,8 +130,8 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
         targets = ["Linear"] if len(by_args) == 1 else [f"re:^{re.escape(n)}$" for n in names]
         groups[f"group_{i}"] = QuantizationScheme(targets=targets, weights=CTArgs(**_ct_weight_args(args)),
                                                   input_activations=None, output_activations=None)
-    config = QuantizationConfig(config_groups=groups, format=FORMAT, quantization_status="compressed",
-                                ignore=ignore)
+    config = QuantizationConfig(config_groups=groups, format=FORMAT if groups else "dense",
+                                quantization_status="compressed", ignore=ignore if groups else [])
     data = config.model_dump(mode="json")
     data["quant_method"] = "compressed-tensors"
     return data

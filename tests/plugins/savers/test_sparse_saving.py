@@ -1,0 +1,186 @@
+"""Pruned models save as real sparse compressed-tensors checkpoints and load back exactly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import layerwise
+from layerwise.errors import NonFiniteError
+from layerwise.plugin_manager import registry
+from layerwise.plugins.savers.errors import SaveError
+from layerwise.quantization.storage import quantized_modules
+from layerwise.sparsity import MaskStructure, magnitude_mask, mark_sparse, sparse_modules
+from tests.conftest import build_tiny_llama
+
+UNSTRUCTURED, TWO_FOUR = MaskStructure(0, 0), MaskStructure(2, 4)
+
+
+def prune(model, structure=UNSTRUCTURED, sparsity=0.5, only=None):
+    """Zero the smallest weights of every Linear but lm_head (or of those ``only`` matches), and mark them."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head" and (only is None or only in name):
+            with torch.no_grad():
+                module.weight[magnitude_mask(module.weight, structure, sparsity)] = 0
+            mark_sparse(module, structure)
+    return model
+
+
+def save(model, out, **kwargs):
+    return registry("savers").get("compressed-tensors")(model, out, **kwargs)
+
+
+def logits(model, seed=1):
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def tensors(folder):
+    return load_file(folder / "model.safetensors")
+
+
+def quant_config(folder):
+    return json.loads((folder / "config.json").read_text())["quantization_config"]
+
+
+def true_sparsity(modules):
+    zeros = sum(int((m.weight == 0).sum()) for m in modules.values())
+    return zeros / sum(m.weight.numel() for m in modules.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unstructured_model_is_saved_as_bitmask_and_reloads_exactly(tmp_path, dtype):
+    model = prune(build_tiny_llama().to(dtype))
+    save(model, tmp_path / "out")
+    saved = tensors(tmp_path / "out")
+    for name, module in sparse_modules(model).items():
+        weight = module.weight.detach()
+        assert f"{name}.weight" not in saved
+        assert saved[f"{name}.weight.shape"].tolist() == list(weight.shape)
+        assert saved[f"{name}.weight.compressed"].dtype == dtype
+        assert torch.equal(saved[f"{name}.weight.compressed"], weight[weight != 0])
+        assert saved[f"{name}.weight.bitmask"].dtype == torch.uint8
+        assert saved[f"{name}.weight.row_offsets"].dtype == torch.int32
+    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight)  # not pruned: saved as usual
+
+    reloaded = layerwise.load_compressed(tmp_path / "out")
+    assert type(reloaded) is type(model) and reloaded.dtype == dtype
+    expected = dict(model.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in reloaded.named_parameters())
+    if dtype == torch.float32:  # in bf16 transformers keeps the rotary inv_freq in fp32 on load, .to() did not
+        assert torch.equal(logits(reloaded), logits(model))
+    assert {n: m.sparsity_structure for n, m in sparse_modules(reloaded).items()} == {
+        n: UNSTRUCTURED for n in sparse_modules(model)}  # marked again: GPTQ keeps the zeros, a save stays sparse
+    assert "quantization_config" not in reloaded.config.to_dict()  # nothing quantized: no config left
+    via_layerwise = layerwise.load_model(tmp_path / "out")  # what compress(path) and the CLI use
+    assert via_layerwise.dtype == dtype and set(sparse_modules(via_layerwise)) == set(sparse_modules(model))
+    assert all(torch.equal(p, expected[n]) for n, p in via_layerwise.named_parameters())
+
+
+def test_two_four_model_is_saved_as_sparse_24_and_reloads_exactly(tmp_path):
+    model = prune(build_tiny_llama(), TWO_FOUR)
+    save(model, tmp_path / "out")
+    config = quant_config(tmp_path / "out")["sparsity_config"]
+    assert config["format"] == "sparse-24-bitmask" and config["sparsity_structure"] == "2:4"
+    assert config["global_sparsity"] == pytest.approx(0.5, abs=1e-6)
+    saved = tensors(tmp_path / "out")
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert tuple(saved["model.layers.0.mlp.up_proj.weight.compressed"].shape) == (up.shape[0], up.shape[1] // 2)
+    assert "model.layers.0.mlp.up_proj.weight.row_offsets" not in saved
+    reloaded = layerwise.load_compressed(tmp_path / "out")
+    assert torch.equal(logits(reloaded), logits(model))
+    assert {m.sparsity_structure for m in sparse_modules(reloaded).values()} == {TWO_FOUR}
+
+
+def test_sparsity_config_says_what_was_pruned(tmp_path):
+    from compressed_tensors.config import SparsityCompressionConfig
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = prune(build_tiny_llama(), TWO_FOUR, only="mlp")
+    prune(model, UNSTRUCTURED, 0.3, only="q_proj")  # mixed structures: bitmask, "unstructured"
+    pruned = sparse_modules(model)
+    save(model, tmp_path / "out")
+    config = quant_config(tmp_path / "out")
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "dense"
+    assert not config["config_groups"]
+    QuantizationConfig.model_validate(config)
+    sparsity = config["sparsity_config"]
+    assert SparsityCompressionConfig.load_from_registry(sparsity["format"], **sparsity).format == "sparse-bitmask"
+    assert sparsity["sparsity_structure"] == "unstructured"
+    assert sparsity["targets"] == list(pruned) and len(pruned) == 8  # 3 mlp + q_proj, 2 layers
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert sparsity["ignore"] == [n for n in linears if n not in pruned]
+    assert abs(sparsity["global_sparsity"] - true_sparsity(pruned)) < 1e-6
+
+
+def test_the_pruned_layers_take_little_more_than_half_their_dense_bytes(tmp_path):
+    dense = build_tiny_llama(hidden_size=128, intermediate_size=256)
+    dense.save_pretrained(tmp_path / "dense")
+    model = prune(build_tiny_llama(hidden_size=128, intermediate_size=256))
+    save(model, tmp_path / "sparse")
+    saved = tensors(tmp_path / "sparse")
+    for name, module in sparse_modules(model).items():
+        stored = sum(t.numel() * t.element_size() for key, t in saved.items() if key.startswith(f"{name}.weight."))
+        dense_bytes = module.weight.numel() * module.weight.element_size()
+        assert stored < 0.6 * dense_bytes, (name, stored, dense_bytes)  # 0.5 values + 1/32 bitmask + offsets
+    size = {kind: (tmp_path / kind / "model.safetensors").stat().st_size for kind in ("dense", "sparse")}
+    assert size["sparse"] < 0.75 * size["dense"]  # embeddings and lm_head stay dense
+
+
+def test_pruned_and_quantized_model_stays_pack_quantized_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = prune(build_tiny_llama(hidden_size=128, intermediate_size=256), TWO_FOUR)
+    layerwise.compress(model, "W4A16", output_dir=tmp_path / "out", show_progress=False)
+    pruned = sparse_modules(model)
+    assert set(quantized_modules(model)) == set(pruned)
+    config = quant_config(tmp_path / "out")
+    assert config["format"] == "pack-quantized" and config["config_groups"]
+    sparsity = config["sparsity_config"]
+    assert sparsity["format"] == "dense" and sparsity["sparsity_structure"] == "2:4"
+    assert sparsity["targets"] == list(pruned) and sparsity["ignore"] == ["lm_head"]
+    assert abs(sparsity["global_sparsity"] - true_sparsity(pruned)) < 1e-6 and sparsity["global_sparsity"] >= 0.5
+    saved = tensors(tmp_path / "out")
+    assert "model.layers.0.mlp.up_proj.weight_packed" in saved
+    assert not [key for key in saved if key.endswith((".bitmask", ".compressed"))]
+
+    expected = logits(model)
+    for reloaded in (AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(),
+                     layerwise.load_compressed(tmp_path / "out").eval()):
+        torch.testing.assert_close(logits(reloaded), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        weight = reloaded.get_submodule("model.layers.1.mlp.down_proj").weight
+        assert torch.equal(weight == 0, model.model.layers[1].mlp.down_proj.weight == 0)  # the zeros are kept
+
+
+def test_a_pruned_conv1d_is_refused_before_anything_is_written(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()
+    mark_sparse(model.transformer.h[0].attn.c_attn, UNSTRUCTURED)
+    with pytest.raises(SaveError, match=r"'transformer.h.0.attn.c_attn' is a transformers Conv1D .* nn.Linear only"):
+        save(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_weight_that_is_not_what_its_mark_says_writes_nothing(tmp_path):
+    model = prune(build_tiny_llama(), TWO_FOUR)
+    module = model.model.layers[1].self_attn.o_proj
+    with torch.no_grad():
+        module.weight[0, :4] = 1.0  # a run of 4 nonzeros in a layer marked 2:4
+    with pytest.raises(SaveError, match=r"'model.layers.1.self_attn.o_proj' cannot be saved as sparse-24-bitmask.*"
+                                        r"row 0, columns 0-3.*MaskStructure\(0, 0\)"):
+        save(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_non_finite_pruned_weight_writes_nothing(tmp_path):
+    model = prune(build_tiny_llama())
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"'model.layers.0.mlp.up_proj.weight.compressed'"):
+        save(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
