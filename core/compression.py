@@ -20,8 +20,12 @@ from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, use_patch
 from .pipeline import PipelineOptions, check_pieces
 from .plugin_manager import registry
+from .quantization.storage import linear_weight
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from .saving import check_output_dir, reserve_output
+from .sparsity.bitmask import BITMASK, SPARSE_24, encoded_bytes
+from .sparsity.masks import MaskStructure
+from .sparsity.storage import SPARSITY_ATTR
 from .state import CompressionState
 from .tracing.targets import check_entries, choose_targets
 from .versions import warn_if_untested
@@ -171,7 +175,7 @@ def compress(
         bytes_before = _parameter_bytes(model)
         state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
-                                 execution_device=_execution_device())
+                                 execution_device=_execution_device(), batches=batches)
         options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
                                   pieces=pieces, offload=offload, execution_device=state.execution_device,
                                   targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
@@ -190,8 +194,9 @@ def compress(
         lifecycle.finalize()
 
         from .quantization.storage import quantized_modules
+        from .sparsity.storage import sparse_modules
 
-        compressed = list(quantized_modules(model))
+        compressed = list({**quantized_modules(model), **sparse_modules(model)})
         report = CompressionReport(
             pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
             compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
@@ -240,7 +245,8 @@ def _parameter_bytes(model: torch.nn.Module) -> int:
 
 
 def _compressed_bytes(model: torch.nn.Module) -> int:
-    """Bytes the weights take once packed: quantized weights at their bit width plus qparams.
+    """Bytes the weights take once saved: quantized weights at their bit width plus qparams, pruned ones
+    (not quantized) in their bitmask layout.
 
     A tied tensor (an input embedding shared with the head) is counted once, as on disk.
     """
@@ -248,11 +254,15 @@ def _compressed_bytes(model: torch.nn.Module) -> int:
     seen: set[tuple] = set()
     for module in model.modules():
         args = getattr(module, "quantization_args", None)
+        structure = getattr(module, SPARSITY_ATTR, None)
         for name, param in module.named_parameters(recurse=False):
             if not _first_time(param, seen):
                 continue
             if name == "weight" and args is not None:
                 total += param.numel() * args.num_bits // 8
+            elif name == "weight" and structure is not None:  # pruned, not quantized: stored as a bitmask
+                total += encoded_bytes(linear_weight(module).detach(), SPARSE_24 if structure == MaskStructure(2, 4)
+                                       else BITMASK)
             else:
                 total += param.numel() * param.element_size()
         if args is not None:

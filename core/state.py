@@ -30,3 +30,5 @@ class CompressionState:
     pieces: str = ""
     #: seconds (and FLOPs where counted) per phase: pipelines' forwards, modifiers' own work
     accounting: Accounting = field(default_factory=Accounting)
+    #: the calibration batches, for a modifier that needs a whole-model statistics pass first (OWL)
+    batches: list[Any] = field(default_factory=list)

@@ -139,3 +139,12 @@ def _read_shape(shape: Tensor) -> tuple[int, int]:
 def _expect(tensor: Tensor, part: str, shape: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != shape:
         raise SparseFormatError(f"{part} has shape {tuple(tensor.shape)}, the weight's shape needs {shape}")
+
+
+def encoded_bytes(weight: Tensor, fmt: str) -> int:
+    """Bytes ``weight`` takes on disk in layout ``fmt`` (what the run summary reports as its size)."""
+    rows, cols = weight.shape
+    bits = rows * ((cols + 7) // 8)
+    if fmt == SPARSE_24:
+        return weight.numel() // 2 * weight.element_size() + bits + 16
+    return int((weight != 0).sum()) * weight.element_size() + bits + 4 * rows + 16

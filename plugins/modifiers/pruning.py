@@ -33,6 +33,7 @@ from layerwise.sparsity.storage import mark_sparse
 from layerwise.state import CompressionState
 from layerwise.user_warnings import warn_user
 
+from .owl import input_norms, owl_sparsities
 from .quantization import _in_piece, _missing_target_message
 
 log = logging.getLogger("layerwise")
@@ -47,7 +48,11 @@ class PruningModifier(Modifier):
     """Base of the pruning modifiers: ``sparsity`` of ``targets`` (minus ``ignore``) in ``mask_structure``.
 
     ``sparsity`` defaults to 0.5 for unstructured masks and to N/M for ``N:M``, where
-    giving a different value is an error (the structure fixes it).
+    giving a different value is an error (the structure fixes it). ``owl_m`` and
+    ``owl_lmbda`` (unstructured only; typically 5 and 0.08) turn on OWL: each block gets its
+    own sparsity from its share of outlier weights, the mean staying ``sparsity`` and the
+    most and least pruned blocks ``2 owl_lmbda`` apart
+    (:mod:`.owl`; costs one extra forward of the whole dense model over the calibration data).
     """
 
     requires_data: ClassVar[bool] = True
@@ -58,6 +63,8 @@ class PruningModifier(Modifier):
     mask_structure: str = "0:0"
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    owl_m: float | None = None
+    owl_lmbda: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +83,9 @@ class PruningModifier(Modifier):
                 raise RecipeError(f"{owner}: sparsity {self.sparsity!r} contradicts mask_structure "
                                   f"{self.mask_structure!r}, which prunes {implied:g} of the weights; leave "
                                   f"sparsity out, or use mask_structure '0:0' for unstructured sparsity")
+        self._check_owl(owner)
+        #: per layer, the sparsity OWL chose (empty without OWL)
+        self.layer_sparsity: dict[str, float] = {}
         #: one record per pruned layer: name, method, sparsity, loss, seconds, samples
         self.summary: list[dict[str, Any]] = []
         self._modules: dict[str, torch.nn.Module] = {}
@@ -95,14 +105,41 @@ class PruningModifier(Modifier):
         return modules
 
     def sparsity_for(self, name: str) -> float:
-        """The fraction to prune in layer ``name`` (the same for every layer here)."""
-        return self.fraction
+        """The fraction to prune in layer ``name``: OWL's for its block, else ``sparsity``."""
+        return self.layer_sparsity.get(name, self.fraction)
+
+    def _check_owl(self, owner: str) -> None:
+        if self.owl_m is None and self.owl_lmbda is None:
+            return
+        if self.owl_m is None or self.owl_lmbda is None:
+            raise RecipeError(f"{owner}: OWL needs both owl_m (outlier threshold, e.g. 5) and owl_lmbda (the most "
+                              f"a block's sparsity may move, e.g. 0.08); give both or neither")
+        if not self.structure.unstructured:
+            raise RecipeError(f"{owner}: OWL chooses a sparsity per block, which mask_structure "
+                              f"{self.mask_structure!r} fixes; use mask_structure '0:0' with owl_m / owl_lmbda")
+        if isinstance(self.owl_m, bool) or not isinstance(self.owl_m, (int, float)) or not self.owl_m > 0:
+            raise RecipeError(f"{owner}.owl_m must be a number > 0 (e.g. 5), got {self.owl_m!r}")
+        room = min(self.fraction, 1 - self.fraction) / 2  # blocks spread over 2 lmbda around the mean
+        if (isinstance(self.owl_lmbda, bool) or not isinstance(self.owl_lmbda, (int, float))
+                or not 0 <= self.owl_lmbda < room):
+            raise RecipeError(f"{owner}.owl_lmbda must be in [0, {room:g}) so that every block's sparsity stays "
+                              f"in [0, 1) around {self.fraction:g}, got {self.owl_lmbda!r} (e.g. 0.08)")
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
         self._modules = self.resolve_modules(state)
         self._done = set()
         self.summary = []
+        self.layer_sparsity = {}
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        """With OWL: one forward of the dense model for the input norms, then a sparsity per block."""
+        if self.owl_m is None or not self._modules:
+            return
+        norms = input_norms(state.model, self._modules, list(getattr(state, "batches", []) or []))
+        blocks = find_modules(state.model, state.sequential_targets) if state.sequential_targets else {}
+        self.layer_sparsity = owl_sparsities(self._modules, blocks, norms, self.fraction, self.owl_m,
+                                             self.owl_lmbda)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         for name, module in self._modules.items():

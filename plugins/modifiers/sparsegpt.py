@@ -60,6 +60,7 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
         self._free_all()
 
     def on_calibration_start(self, state: CompressionState) -> None:
+        super().on_calibration_start(state)  # OWL's dense pass first, without these hooks
         self._hook_hessians(state, self._modules)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:

@@ -40,6 +40,7 @@ class WandaModifier(PruningModifier):
         self._norms, self._non_finite = {}, {}
 
     def on_calibration_start(self, state: CompressionState) -> None:
+        super().on_calibration_start(state)  # OWL's dense pass first, without these hooks
         for name, module in self._modules.items():
             if name not in self._done:
                 self.register_hook(module, self._norm_hook(name), "forward_pre", with_kwargs=True)

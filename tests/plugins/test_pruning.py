@@ -191,3 +191,62 @@ def test_sparsegpt_has_a_lower_output_error_than_magnitude_and_wanda_on_trained_
         wanda = error(w.masked_fill(score_mask(w.abs() * x.norm(dim=0), structure, 0.5), 0.0))
         assert sparsegpt < wanda < magnitude or sparsegpt < min(wanda, magnitude), (name, sparsegpt, wanda, magnitude)
         assert sparsegpt < min(wanda, magnitude)
+
+
+# -- saved and loaded back -------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe, fmt, summary_file", [
+    ({"SparseGPTModifier": {"sparsity": 0.5}}, "sparse-bitmask", "sparsegpt_summary.json"),
+    ({"WandaModifier": {"mask_structure": "2:4"}}, "sparse-24-bitmask", "wanda_summary.json"),
+])
+def test_a_pruned_run_saves_a_smaller_sparse_folder_that_reloads_to_the_same_outputs(tmp_path, recipe, fmt,
+                                                                                      summary_file):
+    import json
+
+    out = tmp_path / "pruned"
+    model = prune_tiny_llama(recipe, output_dir=out)
+    dense = tmp_path / "dense"
+    build_tiny_llama().save_pretrained(dense)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert config["format"] == fmt and abs(config["global_sparsity"] - 0.5) < 1e-6
+    summary = out / summary_file
+    assert {r["name"] for r in json.loads(summary.read_text())} == set(linears(model))
+
+    def weights_bytes(folder):
+        return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+    assert weights_bytes(out) < 0.75 * weights_bytes(dense)  # the embeddings and head stay dense
+    report = model.layerwise_report  # the summary's size is the saved one, and counts the pruned layers
+    assert abs(report.bytes_after - weights_bytes(out)) < 0.05 * weights_bytes(out)  # + the file header
+    assert sorted(report.compressed_modules) == sorted(linears(model))
+    reloaded = layerwise.load_compressed(out)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+# -- OWL: a sparsity per block -----------------------------------------------------------------------
+def test_owl_prunes_the_block_with_outliers_least_and_keeps_the_mean_sparsity():
+    model = build_tiny_llama(num_hidden_layers=4)
+    with torch.no_grad():  # block 2 gets outlier weights: a few columns 40x larger
+        for layer in (model.model.layers[2].self_attn.q_proj, model.model.layers[2].mlp.up_proj):
+            layer.weight[:, :6] *= 40
+    recipe = parse_recipe({"SparseGPTModifier": {"sparsity": 0.5, "owl_m": 5, "owl_lmbda": 0.08}})
+    model = layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 4), show_progress=False)
+    chosen = recipe[0].layer_sparsity
+    per_block = {i: chosen[f"model.layers.{i}.self_attn.q_proj"] for i in range(4)}
+    assert min(per_block, key=per_block.get) == 2
+    assert max(per_block.values()) - per_block[2] == pytest.approx(2 * 0.08, abs=1e-9)  # the spread is 2 lmbda
+    assert sum(per_block.values()) / 4 == pytest.approx(0.5, abs=1e-9)
+    for name, layer in linears(model).items():  # each layer pruned to its block's share, exactly
+        assert int((layer.weight == 0).sum()) == int(chosen[name] * layer.weight.numel() + 0.5), name
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(owl_m=5), r"both owl_m .* and owl_lmbda"),
+    (dict(owl_m=5, owl_lmbda=0.3), r"owl_lmbda must be in \[0, 0.25\)"),
+    (dict(owl_m=0, owl_lmbda=0.08), r"owl_m must be a number > 0"),
+    (dict(owl_m=5, owl_lmbda=0.08, mask_structure="2:4"), r"OWL chooses a sparsity per block"),
+])
+def test_bad_owl_fields_are_named_errors(fields, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({"SparseGPTModifier": fields})
