@@ -80,12 +80,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     actorder: str | None = DEFAULT_ACTORDER
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise RecipeError(f"GPTQModifier.block_size must be a positive integer, got {self.block_size!r}")
-        if (isinstance(self.dampening_frac, bool) or not isinstance(self.dampening_frac, (int, float))
-                or not math.isfinite(self.dampening_frac) or self.dampening_frac < 0):
-            raise RecipeError(f"GPTQModifier.dampening_frac must be a number >= 0 (typically 0.01), "
-                              f"got {self.dampening_frac!r}")
+        self._check_solver_fields()
         if self.actorder not in ACTORDERS:
             raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
         super().__post_init__()

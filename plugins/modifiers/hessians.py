@@ -12,12 +12,13 @@ member took it.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
 
 from layerwise.accounting import Accounting, gram_flops
-from layerwise.errors import NonFiniteError
+from layerwise.errors import NonFiniteError, RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite
 from layerwise.hessian import GRAM_STRIP, add_gram, gram_to_hessian
 from layerwise.user_warnings import warn_user
@@ -36,6 +37,17 @@ class HessianHooks:
     #: how warnings and errors name the modifier
     label = "Hessian"
     _done: set[str]
+    block_size: int
+    dampening_frac: float
+
+    def _check_solver_fields(self) -> None:
+        """``block_size`` (an int >= 1) and ``dampening_frac`` (a number >= 0): errors naming the field."""
+        owner, block_size, dampening = type(self).__name__, self.block_size, self.dampening_frac
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise RecipeError(f"{owner}.block_size must be a positive integer, got {block_size!r}")
+        if (isinstance(dampening, bool) or not isinstance(dampening, (int, float)) or not math.isfinite(dampening)
+                or dampening < 0):
+            raise RecipeError(f"{owner}.dampening_frac must be a number >= 0 (typically 0.01), got {dampening!r}")
 
     def _init_hessians(self) -> None:
         #: per layer, the (possibly shared) Gram matrix of its inputs

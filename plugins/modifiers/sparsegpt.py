@@ -11,13 +11,11 @@ warning naming it. Per-layer results go to :attr:`SparseGPTModifier.summary` and
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from layerwise.errors import RecipeError
 from layerwise.hessian import HessianError
 from layerwise.sparsity.sparsegpt import sparsegpt_prune
 from layerwise.state import CompressionState
@@ -46,12 +44,7 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
     dampening_frac: float = 0.01
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise RecipeError(f"SparseGPTModifier.block_size must be a positive integer, got {self.block_size!r}")
-        if (isinstance(self.dampening_frac, bool) or not isinstance(self.dampening_frac, (int, float))
-                or not math.isfinite(self.dampening_frac) or self.dampening_frac < 0):
-            raise RecipeError(f"SparseGPTModifier.dampening_frac must be a number >= 0 (typically 0.01), "
-                              f"got {self.dampening_frac!r}")
+        self._check_solver_fields()
         super().__post_init__()
         self._init_hessians()
 
