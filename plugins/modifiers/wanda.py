@@ -5,7 +5,8 @@ over every calibration token; each output row keeps its most important weights
 (``mask_structure`` ``"0:0"``: exactly ``round(sparsity * in)`` pruned per row; ``N:M``:
 N per run of M). Data-light: a pre-hook keeps one float32 sum of squares per input
 column, nothing else, and nothing is updated after pruning. A layer that saw no data is
-magnitude-pruned with a warning.
+magnitude-pruned with a warning. Each block's layers are scored on the block's unpruned
+inputs (the blocks cut: observe, prune, run again), as in the Wanda paper.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ class WandaModifier(PruningModifier):
         for name, module in self._modules.items():
             if name not in self._done:
                 self.register_hook(module, self._norm_hook(name), "forward_pre", with_kwargs=True)
+
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """Whole forwards: every layer of a block is scored on the block's *unpruned* inputs.
+
+        Wanda compensates nothing, so scoring ``o_proj`` (say) on the outputs of an already
+        pruned ``v_proj`` only adds error (measured on MiniLM: cosine 0.836 instead of 0.843).
+        The sequential pipeline then observes each block, prunes it, and runs it again.
+        """
+        return None
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

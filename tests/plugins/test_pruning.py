@@ -99,6 +99,7 @@ def test_two_four_leaves_exactly_two_zeros_in_every_run_of_four(name):
 
 def test_wanda_prunes_exactly_the_fraction_of_every_row():
     model = prune_tiny_llama({"WandaModifier": {"sparsity": 0.3}})
+    assert model.layerwise_report.pieces.startswith("blocks")  # scored on each block's unpruned inputs
     for name, layer in linears(model).items():
         per_row = (layer.weight == 0).sum(dim=1)
         assert (per_row == int(0.3 * layer.weight.shape[1] + 0.5)).all(), name
