@@ -26,6 +26,10 @@ class Modifier:
 
     #: does the modifier need calibration data? (``False`` picks the ``datafree`` pipeline)
     requires_data: ClassVar[bool] = True
+    #: must the layers of a block be observed on the block's inputs *before* any of its layers is
+    #: compressed? (Wanda: it compensates nothing, so a layer scored on a pruned neighbour's
+    #: outputs only adds error.) ``True`` makes the ``sequential`` pipeline cut at blocks.
+    needs_uncompressed_block: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

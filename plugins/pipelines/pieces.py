@@ -79,6 +79,9 @@ def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineO
         return [], "propagate_error=False: each block runs once, on the uncompressed model's activations"
     if options.targets_per_subgraph > 1:
         return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
+    block_wise = [type(m).__name__ for m in lifecycle.modifiers if getattr(m, "needs_uncompressed_block", False)]
+    if block_wise:
+        return [], f"{', '.join(block_wise)} observes each block before compressing any of its layers"
     names = all_module_names(model)
     read = lifecycle.calibration_inputs(names)
     if read is None:  # ask each modifier again only to name the ones that need whole forwards

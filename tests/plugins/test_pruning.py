@@ -99,10 +99,19 @@ def test_two_four_leaves_exactly_two_zeros_in_every_run_of_four(name):
 
 def test_wanda_prunes_exactly_the_fraction_of_every_row():
     model = prune_tiny_llama({"WandaModifier": {"sparsity": 0.3}})
-    assert model.layerwise_report.pieces.startswith("blocks")  # scored on each block's unpruned inputs
+    # scored on each block's unpruned inputs: the cut stays at blocks, and says why
+    assert model.layerwise_report.pieces.startswith("blocks")
+    assert "WandaModifier observes each block before compressing any of its layers" in model.layerwise_report.pieces
     for name, layer in linears(model).items():
         per_row = (layer.weight == 0).sum(dim=1)
         assert (per_row == int(0.3 * layer.weight.shape[1] + 0.5)).all(), name
+
+
+def test_wanda_with_pieces_layers_is_an_error_that_says_why():
+    from layerwise.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="WandaModifier observes each block"):
+        prune_tiny_llama({"WandaModifier": {"sparsity": 0.5}}, pieces="layers")
 
 
 class TwoLinears(torch.nn.Module):
@@ -251,3 +260,34 @@ def test_owl_prunes_the_block_with_outliers_least_and_keeps_the_mean_sparsity():
 def test_bad_owl_fields_are_named_errors(fields, message):
     with pytest.raises(RecipeError, match=message):
         parse_recipe({"SparseGPTModifier": fields})
+
+
+def test_wanda_scores_the_first_block_on_the_dense_model_s_inputs():
+    batches = make_batches(lengths=(16,) * 6)
+    dense = build_tiny_llama()
+    inputs = {}
+    block = dense.model.layers[0]
+    layers = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    handles = [m.register_forward_pre_hook(lambda mod, a, n=n: inputs.setdefault(n, []).append(a[0][0]))
+               for n, m in layers.items()]
+    with torch.no_grad():
+        for batch in batches:
+            dense(**batch)
+    for handle in handles:
+        handle.remove()
+    pruned = layerwise.compress(build_tiny_llama(), {"WandaModifier": {"sparsity": 0.5}}, dataset=batches,
+                                show_progress=False)
+    for name, layer in layers.items():  # o_proj and down_proj too: read after q/k/v and gate/up, unpruned
+        x = torch.cat(inputs[name])
+        expected = score_mask(layer.weight.abs() * x.norm(dim=0), MaskStructure(0, 0), 0.5)
+        assert torch.equal(pruned.model.layers[0].get_submodule(name).weight == 0, expected), name
+
+
+def test_wanda_true_sequential_cuts_at_layers_and_scores_on_the_pruned_model():
+    model = prune_tiny_llama({"WandaModifier": {"sparsity": 0.5, "true_sequential": True}})
+    assert model.layerwise_report.pieces.startswith("layers")
+    dense_scored = prune_tiny_llama({"WandaModifier": {"sparsity": 0.5}})
+    o_proj = "model.layers.0.self_attn.o_proj"  # read after v_proj: pruned v_proj outputs change its scores
+    assert not torch.equal(model.get_submodule(o_proj).weight == 0, dense_scored.get_submodule(o_proj).weight == 0)
+    q_proj = "model.layers.0.self_attn.q_proj"  # the block's first layer reads the same input either way
+    assert torch.equal(model.get_submodule(q_proj).weight == 0, dense_scored.get_submodule(q_proj).weight == 0)
