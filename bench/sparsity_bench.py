@@ -14,7 +14,9 @@ the same model and the same calibration samples), plus ``fp32`` (the dense refer
 * ``SparseGPT 50%``: SparseGPT, sparsity 0.5, unstructured (``mask_structure "0:0"``);
 * ``SparseGPT 2:4``: SparseGPT, 2 of every 4 consecutive input weights of a row pruned;
 * ``Wanda 50%``: Wanda (``|W| * ||X||``), sparsity 0.5, unstructured;
-* ``2:4 + W4A16``: SparseGPT 2:4, then GPTQ W4A16 (int4, symmetric, group 128), in one recipe.
+* ``2:4 + W4A16``: SparseGPT 2:4, then GPTQ W4A16 (int4, symmetric, group 128), in one recipe;
+* ``Wanda 50% true-sequential``: layerwise's Wanda scoring each layer on the pruned model's inputs
+  (one forward per piece); llm-compressor runs its Wanda, as in ``Wanda 50%``.
 
 Settings, the same on both sides: SparseGPT ``block_size`` 128 and ``dampening_frac`` 0.01 (stated
 in both recipes; they are also both tools' defaults). Pruned: the Linear layers inside the
@@ -103,6 +105,9 @@ CONFIGS: dict[str, list[dict] | None] = {
     "SparseGPT 2:4": [_sparsegpt("2:4")],
     "Wanda 50%": [{"WandaModifier": {"sparsity": 0.5, "mask_structure": "0:0", "ignore": ["lm_head"]}}],
     "2:4 + W4A16": [_sparsegpt("2:4"), {"GPTQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}],
+    # layerwise's faster Wanda: each layer scored on the pruned model's inputs (llm-compressor: its Wanda)
+    "Wanda 50% true-sequential": [{"WandaModifier": {"sparsity": 0.5, "mask_structure": "0:0", "ignore": ["lm_head"],
+                                                     "true_sequential": True}}],
 }
 #: the configurations whose recipe promises a 2:4 pattern (checked on the result)
 TWO_FOUR = ("SparseGPT 2:4", "2:4 + W4A16")
@@ -256,7 +261,7 @@ def llmcompressor_recipe(recipe: list[dict], layers: list[str], ignore: list[str
     modifiers = []
     for item in recipe:
         ((name, fields),) = item.items()
-        settings = {key: value for key, value in fields.items() if key != "ignore"}
+        settings = {key: value for key, value in fields.items() if key not in ("ignore", "true_sequential")}
         if name == "GPTQModifier":
             modifiers.append(GPTQModifier(targets="Linear", ignore=ignore, **settings))
         else:
