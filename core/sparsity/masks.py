@@ -55,6 +55,10 @@ def parse_mask_structure(value: object, owner: str = "mask_structure") -> MaskSt
         return value
     if value is None or (isinstance(value, str) and value.strip().lower() == "unstructured"):
         return MaskStructure(0, 0)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 60 and value % 60:
+        n, m = divmod(value, 60)  # YAML 1.1 reads an unquoted 2:4 as the base-60 number 124
+        raise RecipeError(f"{owner} is the number {value}, which is how YAML reads an unquoted {n}:{m}; "
+                          f"quote it: mask_structure: \"{n}:{m}\"")
     match = _PATTERN.match(value) if isinstance(value, str) else None
     if match is None:
         raise RecipeError(f"{owner} must be '0:0' (unstructured) or 'N:M' such as '2:4' (N of every M "

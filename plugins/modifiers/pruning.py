@@ -39,6 +39,10 @@ from .quantization import _in_piece, _missing_target_message
 log = logging.getLogger("layerwise")
 
 
+#: fields left out of the saved recipe when unset (their defaults are derived, not literal)
+_OPTIONAL = ("sparsity", "owl_m", "owl_lmbda")
+
+
 class PruningFallbackWarning(RuntimeWarning):
     """A layer was magnitude-pruned instead (the message says which and why)."""
 
@@ -90,6 +94,11 @@ class PruningModifier(Modifier):
         self.summary: list[dict[str, Any]] = []
         self._modules: dict[str, torch.nn.Module] = {}
         self._done: set[str] = set()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe entry, leaving out the optional fields that were not given (``sparsity``, OWL)."""
+        ((name, fields),) = super().to_dict().items()
+        return {name: {k: v for k, v in fields.items() if not (v is None and k in _OPTIONAL)}}
 
     # -- layers ------------------------------------------------------------------------
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:

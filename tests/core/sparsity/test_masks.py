@@ -68,3 +68,10 @@ def test_magnitude_mask_prunes_the_smallest_absolute_values():
                                                                          [False, True, True, False]]
     assert magnitude_mask(weight, MaskStructure(2, 4), 0.5).tolist() == [[True, False, False, True],
                                                                          [False, True, True, False]]
+
+
+def test_an_unquoted_yaml_n_m_is_an_error_that_says_to_quote_it():
+    from layerwise.recipe import parse_recipe
+
+    with pytest.raises(RecipeError, match=r"how YAML reads an unquoted 2:4; quote it: mask_structure: \"2:4\""):
+        parse_recipe("SparseGPTModifier:\n  mask_structure: 2:4\n")
