@@ -32,3 +32,6 @@ class CompressionState:
     accounting: Accounting = field(default_factory=Accounting)
     #: the calibration batches, for a modifier that needs a whole-model statistics pass first (OWL)
     batches: list[Any] = field(default_factory=list)
+    #: the input Gram matrices Hessian-based modifiers share (SparseGPT then GPTQ: one per layer);
+    #: created by the first of them at calibration start (layerwise.plugins.modifiers.hessians)
+    hessian_bank: Any = None

@@ -125,7 +125,6 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     def remove_hooks(self) -> None:
         """Remove the Hessian hooks and free every Hessian still held (also after an error)."""
         super().remove_hooks()
-        self._handles.clear()
         self._free_all()
 
     def output_files(self) -> dict[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -24,12 +25,133 @@ from layerwise.hessian import GRAM_STRIP, add_gram, gram_to_hessian
 from layerwise.user_warnings import warn_user
 
 
+class HessianBank:
+    """The Gram matrices of one run's Hessian layers, shared by every modifier that solves with them.
+
+    One pre-hook per layer whatever the number of modifiers subscribing to it (SparseGPT then
+    GPTQ in one recipe read the same Hessian: one product, one matrix). The first subscriber
+    to take a layer's Hessian builds it and stops the hook; the others get the same matrix (the
+    solvers do not modify it), and it is dropped when the last one took it.
+    """
+
+    def __init__(self) -> None:
+        #: per layer, the (possibly shared between layers) Gram matrix of its inputs
+        self.grams: dict[str, _SharedGram] = {}
+        self.handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        #: per layer, the calibration inputs left out of its Hessian because they held NaN or inf
+        self.non_finite: dict[str, int] = {}
+        #: the previous hook's input, its float32 copy, and the Gram that took it
+        self.last: tuple[torch.Tensor, int, torch.Tensor, _SharedGram] | None = None
+        #: per layer, the subscribers (``id`` of the modifier) that have not taken its Hessian yet
+        self.waiting: dict[str, set[int]] = {}
+        #: per layer, a Hessian taken by one subscriber and still owed to others: (hessian, rows, dropped)
+        self.taken: dict[str, tuple[torch.Tensor | None, int, int]] = {}
+        #: per layer, the accounting phase its Gram work is timed under (its first subscriber's)
+        self.phases: dict[str, str] = {}
+        self.accounting = Accounting()
+        self.gram_flops = _FlopCount()
+
+    def subscribe(self, owner: HessianHooks, name: str, module: torch.nn.Module) -> None:
+        """``owner`` will take layer ``name``'s Hessian; the first subscriber registers the hook."""
+        self.waiting.setdefault(name, set()).add(id(owner))
+        if name not in self.handles and name not in self.taken:
+            self.phases[name] = owner.hessian_phase
+            self.handles[name] = owner.register_hook(module, self._hook(name), "forward_pre", with_kwargs=True)
+
+    def take(self, owner: HessianHooks, name: str) -> tuple[torch.Tensor | None, int, int]:
+        """Layer ``name``'s Hessian, token count and non-finite inputs left out, for ``owner``."""
+        waiting = self.waiting.get(name, set())
+        waiting.discard(id(owner))
+        if name in self.taken:
+            result = self.taken[name]
+        else:
+            handle = self.handles.pop(name, None)
+            if handle is not None:
+                handle.remove()
+            with self.work(self.phases.get(name, owner.hessian_phase)):
+                hessian, samples = self.hessian(name)
+            dropped = self.non_finite.pop(name, 0)
+            if dropped:
+                _warn_dropped(owner.label, name, dropped, hessian is None or samples == 0)
+            result = (hessian, samples, dropped)
+        if waiting:
+            self.taken[name] = result
+        else:
+            self.taken.pop(name, None)
+            self.waiting.pop(name, None)
+        return result
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            if not isinstance(x, torch.Tensor) or not self.waiting.get(name) or name in self.taken:
+                return
+            if not is_finite(x):  # one NaN row would make the whole Hessian NaN
+                self.non_finite[name] = self.non_finite.get(name, 0) + 1
+                return
+            with self.work(self.phases[name]):
+                self._accumulate(name, x)
+        return hook
+
+    @contextlib.contextmanager
+    def work(self, phase: str):
+        """Time a Hessian step into the run's accounting, with the Gram FLOPs it did."""
+        start, flops = time.perf_counter(), self.gram_flops.value
+        try:
+            yield
+        finally:
+            self.accounting.add(phase, time.perf_counter() - start, self.gram_flops.value - flops)
+
+    @torch.no_grad()
+    def _accumulate(self, name: str, x: torch.Tensor) -> None:
+        last = self.last
+        gram = self.grams.get(name)
+        if gram is not None and gram.alone_and_idle() and x.numel() >= FLUSH_ROWS * x.shape[-1]:
+            # a layer with its own matrix and a long input: fold it right away, no copy kept
+            self.last = None
+            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
+            return
+        if last is not None and last[0] is x and last[1] == x._version:
+            flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
+        else:
+            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            flat = flat.reshape(-1, flat.shape[-1])
+        if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
+            gram = last[3]  # first input, and the same one another layer just started with: share
+            self.grams[name] = gram
+            gram.join(name)
+        else:
+            if gram is None:
+                gram = self.grams[name] = _SharedGram(self.gram_flops)
+            gram = gram.read(name, flat, self.grams)
+        self.last = (x, x._version, flat, gram)
+        gram.fold_confirmed(FLUSH_ROWS)
+
+    def hessian(self, name: str) -> tuple[torch.Tensor | None, int]:
+        """The layer's Hessian ``2/n X^T X`` (``None`` without data) and ``n``; forgets its Gram."""
+        gram = self.grams.pop(name, None)
+        if gram is None:
+            return None, 0
+        return gram.take(name)
+
+    def clear(self) -> None:
+        """Forget every matrix and hook handle (the hooks themselves go with their modifiers')."""
+        self.grams.clear()
+        self.handles.clear()
+        self.non_finite.clear()
+        self.waiting.clear()
+        self.taken.clear()
+        self.last = None
+
+
 class HessianHooks:
     """Mixin for modifiers whose layers need their input Hessian; keeps no dataclass fields.
 
     The modifier calls :meth:`_init_hessians` from ``__post_init__``, :meth:`_hook_hessians`
     at calibration start, :meth:`_take_hessian` when it compresses a layer, and
-    :meth:`_free_all` on reset; ``self._done`` names the layers already compressed.
+    :meth:`_free_all` on reset; ``self._done`` names the layers already compressed. The
+    matrices live in the run's :class:`HessianBank` (``state.hessian_bank``), shared with the
+    other modifiers of the recipe that read the same layers.
     """
 
     #: the accounting phase the Gram work is timed under (see layerwise.accounting)
@@ -39,6 +161,7 @@ class HessianHooks:
     _done: set[str]
     block_size: int
     dampening_frac: float
+    register_hook: Any
 
     def _check_solver_fields(self) -> None:
         """``block_size`` (an int >= 1) and ``dampening_frac`` (a number >= 0): errors naming the field."""
@@ -50,99 +173,55 @@ class HessianHooks:
             raise RecipeError(f"{owner}.dampening_frac must be a number >= 0 (typically 0.01), got {dampening!r}")
 
     def _init_hessians(self) -> None:
-        #: per layer, the (possibly shared) Gram matrix of its inputs
-        self._grams: dict[str, _SharedGram] = {}
-        self._handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
-        #: per layer, the calibration inputs left out of its Hessian because they held NaN or inf
-        self._non_finite: dict[str, int] = {}
-        # the previous hook's input, its float32 copy, and the Gram that took it
-        self._last: tuple[torch.Tensor, int, torch.Tensor, _SharedGram] | None = None
-        #: where the Hessian and solve time goes (the run's, from calibration_start on)
-        self._accounting = Accounting()
-        self._gram_flops = _FlopCount()
+        self._bank = HessianBank()
+
+    @property
+    def _accounting(self) -> Accounting:
+        """The run's accounting (from calibration_start on): where the Hessian and solve time goes."""
+        return self._bank.accounting
+
+    @property
+    def _grams(self) -> dict[str, _SharedGram]:
+        return self._bank.grams
+
+    @property
+    def _last(self) -> tuple | None:
+        return self._bank.last
+
+    @_last.setter
+    def _last(self, value: tuple | None) -> None:
+        self._bank.last = value
 
     def _hook_hessians(self, state, modules: dict[str, torch.nn.Module]) -> None:
-        """Start collecting: the run's accounting, and one pre-hook per layer not compressed yet."""
-        accounting = getattr(state, "accounting", None)
-        self._accounting = accounting if accounting is not None else Accounting()
+        """Join the run's bank (the first modifier creates it) and subscribe to the layers not compressed yet."""
+        shared = getattr(state, "hessian_bank", None)
+        if shared is None:
+            accounting = getattr(state, "accounting", None)
+            self._bank.accounting = accounting if accounting is not None else Accounting()
+            if hasattr(state, "hessian_bank"):
+                state.hessian_bank = self._bank
+        else:
+            self._bank = shared
         for name, module in modules.items():
             if name not in self._done:
-                self._handles[name] = self.register_hook(module, self._hessian_hook(name), "forward_pre",
-                                                         with_kwargs=True)
+                self._bank.subscribe(self, name, module)
 
     def _take_hessian(self, name: str) -> tuple[torch.Tensor | None, int, int]:
         """The layer's Hessian, token count (``None, 0`` without data) and inputs left out as non-finite.
 
-        Stops the layer's hook and forgets it. Left-out inputs are a warning naming the
-        layer, or a :class:`NonFiniteError` when no finite input was left.
+        Left-out inputs are a warning naming the layer, or a :class:`NonFiniteError` when no
+        finite input was left.
         """
-        handle = self._handles.pop(name, None)
-        if handle is not None:
-            handle.remove()
-        with self._hessian_work():
-            hessian, samples = self._hessian(name)
-        dropped = self._non_finite.pop(name, 0)
-        if dropped:
-            _warn_dropped(self.label, name, dropped, hessian is None or samples == 0)
-        return hessian, samples, dropped
-
-    def _hessian_hook(self, name: str):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
-            if not isinstance(x, torch.Tensor) or name in self._done:
-                return
-            if not is_finite(x):  # one NaN row would make the whole Hessian NaN
-                self._non_finite[name] = self._non_finite.get(name, 0) + 1
-                return
-            with self._hessian_work():
-                self._accumulate(name, x)
-        return hook
-
-    @contextlib.contextmanager
-    def _hessian_work(self):
-        """Time a Hessian step into the run's accounting, with the Gram FLOPs it did."""
-        start, flops = time.perf_counter(), self._gram_flops.value
-        try:
-            yield
-        finally:
-            self._accounting.add(self.hessian_phase, time.perf_counter() - start, self._gram_flops.value - flops)
-
-    @torch.no_grad()
-    def _accumulate(self, name: str, x: torch.Tensor) -> None:
-        last = self._last
-        gram = self._grams.get(name)
-        if gram is not None and gram.alone_and_idle() and x.numel() >= FLUSH_ROWS * x.shape[-1]:
-            # a layer with its own matrix and a long input: fold it right away, no copy kept
-            self._last = None
-            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
-            return
-        if last is not None and last[0] is x and last[1] == x._version:
-            flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
-        else:
-            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            flat = flat.reshape(-1, flat.shape[-1])
-        if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
-            gram = last[3]  # first input, and the same one another layer just started with: share
-            self._grams[name] = gram
-            gram.join(name)
-        else:
-            if gram is None:
-                gram = self._grams[name] = _SharedGram(self._gram_flops)
-            gram = gram.read(name, flat, self._grams)
-        self._last = (x, x._version, flat, gram)
-        gram.fold_confirmed(FLUSH_ROWS)
+        return self._bank.take(self, name)
 
     def _hessian(self, name: str) -> tuple[torch.Tensor | None, int]:
-        """The layer's Hessian ``2/n X^T X`` (``None`` without data) and ``n``; forgets the layer."""
-        gram = self._grams.pop(name, None)
-        if gram is None:
-            return None, 0
-        return gram.take(name)
+        """The layer's Hessian and row count, taken directly from the bank (tests, and GPTQ's own use)."""
+        return self._bank.hessian(name)
 
     def _free_all(self) -> None:
-        self._grams.clear()
-        self._non_finite.clear()
-        self._last = None
+        """Forget this modifier's matrices: a fresh bank of its own (the run's is joined at calibration start)."""
+        self._bank.clear()
+        self._bank = HessianBank()
 
 
 def _warn_dropped(label: str, name: str, dropped: int, none_left: bool) -> None:

@@ -67,7 +67,6 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
     def remove_hooks(self) -> None:
         """Remove the Hessian hooks and free every Hessian still held (also after an error)."""
         super().remove_hooks()
-        self._handles.clear()
         self._free_all()
 
     def solve(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:

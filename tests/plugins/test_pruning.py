@@ -291,3 +291,21 @@ def test_wanda_true_sequential_cuts_at_layers_and_scores_on_the_pruned_model():
     assert not torch.equal(model.get_submodule(o_proj).weight == 0, dense_scored.get_submodule(o_proj).weight == 0)
     q_proj = "model.layers.0.self_attn.q_proj"  # the block's first layer reads the same input either way
     assert torch.equal(model.get_submodule(q_proj).weight == 0, dense_scored.get_submodule(q_proj).weight == 0)
+
+
+def test_sparsegpt_then_gptq_share_one_gram_per_input(monkeypatch):
+    from layerwise.plugins.modifiers import hessians
+
+    products = []
+    original = hessians._add_gram
+    monkeypatch.setattr(hessians, "_add_gram", lambda gram, x, flops: (products.append(x.shape), original(gram, x, flops)))
+    prune_tiny_llama({"SparseGPTModifier": {"mask_structure": "2:4"}})
+    alone = list(products)
+    products.clear()
+    recipe = parse_recipe([{"SparseGPTModifier": {"mask_structure": "2:4"}},
+                           {"GPTQModifier": {"scheme": "W4A16", "group_size": 32}}])
+    model = prune_tiny_llama(recipe)
+    assert products == alone  # the same Gram products: none computed a second time for GPTQ
+    sparsegpt, gptq = ({r["name"]: r["samples"] for r in m.summary} for m in recipe)
+    assert sparsegpt == gptq and len(sparsegpt) == 14
+    assert "GPTQ Hessians" not in model.layerwise_report.accounting  # timed once, under SparseGPT's
