@@ -20,8 +20,8 @@ def _richest(modalities):
     return next(m for m in ("image", "audio", "text") if m in modalities)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_gptq_through_the_sequential_pipeline_changes_every_targeted_linear(name, patches):  # noqa: F811
+def zoo_case(name, patches):  # noqa: F811
+    """A zoo model, its patch, the targets and batch of its richest modality, and the Linears inside them."""
     model, patch = _built(name, patches)
     modality = _richest(ARCHS[name].modalities)
     targets = list(_modality_targets(patch, modality))
@@ -30,6 +30,12 @@ def test_gptq_through_the_sequential_pipeline_changes_every_targeted_linear(name
     linears = {n: m for n, m in find_modules(model, ["Linear"], patch.ignore).items()
                if any(n.startswith(layer + ".") for layer in layer_names)}
     assert linears, f"{name}: no Linear inside the targets"
+    return model, patch, targets, batch, linears
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_gptq_through_the_sequential_pipeline_changes_every_targeted_linear(name, patches):  # noqa: F811
+    model, patch, targets, batch, linears = zoo_case(name, patches)
     before = {n: m.weight.detach().clone() for n, m in linears.items()}
 
     # tiny widths (32, 64): per-channel int4, so no group size has to divide them

@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_zoo_gptq import _richest
-from test_zoo_patches import ARCHS, _built, _modality_targets, patches  # noqa: F401  (fixture)
+from test_zoo_gptq import zoo_case
+from test_zoo_patches import ARCHS, patches  # noqa: F401  (fixture)
 
 import layerwise
-from layerwise.matching import find_modules
 from layerwise.plugins.modifiers.sparsegpt import SparseGPTModifier
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_sparsegpt_two_four_prunes_every_targeted_linear_from_its_hessian(name, patches):  # noqa: F811
-    model, patch = _built(name, patches)
-    modality = _richest(ARCHS[name].modalities)
-    targets = list(_modality_targets(patch, modality))
-    batch = patch.sample_inputs(model.config, modality)
-    layer_names = find_modules(model, targets, patch.ignore)
-    linears = {n: m for n, m in find_modules(model, ["Linear"], patch.ignore).items()
-               if any(n.startswith(layer + ".") for layer in layer_names)}
-    assert linears, f"{name}: no Linear inside the targets"
+    model, patch, targets, batch, linears = zoo_case(name, patches)
 
     sparsegpt = SparseGPTModifier(mask_structure="2:4", block_size=16)
     layerwise.compress(model, sparsegpt, dataset=[batch], pipeline="sequential", sequential_targets=targets,
