@@ -35,3 +35,9 @@ def test_modifier_runs_from_a_yaml_recipe():
     proj = model.model.layers[0].mlp.c_fc.weight
     assert abs((proj == 0).float().mean().item() - 0.5) < 0.01
     assert torch.equal(model.lm_head.weight, head)
+
+
+def test_modifier_keeps_layerwise_s_modifier_contract(layerwise_check_modifier):
+    from layerwise_starcoder2 import MagnitudePruningModifier
+
+    layerwise_check_modifier(MagnitudePruningModifier, {"sparsity": 0.3})

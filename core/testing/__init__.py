@@ -1,0 +1,12 @@
+"""The checks every layerwise plugin must pass, shipped for plugin authors (and used by layerwise itself).
+
+``check_modifier(MyModifier, {...})`` runs a modifier through the contract the host relies on
+and raises :class:`PluginCheckError` (an ``AssertionError``, so pytest shows it as a plain
+failure) naming the plugin, the step and the likely fix. Installed with layerwise, the pytest
+plugin :mod:`layerwise.testing.pytest_plugin` offers the same as fixtures.
+"""
+
+from .errors import PluginCheckError
+from .modifiers import check_modifier, count_hooks, tiny_llama, token_batches
+
+__all__ = ["PluginCheckError", "check_modifier", "count_hooks", "tiny_llama", "token_batches"]

@@ -1,0 +1,29 @@
+"""pytest fixtures for plugin authors, loaded by pytest itself (the ``pytest11`` entry point).
+
+A plugin's test suite gets them without importing anything::
+
+    def test_my_modifier_keeps_the_contract(layerwise_check_modifier):
+        layerwise_check_modifier(MyModifier, {"strength": 0.5})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+
+@pytest.fixture
+def layerwise_check_modifier() -> Callable[..., None]:
+    """:func:`layerwise.testing.check_modifier`: every step of the modifier contract."""
+    from layerwise.testing import check_modifier
+
+    return check_modifier
+
+
+@pytest.fixture
+def layerwise_tiny_llama() -> Callable[..., object]:
+    """A factory of seeded 2-layer Llama models built offline (``layerwise_tiny_llama(seed=0)``)."""
+    from layerwise.testing import tiny_llama
+
+    return tiny_llama
