@@ -48,8 +48,10 @@ __all__ = [
     "unfuse_experts",
 ]
 
-#: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear)
-MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
+#: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear);
+#: (the ``block_sparse_moe.gate`` of transformers 4's Mixtral exists in no supported release: the plugin
+#: kit's ignore check found that entry matching nothing)
+MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
 
 
 class ExpertMLP(nn.Module):

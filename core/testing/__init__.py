@@ -1,12 +1,13 @@
 """The checks every layerwise plugin must pass, shipped for plugin authors (and used by layerwise itself).
 
-``check_modifier(MyModifier, {...})`` runs a modifier through the contract the host relies on
-and raises :class:`PluginCheckError` (an ``AssertionError``, so pytest shows it as a plain
+``check_modifier(MyModifier, {...})`` and ``check_model_patch(patch, model)`` run a plugin
+through the contract the host relies on and raise :class:`PluginCheckError` (an ``AssertionError``, so pytest shows it as a plain
 failure) naming the plugin, the step and the likely fix. Installed with layerwise, the pytest
 plugin :mod:`layerwise.testing.pytest_plugin` offers the same as fixtures.
 """
 
 from .errors import PluginCheckError
 from .modifiers import check_modifier, count_hooks, tiny_llama, token_batches
+from .patches import check_model_patch
 
-__all__ = ["PluginCheckError", "check_modifier", "count_hooks", "tiny_llama", "token_batches"]
+__all__ = ["PluginCheckError", "check_model_patch", "check_modifier", "count_hooks", "tiny_llama", "token_batches"]

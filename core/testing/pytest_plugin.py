@@ -27,3 +27,11 @@ def layerwise_tiny_llama() -> Callable[..., object]:
     from layerwise.testing import tiny_llama
 
     return tiny_llama
+
+
+@pytest.fixture
+def layerwise_check_model_patch() -> Callable[..., None]:
+    """:func:`layerwise.testing.check_model_patch`: ignore entries, targets, trace and replay, GPTQ, reload."""
+    from layerwise.testing import check_model_patch
+
+    return check_model_patch
