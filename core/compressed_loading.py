@@ -108,7 +108,7 @@ def load_sparse(folder: str | os.PathLike, config: Any, model_class: type | None
     return result
 
 
-def decoded_state_dict(folder: Path, fmt: str | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+def decoded_state_dict(folder: Path, fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Every tensor of the folder's safetensors, sparse ``<name>.<part>`` groups decoded to ``<name>``.
 
     Returns the state dict and the names decoded.
@@ -125,8 +125,6 @@ def decoded_state_dict(folder: Path, fmt: str | None) -> tuple[dict[str, torch.T
                                  f"copy or download it again") from exc
         tensors.update(shard)
         where.update(dict.fromkeys(shard, file.name))
-    if fmt is None:
-        return tensors, []
     parts, decode = PARTS[fmt], DECODERS[fmt]
     stems = sorted({key.rsplit(".", 1)[0] for key in tensors
                     if "." in key and key.rsplit(".", 1)[1] in parts and key.rsplit(".", 1)[1] != "shape"})

@@ -74,12 +74,9 @@ def sparsegpt_prune(weight: Tensor, hessian: Tensor, structure: MaskStructure, s
     W = weight.detach().to(device=H.device, dtype=torch.float32).clone()
     dead = torch.diagonal(H) == 0
     W[:, dead] = 0.0  # inputs that were always 0: the weights reading them do nothing, prune them first
-    reversed_h = H.flip(0, 1)  # inverse_hessian_factor takes H in reverse order (and overwrites it)
-    if bool(dead.any()):
-        reversed_h = reversed_h.clone()
-        reversed_h.diagonal()[dead.flip(0)] = 1.0
-    else:
-        reversed_h = reversed_h.contiguous()
+    # inverse_hessian_factor takes H in reverse order and overwrites it: flip makes the copy
+    reversed_h = H.flip(0, 1)
+    reversed_h.diagonal()[dead.flip(0)] = 1.0
     U, used_frac = inverse_hessian_factor(reversed_h, dampening_frac)
     del reversed_h
     if structure.m:  # N:M runs must not straddle blocks: a block holds whole runs

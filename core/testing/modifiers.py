@@ -154,11 +154,12 @@ def _check_events_and_hooks(cls: type, name: str, fields: dict[str, Any], model_
         layerwise.compress(model, [modifier], dataset=batches if cls.requires_data else None, show_progress=False)
     except Exception as error:
         raise _fail(name, "events", f"compress() failed: {type(error).__name__}: {error}") from error
-    expected_first = ["on_initialize", "on_calibration_start"] if cls.requires_data else ["on_initialize"]
-    body = [e for e in seen if e == "on_sequential_epoch_end"]
-    order = expected_first + body + (["on_calibration_end"] if cls.requires_data else []) + ["on_finalize"]
-    if cls.requires_data and seen != order or not cls.requires_data and (not seen or seen[0] != "on_initialize"
-                                                                         or seen[-1] != "on_finalize"):
+    if cls.requires_data:  # initialize, calibration_start, epoch ends, calibration_end, finalize
+        epochs = [e for e in seen if e == "on_sequential_epoch_end"]
+        in_order = seen == ["on_initialize", "on_calibration_start", *epochs, "on_calibration_end", "on_finalize"]
+    else:  # data-free: whatever the datafree pipeline fires, between initialize and finalize
+        in_order = bool(seen) and seen[0] == "on_initialize" and seen[-1] == "on_finalize"
+    if not in_order:
         raise _fail(name, "events", f"events came as {seen}", "events are fired by the host: a modifier must not "
                     "call its own on_* methods, nor replace them on the instance")
     left = count_hooks(model) - before

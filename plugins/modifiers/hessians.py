@@ -83,7 +83,7 @@ class HessianBank:
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            x = layer_input(args, kwargs)
             if not isinstance(x, torch.Tensor) or not self.waiting.get(name) or name in self.taken:
                 return
             if not is_finite(x):  # one NaN row would make the whole Hessian NaN
@@ -215,13 +215,19 @@ class HessianHooks:
         return self._bank.take(self, name)
 
     def _hessian(self, name: str) -> tuple[torch.Tensor | None, int]:
-        """The layer's Hessian and row count, taken directly from the bank (tests, and GPTQ's own use)."""
+        """The layer's Hessian and row count, straight from the bank, no subscriber bookkeeping (tests read it)."""
         return self._bank.hessian(name)
 
     def _free_all(self) -> None:
         """Forget this modifier's matrices: a fresh bank of its own (the run's is joined at calibration start)."""
         self._bank.clear()
         self._bank = HessianBank()
+
+
+def layer_input(args: tuple, kwargs: dict) -> Any:
+    """What a layer's forward pre-hook sees as its input: the first positional argument, else ``input=``,
+    else the first keyword argument."""
+    return args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
 
 
 def _warn_dropped(label: str, name: str, dropped: int, none_left: bool) -> None:

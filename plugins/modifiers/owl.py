@@ -17,6 +17,8 @@ import torch
 
 from layerwise.quantization.storage import linear_weight
 
+from .hessians import layer_input
+
 
 def owl_sparsities(layers: dict[str, torch.nn.Module], blocks: Iterable[str], norms: dict[str, torch.Tensor],
                    sparsity: float, m: float, lmbda: float) -> dict[str, float]:
@@ -49,7 +51,7 @@ def input_norms(model: torch.nn.Module, layers: dict[str, torch.nn.Module], batc
 
     def hook(name):
         def collect(module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()), None)
+            x = layer_input(args, kwargs)
             if isinstance(x, torch.Tensor):
                 squares = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).square().sum(0)
                 sums[name] = squares if name not in sums else sums[name].add_(squares)

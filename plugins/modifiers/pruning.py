@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from layerwise.errors import RecipeError
-from layerwise.matching import find_modules, unmatched
+from layerwise.matching import find_modules
 from layerwise.modifier import Modifier
 from layerwise.quantization.storage import is_transposed, linear_weight
 from layerwise.sparsity.masks import (
@@ -34,7 +34,7 @@ from layerwise.state import CompressionState
 from layerwise.user_warnings import warn_user
 
 from .owl import input_norms, owl_sparsities
-from .quantization import _in_piece, _missing_target_message
+from .quantization import _in_piece, target_lists, targeted_modules
 
 log = logging.getLogger("layerwise")
 
@@ -73,10 +73,7 @@ class PruningModifier(Modifier):
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = type(self).__name__
-        self.targets = [self.targets] if isinstance(self.targets, str) else list(self.targets or [])
-        self.ignore = [self.ignore] if isinstance(self.ignore, str) else list(self.ignore or [])
-        if not self.targets:
-            raise RecipeError(f"{owner}.targets is empty; e.g. targets: [Linear]")
+        self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
         self.structure: MaskStructure = parse_mask_structure(self.mask_structure, f"{owner}.mask_structure")
         implied = self.structure.sparsity
         if self.sparsity is None:
@@ -103,12 +100,7 @@ class PruningModifier(Modifier):
     # -- layers ------------------------------------------------------------------------
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
         """The layers to prune; errors for a target matching nothing or a width N:M cannot cut."""
-        model = state.model
-        missing = unmatched(model, self.targets)
-        if missing:
-            raise RecipeError(_missing_target_message(type(self).__name__, missing, model))
-        modules = find_modules(model, self.targets, [*self.ignore, *(state.ignore or [])])
-        modules = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
         for name, module in modules.items():
             self.structure.check_columns(linear_weight(module).shape[-1], name)
         return modules
@@ -192,11 +184,11 @@ class PruningModifier(Modifier):
         """The pruned ``(out, in)`` float32 weight and the layer's record; ``None`` to magnitude-prune."""
         raise NotImplementedError
 
-    def fallback(self, name: str, reason: str) -> tuple[None, dict[str, Any]]:
-        """Magnitude-prune ``name`` instead, with a warning that says why."""
+    def fallback(self, name: str, reason: str, record: dict[str, Any]) -> tuple[None, dict[str, Any]]:
+        """Magnitude-prune ``name`` instead, with a warning that says why; ``record`` joins the layer's record."""
         warn_user(f"{type(self).__name__}: layer {name!r} is magnitude-pruned instead: {reason}",
                   PruningFallbackWarning)
-        return None, {"method": "magnitude"}
+        return None, {"method": "magnitude", **record}
 
 
 @torch.no_grad()

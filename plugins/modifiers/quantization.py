@@ -48,13 +48,7 @@ class QuantizationModifier(Modifier):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.targets, str):
-            self.targets = [self.targets]
-        if isinstance(self.ignore, str):
-            self.ignore = [self.ignore]
-        self.targets, self.ignore = list(self.targets), list(self.ignore or [])
-        if not self.targets:
-            raise RecipeError(f"{type(self).__name__}.targets is empty; e.g. targets: [Linear]")
+        self.targets, self.ignore = target_lists(type(self).__name__, self.targets, self.ignore)
         self.args: QuantizationArgs = self.resolve_args()  # fail at recipe time, not mid-run
         self._modules: dict[str, torch.nn.Module] = {}
         self._done: set[str] = set()
@@ -76,13 +70,7 @@ class QuantizationModifier(Modifier):
 
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
         """The modules to quantize; errors for a target matching nothing or an indivisible group."""
-        model = state.model
-        missing = unmatched(model, self.targets)
-        if missing:
-            raise RecipeError(_missing_target_message(type(self).__name__, missing, model))
-        ignore = [*self.ignore, *(state.ignore or [])]
-        modules = find_modules(model, self.targets, ignore)
-        modules = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
         if self.args.strategy == "group":
             for name, module in modules.items():
                 in_features = linear_weight(module).shape[-1]
@@ -125,6 +113,27 @@ class QuantizationModifier(Modifier):
         ((name, fields),) = super().to_dict().items()
         unset = {f.name for f in dataclasses.fields(self) if f.default is None and getattr(self, f.name) is None}
         return {name: {k: v for k, v in fields.items() if k not in unset}}
+
+
+def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list[str]]:
+    """A modifier's ``targets`` and ``ignore`` as lists (a single string allowed); empty targets are an error."""
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+    if not targets:
+        raise RecipeError(f"{owner}.targets is empty; e.g. targets: [Linear]")
+    return targets, ignore
+
+
+def targeted_modules(owner: str, state: CompressionState, targets: list[str],
+                     ignore: list[str]) -> dict[str, torch.nn.Module]:
+    """The modules with a weight that ``targets`` select minus ``ignore`` and the run's ignore list;
+    a target matching nothing is an error listing what the model has."""
+    model = state.model
+    missing = unmatched(model, targets)
+    if missing:
+        raise RecipeError(_missing_target_message(owner, missing, model))
+    modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
+    return {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
 
 
 def _in_piece(name: str, modules: list[str]) -> bool:

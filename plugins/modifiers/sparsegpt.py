@@ -73,14 +73,14 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
         hessian, samples, dropped = self._take_hessian(name)
         extra = {"samples": samples, **({"non_finite_inputs": dropped} if dropped else {})}
         if hessian is None or samples == 0:
-            return self.fallback(name, "it saw no calibration data")[0], {"method": "magnitude", **extra}
+            return self.fallback(name, "it saw no calibration data", extra)
         columns = weight.shape[1]
         try:
             with self._accounting.timed(SOLVE_PHASE, sparsegpt_solve_flops(weight.shape[0], columns)):
                 result = sparsegpt_prune(weight, hessian, self.structure, self.sparsity_for(name),
                                          block_size=self.block_size, dampening_frac=self.dampening_frac)
         except HessianError as exc:
-            return self.fallback(name, str(exc))[0], {"method": "magnitude", **extra}
+            return self.fallback(name, str(exc), extra)
         return result.weight, {"method": "sparsegpt", "loss": result.loss,
                                "dampening_frac": result.dampening_frac, **extra}
 

@@ -22,7 +22,7 @@ from layerwise.finite import is_finite
 from layerwise.sparsity.masks import score_mask
 from layerwise.state import CompressionState
 
-from .hessians import _warn_dropped
+from .hessians import _warn_dropped, layer_input
 from .pruning import PruningModifier
 
 
@@ -70,7 +70,7 @@ class WandaModifier(PruningModifier):
 
     def _norm_hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            x = layer_input(args, kwargs)
             if not isinstance(x, torch.Tensor) or name in self._done:
                 return
             if not is_finite(x):
@@ -89,7 +89,7 @@ class WandaModifier(PruningModifier):
             _warn_dropped("Wanda", name, dropped, samples == 0)
         extra = {"samples": samples, **({"non_finite_inputs": dropped} if dropped else {})}
         if total is None or samples == 0:
-            return self.fallback(name, "it saw no calibration data")[0], {"method": "magnitude", **extra}
+            return self.fallback(name, "it saw no calibration data", extra)
         score = weight.abs() * total.to(weight.device).sqrt().unsqueeze(0)
         mask = score_mask(score, self.structure, self.sparsity_for(name))
         return weight.masked_fill(mask, 0.0), {"method": "wanda", **extra}
