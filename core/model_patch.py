@@ -41,6 +41,9 @@ class ModelPatch:
     calibration_context: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None
     #: ``sample_inputs(config, modality) -> dict`` for tracing and tests, no downloads
     sample_inputs: Callable[[Any, str], dict[str, Any]] | None = None
+    #: builders of seeded tiny models (random weights, no downloads) of the layouts this patch covers:
+    #: what ``layerwise plugins --check`` runs the plugin kit on
+    tiny_models: tuple[Callable[[], torch.nn.Module], ...] = ()
     #: SmoothQuant / AWQ (balance layers, smoothed layer) mappings as regex pairs
     smoothing_mappings: tuple[tuple[tuple[str, ...], str], ...] = ()
     #: transformers versions this patch was verified against

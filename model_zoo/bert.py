@@ -9,6 +9,8 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
+from . import _tiny
+
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
     """Random token ids and a full attention mask; BERT takes text only."""
@@ -20,6 +22,15 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
             "token_type_ids": torch.zeros_like(input_ids)}
 
 
+def tiny_bert() -> torch.nn.Module:
+    """A seeded 2-layer BERT encoder (MiniLM's layout, smaller)."""
+    from transformers import BertConfig
+
+    return _tiny.seeded("BertModel", BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4,
+                                                max_position_embeddings=64))
+
+
 BERT = ModelPatch(
     name="bert",
     model_types=("bert",),
@@ -28,6 +39,7 @@ BERT = ModelPatch(
     # the pooler and task heads are tiny and sensitive; embeddings are not Linear
     ignore=("re:.*pooler.*", "re:cls\\..*", "classifier"),
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_bert,),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -15,7 +15,7 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
@@ -39,6 +39,19 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
     }
 
 
+def tiny_gemma3() -> torch.nn.Module:
+    """A seeded Gemma3: SigLIP tower, one sliding-window and one full-attention decoder layer."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(
+        vision_config=dict(_tiny.VISION, model_type="siglip_vision_model", image_size=56, patch_size=14),
+        text_config=dict(_tiny.TEXT, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+        mm_tokens_per_image=4, boi_token_index=251, eoi_token_index=252, image_token_index=250,
+        tie_word_embeddings=False)
+    return _tiny.seeded("Gemma3ForConditionalGeneration", config)
+
+
 GEMMA3 = ModelPatch(
     name="gemma3",
     model_types=("gemma3", "gemma3_text"),
@@ -46,6 +59,7 @@ GEMMA3 = ModelPatch(
     sequential_targets=("SiglipEncoderLayer", "Gemma3DecoderLayer"),
     ignore=("lm_head", "re:.*multi_modal_projector.*"),
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_gemma3,),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

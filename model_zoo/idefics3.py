@@ -18,7 +18,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.tracing import opaque
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 VISION_LAYERS = "re:(.*\\.)?vision_model\\.encoder\\.layers\\.\\d+"
 TEXT_LAYERS = "re:(.*\\.)?text_model\\.layers\\.\\d+"
@@ -101,6 +101,16 @@ def traceable_image_features(model: torch.nn.Module) -> None:
             module.get_image_features = types.MethodType(_get_image_features, module)
 
 
+def tiny_idefics3() -> torch.nn.Module:
+    """A seeded Idefics3: SigLIP-style encoder, pixel-shuffle connector, Llama decoder."""
+    from transformers import Idefics3Config
+
+    config = Idefics3Config(vision_config=dict(_tiny.VISION, image_size=56, patch_size=14),
+                            text_config=dict(_tiny.TEXT, model_type="llama", pad_token_id=0),
+                            image_token_id=250, scale_factor=2)
+    return _tiny.seeded("Idefics3ForConditionalGeneration", config)
+
+
 IDEFICS3 = ModelPatch(
     name="idefics3",
     model_types=("idefics3", "smolvlm"),
@@ -111,6 +121,7 @@ IDEFICS3 = ModelPatch(
     ignore=("lm_head", "re:.*connector.*"),
     apply=traceable_image_features,
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_idefics3,),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -9,6 +9,8 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
+from . import _tiny
+
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
     """Random token ids with a full attention mask; text only."""
@@ -19,6 +21,13 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
+def tiny_llama() -> torch.nn.Module:
+    """A seeded 2-layer Llama."""
+    from transformers import LlamaConfig
+
+    return _tiny.seeded("LlamaForCausalLM", LlamaConfig(**_tiny.TEXT))
+
+
 LLAMA = ModelPatch(
     name="llama",
     model_types=("llama",),
@@ -27,6 +36,7 @@ LLAMA = ModelPatch(
     # the output head maps to the vocabulary: quantizing it costs the most quality per byte
     ignore=("lm_head",),
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_llama,),
     smoothing_mappings=(
         (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
         (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),

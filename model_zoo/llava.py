@@ -22,7 +22,7 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 #: every transformer layer of the vision tower (CLIP/SigLIP ``encoder.layers``, Pixtral ``transformer.layers``)
 VISION_LAYERS = "re:(.*\\.)?vision_tower\\..*layers\\.\\d+"
@@ -66,6 +66,40 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
     return inputs
 
 
+_PIXTRAL_TOWER = dict(_tiny.VISION, model_type="pixtral", image_size=56, patch_size=14, head_dim=16)
+
+
+def tiny_llava() -> torch.nn.Module:
+    """A seeded Llava: CLIP vision tower, Llama decoder."""
+    from transformers import LlavaConfig
+
+    config = LlavaConfig(
+        vision_config=dict(_tiny.VISION, model_type="clip_vision_model", image_size=28, patch_size=14,
+                           projection_dim=32),
+        text_config=dict(_tiny.TEXT, model_type="llama"),
+        image_token_index=250, image_seq_length=4, vision_feature_layer=-1)
+    return _tiny.seeded("LlavaForConditionalGeneration", config)
+
+
+def tiny_pixtral() -> torch.nn.Module:
+    """Pixtral-12B's layout: a Llava model with a Pixtral vision tower and a Mistral decoder."""
+    from transformers import LlavaConfig
+
+    config = LlavaConfig(vision_config=_PIXTRAL_TOWER, text_config=dict(_tiny.TEXT, model_type="mistral", head_dim=16),
+                         image_token_index=250, vision_feature_select_strategy="full", vision_feature_layer=-1)
+    return _tiny.seeded("LlavaForConditionalGeneration", config)
+
+
+def tiny_mistral3() -> torch.nn.Module:
+    """A seeded Mistral3: Pixtral tower, patch merger, Mistral decoder."""
+    from transformers import Mistral3Config
+
+    config = Mistral3Config(vision_config=_PIXTRAL_TOWER, text_config=dict(_tiny.TEXT, model_type="mistral", head_dim=16),
+                            image_token_index=250, spatial_merge_size=2, vision_feature_layer=-1,
+                            tie_word_embeddings=False)
+    return _tiny.seeded("Mistral3ForConditionalGeneration", config)
+
+
 _TARGETS = (VISION_LAYERS, TEXT_LAYERS)
 _IGNORE = ("lm_head", "re:.*multi_modal_projector.*")
 
@@ -76,12 +110,14 @@ LLAVA = ModelPatch(
     sequential_targets=_TARGETS,
     ignore=_IGNORE,
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_llava, tiny_pixtral),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 
 # Mistral3 (Pixtral tower + Mistral decoder) takes the same path under other class names
 MISTRAL3 = dataclasses.replace(LLAVA, name="mistral3", model_types=("mistral3",),
-                               architectures=("Mistral3ForConditionalGeneration", "Mistral3Model"))
+                               architectures=("Mistral3ForConditionalGeneration", "Mistral3Model"),
+                               tiny_models=(tiny_mistral3,))
 
 
 #: text-only calibration never runs the vision tower

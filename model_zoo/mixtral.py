@@ -7,7 +7,8 @@ from layerwise import hookimpl
 
 from .moe import text_moe_patch
 
-MIXTRAL = text_moe_patch("mixtral", "Mixtral", "mixtral", "Mixtral")
+MIXTRAL = text_moe_patch("mixtral", "Mixtral", "mixtral", "Mixtral",
+                         tiny_sizes=dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2))
 
 
 @hookimpl

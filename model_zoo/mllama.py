@@ -18,7 +18,7 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 
 def _tiles_for(config: Any) -> tuple[int, list[int]]:
@@ -70,6 +70,21 @@ def _opaque_functions() -> tuple:
     return tuple(getattr(m, n) for n in names if hasattr(m, n))
 
 
+def tiny_mllama() -> torch.nn.Module:
+    """A seeded Mllama: local and global vision layers, one cross-attention decoder layer of three."""
+    from transformers import MllamaConfig
+
+    config = MllamaConfig(
+        vision_config=dict(hidden_size=32, attention_heads=2, num_hidden_layers=2, num_global_layers=1,
+                           intermediate_size=64, image_size=28, patch_size=14, max_num_tiles=2,
+                           supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]], intermediate_layers_indices=[0],
+                           vision_output_dim=64),
+        text_config=dict(_tiny.TEXT, num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0),
+        image_token_index=250)
+    return _tiny.seeded("MllamaForConditionalGeneration", config)
+
+
 MLLAMA = ModelPatch(
     name="mllama",
     model_types=("mllama",),
@@ -80,6 +95,7 @@ MLLAMA = ModelPatch(
     ignore=("lm_head", "re:.*multi_modal_projector.*"),
     opaque_functions=_opaque_functions(),
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_mllama,),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

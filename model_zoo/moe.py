@@ -35,7 +35,7 @@ from torch import nn
 from layerwise.model_patch import ModelPatch
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 __all__ = [
     "MOE_IGNORE",
@@ -192,9 +192,31 @@ def calibrate_all_experts(model: nn.Module) -> Iterator[list[str]]:
 _MISSING = object()
 
 
-def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str) -> ModelPatch:
+def tiny_text_moe(class_prefix: str, random_routers: bool = False, **sizes: Any) -> torch.nn.Module:
+    """A seeded 2-layer ``<class_prefix>ForCausalLM`` sized by ``sizes``; ``random_routers`` redraws
+    routers that start at zero (DeepSeek-V3's), which would send every token to the same experts."""
+    import transformers
+
+    config = getattr(transformers, f"{class_prefix}Config")(**{**_tiny.TEXT, **sizes})
+    model = _tiny.seeded(f"{class_prefix}ForCausalLM", config)
+    if random_routers:
+        with torch.no_grad():
+            generator = _inputs.generator(1)
+            for name, parameter in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model
+
+
+def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
+                   tiny_sizes: dict[str, Any] | None = None) -> ModelPatch:
     """The patch every text MoE family shares: one ``<prefix>DecoderLayer`` at a time,
     fused experts unfused into Linear layers, every expert calibrated on every token."""
+
+    def tiny_builder() -> torch.nn.Module:
+        return tiny_text_moe(class_prefix, **(tiny_sizes or {}))
+
+    tiny_builder.__name__ = tiny_builder.__qualname__ = f"tiny_{name}"
 
     def sample_inputs(config, modality: str = "text", batch: int = 2, seq_len: int = 16):
         _inputs.check_modality(family, modality, (_inputs.TEXT,))
@@ -209,5 +231,6 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str) -
         apply=unfuse_experts,
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
+        tiny_models=(tiny_builder,),
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )

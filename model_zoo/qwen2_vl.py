@@ -18,7 +18,7 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 IMAGE_SIDE_PATCHES = 4  # a 56x56 image at patch 14: a 4x4 patch grid, 4 tokens after a 2x2 merge
 
@@ -67,6 +67,33 @@ _IGNORE = ("lm_head", "re:.*visual\\.merger.*")
 # opaque calls by itself, so they need no entry here
 _OPAQUE = _opaque_functions()
 
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_SPECIAL = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def tiny_qwen2_vl() -> torch.nn.Module:
+    """A seeded Qwen2-VL: 2 vision blocks, 2 decoder layers, M-RoPE."""
+    from transformers import Qwen2VLConfig
+
+    config = Qwen2VLConfig(
+        text_config=dict(_tiny.TEXT, rope_parameters=_MROPE),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2), **_SPECIAL)
+    return _tiny.seeded("Qwen2VLForConditionalGeneration", config)
+
+
+def tiny_qwen2_5_vl() -> torch.nn.Module:
+    """A seeded Qwen2.5-VL with windowed and full vision attention."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(_tiny.TEXT, rope_parameters=_MROPE),
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]), **_SPECIAL)
+    return _tiny.seeded("Qwen2_5_VLForConditionalGeneration", config)
+
+
 QWEN2_VL = ModelPatch(
     name="qwen2_vl",
     model_types=("qwen2_vl",),
@@ -75,6 +102,7 @@ QWEN2_VL = ModelPatch(
     ignore=_IGNORE,
     opaque_functions=_OPAQUE,
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_qwen2_vl,),
     smoothing_mappings=(
         # text decoder only: the vision blocks norm with norm1/norm2 and fuse qkv
         (("re:.*language_model.*q_proj", "re:.*language_model.*k_proj", "re:.*language_model.*v_proj"),
@@ -90,7 +118,7 @@ QWEN2_VL = ModelPatch(
 QWEN2_5_VL = dataclasses.replace(
     QWEN2_VL, name="qwen2_5_vl", model_types=("qwen2_5_vl",),
     architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
-    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"))
+    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"), tiny_models=(tiny_qwen2_5_vl,))
 
 
 #: text-only calibration never runs the vision tower: its blocks are targets only with images

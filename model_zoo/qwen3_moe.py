@@ -7,7 +7,8 @@ from layerwise import hookimpl
 
 from .moe import text_moe_patch
 
-QWEN3_MOE = text_moe_patch("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3Moe")
+QWEN3_MOE = text_moe_patch("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3Moe", tiny_sizes=dict(
+    head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
 
 
 @hookimpl

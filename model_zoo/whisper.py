@@ -14,7 +14,7 @@ import torch
 from layerwise import ModelPatch, hookimpl
 from layerwise.versions import TESTED_TRANSFORMERS
 
-from . import _inputs
+from . import _inputs, _tiny
 
 
 def sample_inputs(config: Any, modality: str = "audio", batch: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor]:
@@ -28,6 +28,18 @@ def sample_inputs(config: Any, modality: str = "audio", batch: int = 2, seq_len:
     return {"input_features": features, "decoder_input_ids": decoder_input_ids}
 
 
+def tiny_whisper() -> torch.nn.Module:
+    """A seeded 2 + 2-layer Whisper on 16 mel bins."""
+    from transformers import WhisperConfig
+
+    config = WhisperConfig(
+        vocab_size=256, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)
+    return _tiny.seeded("WhisperForConditionalGeneration", config)
+
+
 WHISPER = ModelPatch(
     name="whisper",
     model_types=("whisper",),
@@ -36,6 +48,7 @@ WHISPER = ModelPatch(
     # proj_out is the (tied) vocabulary head
     ignore=("proj_out",),
     sample_inputs=sample_inputs,
+    tiny_models=(tiny_whisper,),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

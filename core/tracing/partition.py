@@ -97,7 +97,7 @@ def resolve_attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
     if target in constants:
         return constants[target]
     obj = root
-    for part in target.split("."):
+    for part in filter(None, target.split(".")):  # "" names the root itself
         obj = getattr(obj, part)
     return obj
 
