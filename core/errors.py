@@ -16,7 +16,7 @@ class UnknownNameError(LayerwiseError, KeyError):
     def __init__(self, kind: str, name: str, valid: Iterable[str], hint: str = "") -> None:
         self.kind, self.name, self.valid = kind, name, sorted(valid)
         listed = ", ".join(self.valid) or "(none registered)"
-        message = f"unknown {kind} {name!r};{did_you_mean(name, self.valid)} valid {kind}s: {listed}"
+        message = f"unknown {kind} {name!r};{did_you_mean(name, self.valid)} valid {_plural(kind)}: {listed}"
         super().__init__(message + (f". {hint}" if hint else ""))
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -77,3 +77,8 @@ def require_positive(value: object, name: str, flag: str | None = None) -> int:
         return value
     spelled = f"{name} (CLI: {flag})" if flag else name
     raise InvalidArgumentError(f"{spelled} must be an integer >= 1, got {value!r}")
+
+
+def _plural(noun: str) -> str:
+    """``model patch`` -> ``model patches``, ``scheme`` -> ``schemes``."""
+    return noun + ("es" if noun.endswith(("s", "ch", "sh", "x")) else "s")

@@ -8,6 +8,9 @@ keys are stable: ``group``, ``summary``, ``plugins`` (each with ``name``, ``dist
 ``version``, ``entry_point``, ``status``, ``broken``, ``disabled``, ``warnings``,
 ``registered`` -- every kind, possibly empty -- and ``model_patches``, each with ``name``,
 ``architectures``, ``model_types`` and ``verified_transformers``) and ``conflicts``.
+
+``--check [NAME ...]`` runs the plugin kit on the installed model patches instead and prints the
+support matrix (:mod:`layerwise.support_matrix`); exit status 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                f"{DISABLE_ENV}=a,b blocks plugins by entry-point or distribution name.")
     p.add_argument("--json", action="store_true", help="print the report as JSON (stable keys)")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when any plugin is broken")
+    p.add_argument("--check", nargs="*", metavar="NAME",
+                   help="run the plugin kit (layerwise.testing) on every installed model patch, or those named "
+                        "(patch or distribution), on the patches' own tiny models, and print the support matrix; "
+                        "exit 1 when a check fails")
     p.set_defaults(func=run)
 
 
@@ -123,6 +130,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return run_check(args.check, as_json=args.json)
     report = collect()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if report["conflicts"]:
@@ -130,3 +139,13 @@ def run(args: argparse.Namespace) -> int:
     if report["summary"]["broken"] and (args.strict or strict_from_env()):
         return 1
     return 0
+
+
+def run_check(names: list[str], as_json: bool = False) -> int:
+    """``layerwise plugins --check [NAME ...]``: the support matrix; 1 when any check fails."""
+    from .support_matrix import as_json as matrix_json
+    from .support_matrix import check_patches, format_matrix
+
+    rows = check_patches(names)
+    print(json.dumps(matrix_json(rows), indent=2, ensure_ascii=False) if as_json else format_matrix(rows))
+    return 0 if all(row.passed for row in rows) else 1

@@ -22,13 +22,26 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
             "token_type_ids": torch.zeros_like(input_ids)}
 
 
-def tiny_bert() -> torch.nn.Module:
-    """A seeded 2-layer BERT encoder (MiniLM's layout, smaller)."""
+def _tiny_config() -> Any:
     from transformers import BertConfig
 
-    return _tiny.seeded("BertModel", BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=2, num_attention_heads=4,
-                                                max_position_embeddings=64))
+    return BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)
+
+
+def tiny_bert() -> torch.nn.Module:
+    """A seeded 2-layer BERT encoder (MiniLM's layout, smaller)."""
+    return _tiny.seeded("BertModel", _tiny_config())
+
+
+def tiny_bert_masked_lm() -> torch.nn.Module:
+    """The same encoder under its masked-LM head (``cls.*``)."""
+    return _tiny.seeded("BertForMaskedLM", _tiny_config())
+
+
+def tiny_bert_classifier() -> torch.nn.Module:
+    """The same encoder under a sequence-classification head (``classifier``)."""
+    return _tiny.seeded("BertForSequenceClassification", _tiny_config())
 
 
 BERT = ModelPatch(
@@ -39,7 +52,7 @@ BERT = ModelPatch(
     # the pooler and task heads are tiny and sensitive; embeddings are not Linear
     ignore=("re:.*pooler.*", "re:cls\\..*", "classifier"),
     sample_inputs=sample_inputs,
-    tiny_models=(tiny_bert,),
+    tiny_models=(tiny_bert, tiny_bert_masked_lm, tiny_bert_classifier),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

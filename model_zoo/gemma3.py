@@ -44,7 +44,9 @@ def tiny_gemma3() -> torch.nn.Module:
     from transformers import Gemma3Config
 
     config = Gemma3Config(
-        vision_config=dict(_tiny.VISION, model_type="siglip_vision_model", image_size=56, patch_size=14),
+        # Gemma3 checkpoints have no SigLIP pooling head (vision_use_head false): an unused head would get no data
+        vision_config=dict(_tiny.VISION, model_type="siglip_vision_model", image_size=56, patch_size=14,
+                           vision_use_head=False),
         text_config=dict(_tiny.TEXT, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"]),
         mm_tokens_per_image=4, boi_token_index=251, eoi_token_index=252, image_token_index=250,

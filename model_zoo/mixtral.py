@@ -8,7 +8,9 @@ from layerwise import hookimpl
 from .moe import text_moe_patch
 
 MIXTRAL = text_moe_patch("mixtral", "Mixtral", "mixtral", "Mixtral",
-                         tiny_sizes=dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2))
+                         tiny_sizes=dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+                         # Mixtral's original checkpoints call the expert layers w1 (gate), w3 (up), w2 (down)
+                         expert_names=("w1", "w3", "w2"))
 
 
 @hookimpl

@@ -11,9 +11,10 @@ Two tools, both generic over every experts module with that layout (Qwen3-MoE, M
 DeepSeek-V3, ...):
 
 * :func:`unfuse_experts` (the patches' ``apply``) replaces each fused experts module with
-  :class:`LinearExperts`: one :class:`ExpertMLP` per expert holding ``gate_proj`` / ``up_proj``
-  / ``down_proj`` ``nn.Linear`` layers (the per-expert layout of the original checkpoints),
-  same call signature, same output.
+  :class:`LinearExperts`: one :class:`ExpertMLP` per expert holding gate / up / down
+  ``nn.Linear`` layers named as the family's original per-expert checkpoints name them
+  (``gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w3``/``w2``: transformers maps
+  those names back onto its fused experts when it loads a saved model), same call, same output.
 * :func:`calibrate_all_experts` (the patches' ``calibration_context``) swaps each experts
   module's forward, for the duration of the ``with`` block, for one that runs **every** expert
   on **every** token -- so every expert's Hessian sees all the calibration data -- and then
@@ -25,6 +26,7 @@ DeepSeek-V3, ...):
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -54,24 +56,36 @@ __all__ = [
 MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
 
 
+#: the per-expert layer names of most original checkpoints (Qwen-MoE, DeepSeek): gate, up, down
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
 class ExpertMLP(nn.Module):
-    """One expert as three Linear layers: ``down(act(gate(x)) * up(x))``."""
+    """One expert as three Linear layers: ``down(act(gate(x)) * up(x))``, named as the family's original
+    checkpoints name them (``names``: gate, up, down), so a saved model loads where the original does."""
 
     def __init__(self, hidden: int, intermediate: int, act_fn: Any, bias: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 names: tuple[str, str, str] = EXPERT_NAMES) -> None:
         super().__init__()
         # uninitialised: the weights are copied in from the fused experts (a random init of every
         # expert of a 671B model, or of one on meta, costs minutes for nothing)
         def linear(n_in: int, n_out: int) -> nn.Linear:
             return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, device=device, dtype=dtype)
 
-        self.gate_proj = linear(hidden, intermediate)
-        self.up_proj = linear(hidden, intermediate)
-        self.down_proj = linear(intermediate, hidden)
+        self.names = names
+        for name, (n_in, n_out) in zip(names, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))):
+            setattr(self, name, linear(n_in, n_out))
         self.act_fn = act_fn
 
+    @property
+    def layers(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """(gate, up, down) whatever their names."""
+        return tuple(getattr(self, name) for name in self.names)  # type: ignore[return-value]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = self.layers
+        return down(self.act_fn(gate(x)) * up(x))
 
 
 class LinearExperts(nn.ModuleList):
@@ -134,7 +148,7 @@ def _combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     return final
 
 
-def unfuse_experts(model: nn.Module) -> nn.Module:
+def unfuse_experts(model: nn.Module, names: tuple[str, str, str] = EXPERT_NAMES) -> nn.Module:
     """Replace every fused experts module with :class:`LinearExperts` holding the same weights."""
     for name, experts in list(find_experts(model).items()):
         if isinstance(experts, LinearExperts):
@@ -145,11 +159,12 @@ def unfuse_experts(model: nn.Module) -> nn.Module:
         weight = experts.gate_up_proj
         mlps = []
         for e in range(num):
-            mlp = ExpertMLP(hidden, inter, experts.act_fn, device=weight.device, dtype=weight.dtype)
+            mlp = ExpertMLP(hidden, inter, experts.act_fn, device=weight.device, dtype=weight.dtype, names=names)
+            gate, up, down = mlp.layers
             with torch.no_grad():
-                mlp.gate_proj.weight.copy_(weight[e, :inter])
-                mlp.up_proj.weight.copy_(weight[e, inter:])
-                mlp.down_proj.weight.copy_(experts.down_proj[e])
+                gate.weight.copy_(weight[e, :inter])
+                up.weight.copy_(weight[e, inter:])
+                down.weight.copy_(experts.down_proj[e])
             mlps.append(mlp)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -209,7 +224,8 @@ def tiny_text_moe(class_prefix: str, random_routers: bool = False, **sizes: Any)
 
 
 def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
-                   tiny_sizes: dict[str, Any] | None = None) -> ModelPatch:
+                   tiny_sizes: dict[str, Any] | None = None,
+                   expert_names: tuple[str, str, str] = EXPERT_NAMES) -> ModelPatch:
     """The patch every text MoE family shares: one ``<prefix>DecoderLayer`` at a time,
     fused experts unfused into Linear layers, every expert calibrated on every token."""
 
@@ -228,7 +244,7 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         architectures=(f"{class_prefix}ForCausalLM", f"{class_prefix}Model"),
         sequential_targets=(f"{class_prefix}DecoderLayer",),
         ignore=MOE_IGNORE,
-        apply=unfuse_experts,
+        apply=unfuse_experts if expert_names == EXPERT_NAMES else functools.partial(unfuse_experts, names=expert_names),
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
         tiny_models=(tiny_builder,),

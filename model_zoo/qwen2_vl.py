@@ -49,8 +49,10 @@ def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: 
     }
 
 
-def _opaque_functions() -> tuple:
-    """Helpers whose Python loops read tensor values (grids, cu_seqlens): called opaquely."""
+def _opaque_functions(modeling: str) -> tuple:
+    """Helpers whose Python loops read tensor values (grids, cu_seqlens), as far as ``modeling`` calls them."""
+    import importlib
+
     from transformers import vision_utils
     from transformers.utils import generic
 
@@ -58,14 +60,14 @@ def _opaque_functions() -> tuple:
     found = [getattr(vision_utils, n) for n in names if hasattr(vision_utils, n)]
     if hasattr(generic, "get_max_seqlen"):
         found.append(generic.get_max_seqlen)
-    return tuple(found)
+    used = vars(importlib.import_module(f"transformers.models.{modeling}.modeling_{modeling}")).values()
+    return tuple(f for f in found if any(f is value for value in used))
 
 
 _IGNORE = ("lm_head", "re:.*visual\\.merger.*")
 # compute_3d_position_ids (M-RoPE positions via itertools.groupby over token types) and
 # get_placeholder_mask are methods: the tracer's autowrap turns their call statements into
 # opaque calls by itself, so they need no entry here
-_OPAQUE = _opaque_functions()
 
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 _SPECIAL = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
@@ -100,7 +102,7 @@ QWEN2_VL = ModelPatch(
     architectures=("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
     sequential_targets=("Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"),
     ignore=_IGNORE,
-    opaque_functions=_OPAQUE,
+    opaque_functions=_opaque_functions("qwen2_vl"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_qwen2_vl,),
     smoothing_mappings=(
@@ -118,7 +120,8 @@ QWEN2_VL = ModelPatch(
 QWEN2_5_VL = dataclasses.replace(
     QWEN2_VL, name="qwen2_5_vl", model_types=("qwen2_5_vl",),
     architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
-    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"), tiny_models=(tiny_qwen2_5_vl,))
+    sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"),
+    opaque_functions=_opaque_functions("qwen2_5_vl"), tiny_models=(tiny_qwen2_5_vl,))
 
 
 #: text-only calibration never runs the vision tower: its blocks are targets only with images

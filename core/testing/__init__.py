@@ -8,6 +8,7 @@ plugin :mod:`layerwise.testing.pytest_plugin` offers the same as fixtures.
 
 from .errors import PluginCheckError
 from .modifiers import check_modifier, count_hooks, tiny_llama, token_batches
-from .patches import check_model_patch
+from .patches import StepResult, check_model_patch, patch_report
 
-__all__ = ["PluginCheckError", "check_model_patch", "check_modifier", "count_hooks", "tiny_llama", "token_batches"]
+__all__ = ["PluginCheckError", "StepResult", "check_model_patch", "check_modifier", "count_hooks", "patch_report",
+           "tiny_llama", "token_batches"]

@@ -1,21 +1,31 @@
-"""``check_model_patch``: what a model patch promises, checked on a model it is for.
+"""``check_model_patch``: what a model patch promises, checked step by step on a model it is for.
 
 1. **ignore**: every ignore entry matches a module (a typo would compress what was meant to stay);
 2. **targets**: the sequential targets select modules, and none holds another (the inner one
    would be swallowed into its parent's piece);
-3. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
+3. **opaque functions**: each is a function some module of the model calls by name (the tracer
+   swaps names in the forwards' globals: an entry nothing calls protects nothing);
+4. **mappings**: every regex of ``smoothing_mappings`` matches a module (SmoothQuant / AWQ read them);
+5. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
    forward calls, plus one, each target its own call; the replay equals the plain forward
    (<= 1e-5 relative), else a function needs ``opaque_functions`` or a module ``leaf_modules``;
-4. **GPTQ**: GPTQ W4A16 (per channel) calibrates through ``sequential`` with no fallback;
-5. **save and reload**: the compressed model saves, reloads with transformers, and reproduces
-   layerwise's outputs.
+6. **RTN** and 7. **GPTQ**: W4A16 (per channel) through ``sequential``, no fallback of any kind;
+8. **reload**: the GPTQ model saves, reloads with transformers and reproduces layerwise's outputs.
+
+:func:`check_model_patch` raises at the first failure; :func:`patch_report` runs every step and
+records each (what ``layerwise plugins --check`` prints).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import tempfile
-from collections.abc import Sequence
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +39,18 @@ CHECK = "check_model_patch"
 MODALITIES = ("text", "image", "audio")
 #: the largest relative difference between replay and plain forward that counts as equal
 REPLAY_TOLERANCE = 1e-5
+#: every step, in the order they run (``trace`` runs once per modality)
+STEPS = ("ignore", "targets", "opaque functions", "mappings", "trace", "RTN", "GPTQ", "reload")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step of the check: passed, failed (with the kit's message) or skipped (an earlier step failed)."""
+
+    step: str
+    status: str  # "passed" | "failed" | "skipped"
+    seconds: float = 0.0
+    message: str = ""
 
 
 def check_model_patch(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None = None, *,
@@ -36,25 +58,80 @@ def check_model_patch(patch: ModelPatch, model: torch.nn.Module, modalities: Seq
     """Run every check of ``patch`` on ``model`` (random weights are fine); raises :class:`PluginCheckError`.
 
     ``modalities``: those to trace (default: every one ``patch.sample_inputs`` builds inputs for);
-    the richest one (last) is calibrated with GPTQ and saved, unless ``calibrate=False``.
+    the richest one (last) is calibrated with RTN and GPTQ and saved, unless ``calibrate=False``.
     """
+    for _, run in _steps(patch, model, modalities, calibrate):
+        run()
+
+
+def patch_report(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None = None, *,
+                 calibrate: bool = True) -> list[StepResult]:
+    """Every step's result; after a failure the steps that build on it are skipped, the others still run."""
+    results: list[StepResult] = []
+    failed = False
+    for step, run in _steps(patch, model, modalities, calibrate):
+        if failed and step.split()[0] in ("RTN", "GPTQ", "reload"):
+            results.append(StepResult(step, "skipped"))
+            continue
+        start = time.perf_counter()
+        try:
+            run()
+        except PluginCheckError as error:
+            results.append(StepResult(step, "failed", time.perf_counter() - start, str(error)))
+            failed = failed or step.startswith(("sample inputs", "trace", "targets", "GPTQ"))
+        else:
+            results.append(StepResult(step, "passed", time.perf_counter() - start))
+    return results
+
+
+def _steps(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None,
+           calibrate: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(step name, thunk) pairs; later thunks read what earlier ones left in ``done``."""
     apply_patch(model, patch)
-    _check_ignore(patch, model)
-    _check_targets(patch, model)
-    built = _sample_inputs(patch, model, modalities)
+    done: dict[str, Any] = {}
+    yield "ignore", lambda: _check_ignore(patch, model)
+    yield "targets", lambda: _check_targets(patch, model)
+    yield "opaque functions", lambda: _check_opaque_functions(patch, model)
+    yield "mappings", lambda: _check_mappings(patch, model)
+    try:
+        built = _sample_inputs(patch, model, modalities)
+    except PluginCheckError as error:
+        yield "sample inputs", lambda failure=error: _raise(failure)
+        return
     for modality, inputs in built.items():
-        _check_trace(patch, model, modality, inputs)
-    if calibrate:
-        modality, inputs = list(built.items())[-1]
-        _check_gptq_and_reload(patch, model, modality, inputs)
+        yield f"trace ({modality})", lambda m=modality, i=inputs: _check_trace(patch, model, m, i)
+    if not calibrate:
+        return
+    modality, inputs = list(built.items())[-1]
+    yield "RTN", lambda: _check_calibration(patch, model, modality, inputs, gptq=False)
+    yield f"GPTQ ({modality})", lambda: done.update(gptq=_check_calibration(patch, model, modality, inputs, gptq=True))
+    yield "reload", lambda: _check_reload(patch, done["gptq"], inputs)
+
+
+def _raise(error: Exception) -> None:
+    raise error
 
 
 def _fail(patch: ModelPatch, step: str, problem: str, fix: str = "") -> PluginCheckError:
     return PluginCheckError(CHECK, patch.name, step, problem, fix)
 
 
+def _elsewhere(patch: ModelPatch, model: torch.nn.Module, entries: list[Any],
+               unused_in: Callable[[torch.nn.Module, list[Any]], list[Any]]) -> list[Any]:
+    """``entries`` unused in ``model`` that no other tiny model of the patch uses either (one patch
+    may cover several layouts: BERT's ``classifier`` exists under BertForSequenceClassification only)."""
+    for build in patch.tiny_models:
+        if not entries:
+            break
+        other = build()
+        if type(other) is not type(model):
+            apply_patch(other, patch)
+            entries = unused_in(other, entries)
+    return entries
+
+
 def _check_ignore(patch: ModelPatch, model: torch.nn.Module) -> None:
-    missing = unmatched(model, patch.ignore)
+    missing = _elsewhere(patch, model, unmatched(model, patch.ignore), unmatched)
     if missing:
         raise _fail(patch, "ignore", f"ignore entr{'ies' if len(missing) > 1 else 'y'} "
                     f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}",
@@ -72,6 +149,40 @@ def _check_targets(patch: ModelPatch, model: torch.nn.Module) -> None:
             raise _fail(patch, "targets", f"target {inner!r} is inside target {outer!r}: the targets nest, so the "
                         f"inner one would be swallowed into its parent's piece",
                         "name the blocks of one level only (e.g. the decoder layer, not also its MLP)")
+
+
+def _check_opaque_functions(patch: ModelPatch, model: torch.nn.Module) -> None:
+    for function in patch.opaque_functions:
+        if not isinstance(getattr(function, "__layerwise_opaque__", function), types.FunctionType):
+            raise _fail(patch, "opaque functions", f"{_label(function)} is not a plain function",
+                        "list module-level functions; keep a module whole with leaf_modules instead")
+    unused = _elsewhere(patch, model, _unseen_functions(model, list(patch.opaque_functions)), _unseen_functions)
+    if unused:
+        raise _fail(patch, "opaque functions", f"{_label(unused[0])} is not a global of any module that defines a "
+                    f"layer of {type(model).__name__}, so the tracer never meets it",
+                    "list the function the forward calls by that name (it may have moved in this "
+                    "transformers release), or drop the entry")
+
+
+def _label(function: Any) -> str:
+    original = getattr(function, "__layerwise_opaque__", function)
+    return f"{getattr(original, '__module__', '?')}.{getattr(original, '__qualname__', original)}"
+
+
+def _unseen_functions(model: torch.nn.Module, functions: list[Any]) -> list[Any]:
+    """``functions`` no module defining one of ``model``'s layers holds as a global (how forwards call them)."""
+    scopes = [sys.modules.get(name) for name in {type(m).__module__ for m in model.modules()}]
+    seen = {id(value) for scope in scopes if scope is not None for value in vars(scope).values()}
+    return [f for f in functions if id(f) not in seen and id(getattr(f, "__layerwise_opaque__", f)) not in seen]
+
+
+def _check_mappings(patch: ModelPatch, model: torch.nn.Module) -> None:
+    for balance, smoothed in patch.smoothing_mappings:
+        missing = unmatched(model, [*balance, smoothed])
+        if missing:
+            raise _fail(patch, "mappings", f"smoothing mapping {list(balance)} <- {smoothed!r}: "
+                        f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}",
+                        "write 're:' patterns over the qualified names `print(model)` shows")
 
 
 def _sample_inputs(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None) -> dict[str, Any]:
@@ -112,8 +223,10 @@ def _check_trace(patch: ModelPatch, model: torch.nn.Module, modality: str, input
         result = trace(model, inputs, patch.sequential_targets, patch.ignore, opaque_functions=patch.opaque_functions,
                        leaf_modules=patch.leaf_modules, skip_uncalled_targets=True, patch=patch)
     except Exception as error:
-        raise _fail(patch, step, f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0]}",
-                    "`layerwise trace --model <folder>` shows where; GUIDE.md section 4") from error
+        raise _fail(patch, step, f"tracing failed: {type(error).__name__}: {error}",
+                    "a function that reads tensor values belongs in opaque_functions, a module the tracer "
+                    "cannot enter in leaf_modules; `layerwise trace --model <folder>` shows where "
+                    "(GUIDE.md section 4)") from error
     if sorted(result.target_names) != called or len(result.subgraphs) != len(called) + 1:
         lost = sorted(set(called) - set(result.target_names))
         raise _fail(patch, step, f"{len(result.subgraphs)} subgraphs for {len(called)} called targets; not a call "
@@ -126,32 +239,58 @@ def _check_trace(patch: ModelPatch, model: torch.nn.Module, modality: str, input
                     "opaque_functions, or keep its module whole with leaf_modules (GUIDE.md section 4.3)")
 
 
-def _check_gptq_and_reload(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any]) -> None:
+def _check_calibration(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any], *,
+                       gptq: bool) -> torch.nn.Module:
+    """Compress a copy (GPTQ through ``sequential``, RTN data-free); any fallback (pipeline or algorithm)
+    is a failure, and so is an ignored Linear that got quantized."""
     import layerwise
-    from layerwise.plugins.modifiers.gptq import GPTQModifier
-    from layerwise.plugins.savers.compressed_tensors import save_compressed
+    from layerwise.pipeline_selection import PipelineFallbackWarning
+    from layerwise.plugins.modifiers.gptq import GPTQFallbackWarning, GPTQModifier
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+    from layerwise.quantization.storage import quantized_modules
 
     work = copy.deepcopy(model)
-    step = f"GPTQ ({modality})"
-    try:
-        layerwise.compress(work, GPTQModifier(scheme="W4A16", strategy="channel", block_size=16), dataset=[inputs],
-                           pipeline="sequential", patch=patch, show_progress=False)
-    except Exception as error:
-        raise _fail(patch, step, f"compress failed: {type(error).__name__}: {str(error).splitlines()[0]}") from error
+    step = f"GPTQ ({modality})" if gptq else "RTN"
+    modifier = (GPTQModifier(scheme="W4A16", strategy="channel", block_size=16) if gptq
+                else QuantizationModifier(scheme="W4A16", strategy="channel"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            layerwise.compress(work, modifier, dataset=[inputs] if gptq else None,
+                               pipeline="sequential" if gptq else None, patch=patch, show_progress=False)
+        except Exception as error:
+            raise _fail(patch, step, f"compress failed: {type(error).__name__}: {error}") from error
     report = work.layerwise_report
-    if report.pipeline != "sequential" or report.fallbacks:
+    if report.pipeline != ("sequential" if gptq else "datafree") or report.fallbacks:
         raise _fail(patch, step, f"calibrated by {report.pipeline!r} after fallbacks: {report.fallbacks}",
                     "every target must trace into its own piece (see the trace step)")
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, (PipelineFallbackWarning, GPTQFallbackWarning))]
+    if fallbacks:
+        raise _fail(patch, step, f"a fallback warning: {fallbacks[0]}",
+                    "every targeted Linear must receive calibration data (a calibration_context for "
+                    "routed experts, sample inputs that reach every tower)")
+    ignored = set(find_modules(model, ["Linear"])) - set(find_modules(model, ["Linear"], patch.ignore))
+    quantized = set(quantized_modules(work))
+    if not quantized or quantized & ignored:
+        raise _fail(patch, step, f"quantized though ignored: {sorted(quantized & ignored)[:3]}" if quantized else
+                    "no Linear layer was quantized", "the compressor must honour the patch's ignore list")
+    return work
+
+
+def _check_reload(patch: ModelPatch, work: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    import layerwise
+    from layerwise.plugins.savers.compressed_tensors import save_compressed
+
     with tempfile.TemporaryDirectory(prefix="layerwise-check-") as folder:
         try:
             save_compressed(work, f"{folder}/out")
-            reloaded = layerwise.load_compressed(f"{folder}/out", model_class=type(model)).eval()
+            reloaded = layerwise.load_compressed(f"{folder}/out", model_class=type(work)).eval()
         except Exception as error:
-            raise _fail(patch, "save and reload", f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+            raise _fail(patch, "reload", f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
         with torch.no_grad():
             expected, got = _first_tensor(work(**inputs)), _first_tensor(reloaded(**inputs))
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-        raise _fail(patch, "save and reload", f"the reloaded model's outputs differ by "
+        raise _fail(patch, "reload", f"the reloaded model's outputs differ by "
                     f"{(got - expected).abs().max().item():.3g} from layerwise's")
 
 

@@ -410,7 +410,8 @@ def _swallowed_message(missing: Mapping[str, str]) -> str:
                 "sequential_targets")
     return ("sequential targets do not appear as their own call in the traced graph, so they cannot be "
             "calibrated one at a time:\n" + reasons +
-            "\nFix: make the swallowing code traceable (a ModelPatch override), stop ignoring it, "
+            "\nFix: call the untraceable function in that statement opaquely (ModelPatch.opaque_functions), "
+            "make the swallowing code traceable (a ModelPatch override), stop ignoring it, "
             "or choose other sequential_targets")
 
 

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
+import types
 
 import pytest
+import torch
 
-from layerwise.model_patch import find_patch
+from layerwise.matching import unmatched
+from layerwise.model_patch import ModelPatch, find_patch
 from layerwise.plugin_manager import registry
-from layerwise.testing import PluginCheckError, check_model_patch
+from layerwise.testing import PluginCheckError, check_model_patch, patch_report
 from tests.conftest import build_tiny_llama, skip_unless_verified
 from tests.model_zoo.zoo_tiny_models import ARCHS
 
 #: what the kit found in the zoo, left for their own fixes (found on transformers 5.24.0)
 KNOWN = {
-    "gemma3": "the saved W4A16 checkpoint does not reload: transformers' compressed-tensors load of Gemma3 "
-              "fails with 'Linear' object has no attribute 'weight'",
-    "mixtral": "the saved checkpoint reloads with outputs 0.11 off: the unfused experts do not map back onto "
-               "transformers' fused Mixtral experts",
+    "gemma3": "the saved W4A16 checkpoint does not reload: transformers' SigLIP _init_weights reads "
+              "`.weight` of the vision tower's Linear layers, which compressed-tensors replaced by weight_packed "
+              "('Linear' object has no attribute 'weight')",
 }
 
 
@@ -28,17 +31,16 @@ def patched(name):
     return patch, model
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_every_zoo_patch_passes_the_kit(name, request):
-    if name in KNOWN:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN[name], raises=PluginCheckError))
-    patch, model = patched(name)
-    check_model_patch(patch, model)
+#: every installed patch's tiny models: what `layerwise plugins --check` runs (the zoo and the example alike)
+TINY = [(patch, build) for _, patch in registry("model_patches").items() for build in patch.tiny_models]
 
 
-def test_the_llama_patch_passes_on_a_plain_llama():
-    model = build_tiny_llama()
-    check_model_patch(find_patch(model, [p for _, p in registry("model_patches").items()]), model)
+@pytest.mark.parametrize("patch,build", TINY, ids=[f"{p.name}-{b.__name__}" for p, b in TINY])
+def test_every_installed_patch_passes_the_kit_on_its_tiny_models(patch, build, request):
+    if patch.name in KNOWN:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN[patch.name], raises=PluginCheckError))
+    skip_unless_verified(patch)  # a patch is checked on the transformers releases it was verified on
+    check_model_patch(patch, build())
 
 
 def test_a_patch_whose_targets_nest_is_caught():
@@ -54,6 +56,91 @@ def test_an_ignore_entry_matching_nothing_is_caught():
     typo = dataclasses.replace(patch, ignore=(*patch.ignore, "lm_haed"))
     with pytest.raises(PluginCheckError, match=r"ignore: ignore entry 'lm_haed' match no module"):
         check_model_patch(typo, model)
+
+
+def first_token_scale(ids):
+    """Reads a tensor value into Python: untraceable, so it must run opaquely."""
+    return float(ids[0, 0].item() % 7 + 1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class ScaledStack(torch.nn.Module):
+    """Two blocks; the first one's call shares a statement with the untraceable helper."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=50)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embed(input_ids)
+        x = self.blocks[0](x) * first_token_scale(input_ids)
+        return {"out": self.blocks[1](x)}
+
+
+def stack_inputs(config, modality="text"):
+    if modality != "text":
+        raise ValueError("text only")
+    ids = torch.randint(0, config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+STACK = ModelPatch(name="stack", sequential_targets=("Block",), sample_inputs=stack_inputs)
+
+
+def test_a_patch_missing_an_opaque_function_is_caught_and_passes_with_it():
+    torch.manual_seed(0)
+    with pytest.raises(PluginCheckError, match=r"(?s)check_model_patch\(stack\): trace \(text\): tracing failed: "
+                                               r"SwallowedTargetsError: .*blocks.0: swallowed .*first_token_scale"
+                                               r".*Fix: call the untraceable function .*opaquely \(ModelPatch.opaque_functions\)"):
+        check_model_patch(STACK, ScaledStack().eval(), calibrate=False)
+    fixed = dataclasses.replace(STACK, opaque_functions=(first_token_scale,))
+    check_model_patch(fixed, ScaledStack().eval(), calibrate=False)
+
+
+def test_an_opaque_function_the_model_never_calls_is_caught():
+    # a function of another module: e.g. one transformers moved, still listed under its old home
+    stale = dataclasses.replace(STACK, opaque_functions=(first_token_scale, textwrap.dedent))
+    with pytest.raises(PluginCheckError, match=r"opaque functions: textwrap.dedent is not a global of any module "
+                                               r"that defines a layer of ScaledStack"):
+        check_model_patch(stale, ScaledStack().eval(), calibrate=False)
+
+
+def test_a_smoothing_mapping_matching_nothing_is_caught():
+    model = build_tiny_llama()
+    patch = find_patch(model, [p for _, p in registry("model_patches").items()])
+    typo = dataclasses.replace(patch, smoothing_mappings=((("re:.*q_prj",), "re:.*input_layernorm"),))
+    with pytest.raises(PluginCheckError, match=r"mappings: .*'re:.\*q_prj' match no module of LlamaForCausalLM"):
+        check_model_patch(typo, model, calibrate=False)
+
+
+def test_an_ignore_entry_another_layout_of_the_patch_uses_is_fine():
+    # BERT's 'classifier' exists under BertForSequenceClassification only: checked on its tiny models
+    patch = registry("model_patches").get("bert")
+    model = patch.tiny_models[0]()
+    assert unmatched(model, patch.ignore)  # the bare encoder has neither head
+    check_model_patch(patch, model, calibrate=False)
+
+
+def test_the_report_records_each_step_and_skips_what_builds_on_a_failure():
+    model = build_tiny_llama()
+    patch = find_patch(model, [p for _, p in registry("model_patches").items()])
+    nested = dataclasses.replace(patch, sequential_targets=("LlamaDecoderLayer", "LlamaMLP"),
+                                 ignore=(*patch.ignore, "lm_haed"))
+    steps = {r.step: r for r in patch_report(nested, model)}
+    assert [s for s, r in steps.items() if r.status == "failed"][:2] == ["ignore", "targets"]
+    assert "lm_haed" in steps["ignore"].message and "LlamaMLP" not in steps["ignore"].message
+    assert steps["mappings"].status == "passed"
+    assert {steps[s].status for s in ("RTN", "GPTQ (text)", "reload")} == {"skipped"}
 
 
 def test_a_replay_that_differs_from_the_forward_is_caught_with_the_fix(monkeypatch):
