@@ -55,6 +55,9 @@ class Pipeline(ABC):
     """Runs calibration data through a model, firing lifecycle events."""
 
     name: ClassVar[str]
+    #: False for a pipeline that never runs calibration data (``datafree``): the plugin kit then
+    #: checks its events only, not that every sample reached every layer
+    runs_data: ClassVar[bool] = True
 
     @abstractmethod
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,

@@ -128,6 +128,13 @@ def example_plugin_listing() -> str:
     return "\n".join(lines[start:end])
 
 
+def support_matrix() -> str:
+    """``layerwise plugins --check layerwise`` without the times: the kit on every zoo patch's tiny models."""
+    from layerwise.support_matrix import check_patches, format_matrix
+
+    return format_matrix(check_patches(["layerwise"]), times=False)
+
+
 QWEN2_VL_IMAGE = ("trace", "--model", "tiny-qwen2-vl", "--modality", "image", "--verify")
 
 #: every guide-output block of GUIDE.md and where its text comes from
@@ -139,6 +146,7 @@ PASTED: dict[str, Pasted] = {
     "trace-tiny-qwen2-vl-image-rest": Pasted(argv=QWEN2_VL_IMAGE, select=_tail, patch="qwen2_vl"),
     "autowrap": Pasted(example="autowrap"),
     "plugins-example": Pasted(producer=example_plugin_listing),
+    "support-matrix": Pasted(producer=support_matrix),
 }
 
 #: the DOT pictures in docs/ and the extra ``layerwise trace --model tiny-llama`` flags that draw them
@@ -212,6 +220,9 @@ def reader_view(name: str, text: str) -> list[str]:
             elif (box := _BOX.search(line)) and cluster is not None:
                 view.append(f"cluster {cluster}: {box[1]}")
         return view
+    if name == "support-matrix":  # which tiny models of which patches are checked; results follow transformers
+        return [" ".join(line.split()[:2]) for line in output_lines(text) if line and not line.startswith(("✘", "patch"))
+                and " of " not in line]
     if PASTED[name].example or PASTED[name].producer:
         return output_lines(text)
     view = []

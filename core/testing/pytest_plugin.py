@@ -35,3 +35,11 @@ def layerwise_check_model_patch() -> Callable[..., None]:
     from layerwise.testing import check_model_patch
 
     return check_model_patch
+
+
+@pytest.fixture
+def layerwise_check_pipeline() -> Callable[..., None]:
+    """:func:`layerwise.testing.check_pipeline`: events, every sample, nothing changed, errors propagate."""
+    from layerwise.testing import check_pipeline
+
+    return check_pipeline

@@ -15,6 +15,7 @@ from ._common import all_module_names, calibration_mode
 
 class DataFreePipeline(Pipeline):
     name = "datafree"
+    runs_data = False
 
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
             options: PipelineOptions) -> None:

@@ -1,18 +1,10 @@
 """layerwise discovers this installed distribution and uses what it registered."""
 
 import torch
-from transformers import Starcoder2Config, Starcoder2ForCausalLM
+from layerwise_starcoder2 import STARCODER2, tiny_starcoder2
 
 import layerwise
 from layerwise.plugin_manager import get_host
-
-
-def tiny_starcoder2():
-    torch.manual_seed(0)
-    config = Starcoder2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                              bos_token_id=0, eos_token_id=0)
-    return Starcoder2ForCausalLM(config).eval()
 
 
 def test_discovered_through_the_entry_point():
@@ -41,3 +33,8 @@ def test_modifier_keeps_layerwise_s_modifier_contract(layerwise_check_modifier):
     from layerwise_starcoder2 import MagnitudePruningModifier
 
     layerwise_check_modifier(MagnitudePruningModifier, {"sparsity": 0.3})
+
+
+def test_patch_passes_the_plugin_kit(layerwise_check_model_patch):
+    # ignore entries, targets, trace and exact replay, RTN and GPTQ through sequential, save and reload
+    layerwise_check_model_patch(STARCODER2, tiny_starcoder2())
