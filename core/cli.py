@@ -1,4 +1,4 @@
-"""The ``layerwise`` command: compress, trace, report, plugins, env."""
+"""The ``layerwise`` command: compress, trace, report, plugins, new-patch, env."""
 
 from __future__ import annotations
 
@@ -142,11 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compress(sub)
     from . import env_cli, plugins_cli, report_cli
+    from .scaffold import cli as scaffold_cli
     from .tracing import cli as trace_cli
 
     trace_cli.add_parser(sub)
     report_cli.add_parser(sub)
     plugins_cli.add_parser(sub)
+    scaffold_cli.add_parser(sub)
     env_cli.add_parser(sub)
     return parser
 

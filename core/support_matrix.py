@@ -7,16 +7,15 @@ patch is checked exactly as the zoo's are; a patch without tiny models is listed
 
 from __future__ import annotations
 
-import contextlib
-import io
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .model_patch import ModelPatch
 from .plugin_manager import PluginHost
+from .quiet import without_progress_bars
 
 #: the matrix's check columns, in the order the kit runs them
 COLUMNS = ("ignore", "targets", "opaque", "mappings", "trace", "RTN", "GPTQ", "reload")
@@ -92,7 +91,7 @@ def _check_one(patch: ModelPatch, build: Any, distribution: str, version: str, t
         row.failures.append(f"building the tiny model failed: {type(error).__name__}: {error}")
         return row
     row.architecture = type(model).__name__
-    with warnings.catch_warnings(), _quiet_transformers():
+    with warnings.catch_warnings(), without_progress_bars(bars_only=False):
         warnings.simplefilter("ignore")
         results = patch_report(patch, model)
     for result in results:
@@ -105,21 +104,6 @@ def _check_one(patch: ModelPatch, build: Any, distribution: str, version: str, t
             row.failures.append(result.message)
     row.seconds = time.perf_counter() - start
     return row
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No progress bars or loading reports (transformers', compressed-tensors') while the kit saves and
-    reloads: they write to stderr, and every failure the kit finds is in its own report."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def _column(step: str) -> str:
