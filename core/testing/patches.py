@@ -32,6 +32,7 @@ import torch
 
 from layerwise.matching import find_modules, unmatched
 from layerwise.model_patch import ModelPatch, apply_patch
+from layerwise.quiet import without_progress_bars
 
 from .errors import PluginCheckError
 
@@ -283,8 +284,9 @@ def _check_reload(patch: ModelPatch, work: torch.nn.Module, inputs: dict[str, An
 
     with tempfile.TemporaryDirectory(prefix="layerwise-check-") as folder:
         try:
-            save_compressed(work, f"{folder}/out")
-            reloaded = layerwise.load_compressed(f"{folder}/out", model_class=type(work)).eval()
+            with without_progress_bars():
+                save_compressed(work, f"{folder}/out")
+                reloaded = layerwise.load_compressed(f"{folder}/out", model_class=type(work)).eval()
         except Exception as error:
             raise _fail(patch, "reload", f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
         with torch.no_grad():

@@ -43,3 +43,11 @@ def layerwise_check_pipeline() -> Callable[..., None]:
     from layerwise.testing import check_pipeline
 
     return check_pipeline
+
+
+@pytest.fixture
+def layerwise_check_saver() -> Callable[..., None]:
+    """:func:`layerwise.testing.check_saver`: writes, refuses, overwrites, all or nothing."""
+    from layerwise.testing import check_saver
+
+    return check_saver
