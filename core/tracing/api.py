@@ -410,7 +410,8 @@ def _swallowed_message(missing: Mapping[str, str]) -> str:
                 "sequential_targets")
     return ("sequential targets do not appear as their own call in the traced graph, so they cannot be "
             "calibrated one at a time:\n" + reasons +
-            "\nFix: call the untraceable function in that statement opaquely (ModelPatch.opaque_functions), "
+            "\nFix: " + ("call the untraceable function in that statement opaquely (ModelPatch.opaque_functions), "
+                        if any(why.startswith("swallowed by wrapped") for why in missing.values()) else "") +
             "make the swallowing code traceable (a ModelPatch override), stop ignoring it, "
             "or choose other sequential_targets")
 

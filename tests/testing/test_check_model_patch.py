@@ -16,12 +16,8 @@ from layerwise.testing import PluginCheckError, check_model_patch, patch_report
 from tests.conftest import build_tiny_llama, skip_unless_verified
 from tests.model_zoo.zoo_tiny_models import ARCHS
 
-#: what the kit found in the zoo, left for their own fixes (found on transformers 5.24.0)
-KNOWN = {
-    "gemma3": "the saved W4A16 checkpoint does not reload: transformers' SigLIP _init_weights reads "
-              "`.weight` of the vision tower's Linear layers, which compressed-tensors replaced by weight_packed "
-              "('Linear' object has no attribute 'weight')",
-}
+#: zoo patches the kit fails on today, with the reason (none on transformers 5.24.0)
+KNOWN: dict[str, str] = {}
 
 
 def patched(name):
