@@ -11,7 +11,6 @@ from layerwise.modifier import Modifier
 from layerwise.plugin_manager import registry
 from layerwise.testing import PluginCheckError, check_modifier
 
-
 #: every built-in modifier with non-default fields (the round trip can only lose what differs from defaults)
 BUILT_IN = [
     ("QuantizationModifier", {"scheme": "W8A16", "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}),
