@@ -1,0 +1,135 @@
+"""Smoothing mappings: which layers share an input channel scale, resolved on a model.
+
+A mapping ``((balance patterns...), smoothed pattern)`` (``ModelPatch.smoothing_mappings``, or a
+recipe's ``mappings``) says: the module matching ``smoothed`` produces the input of the balance
+layers. Dividing the smoothed module's output channels by ``s`` and multiplying the balance
+layers' input columns by ``s`` leaves the model's function unchanged; SmoothQuant and AWQ choose
+``s``. Patterns use :mod:`layerwise.matching` syntax (class name, qualified name, ``re:``).
+
+Each smoothed module is paired with the balance layers nearest to it: those under its parent
+(the block), else under the grandparent, and so on. A mapping whose output width does not match
+the balance layers' input width (``v_proj`` -> ``o_proj`` under grouped-query attention) is
+skipped with its reason, never applied wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import RecipeError
+from ..matching import find_modules, unmatched
+from .storage import linear_weight
+
+Mapping = tuple[tuple[str, ...], str]
+
+
+class MappingError(RecipeError):
+    """A mapping that cannot be resolved on this model (a pattern matching nothing, no mappings at all)."""
+
+
+@dataclass(frozen=True)
+class ResolvedMapping:
+    """One smoothed module and the balance layers that read its output."""
+
+    smoothed: str
+    balance: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Every mapping resolved on a model, and those skipped with the reason."""
+
+    mappings: tuple[ResolvedMapping, ...]
+    skipped: tuple[tuple[str, str], ...] = ()  # (smoothed module, why)
+
+
+def check_mappings(mappings: Sequence[Mapping], owner: str, patch_name: str | None) -> list[Mapping]:
+    """The mappings as tuples; none at all is an error saying where they come from and how to add them."""
+    if not mappings:
+        where = f"the model patch {patch_name!r} declares no smoothing_mappings" if patch_name else \
+            "no model patch matches this model"
+        raise MappingError(f"{owner}: no smoothing mappings: {where}. Pass mappings in the recipe, e.g. "
+                           f"mappings: [[[\"re:.*q_proj\", \"re:.*k_proj\", \"re:.*v_proj\"], \"re:.*input_layernorm\"]], "
+                           f"or add smoothing_mappings to the patch (GUIDE.md, 'Smoothing mappings')")
+    checked = []
+    for mapping in mappings:
+        try:
+            balance, smoothed = mapping
+            balance = (balance,) if isinstance(balance, str) else tuple(balance)
+        except (TypeError, ValueError):
+            raise MappingError(f"{owner}: a mapping is [[balance patterns...], smoothed pattern], got {mapping!r}") \
+                from None
+        if not balance or not isinstance(smoothed, str) or not all(isinstance(b, str) for b in balance):
+            raise MappingError(f"{owner}: a mapping is [[balance patterns...], smoothed pattern], got {mapping!r}")
+        checked.append((balance, smoothed))
+    return checked
+
+
+def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, owner: str,
+                     patch_name: str | None = None, ignore: Sequence[str] = ()) -> Resolution:
+    """Pair every smoothed module with its balance layers; a pattern matching nothing is an error naming it.
+
+    Balance layers in ``ignore`` are left out of their mapping (their columns would be scaled with
+    nobody to compensate); a mapping left with no balance layer is skipped.
+    """
+    mappings = check_mappings(mappings, owner, patch_name)
+    source = f"the model patch {patch_name!r}" if patch_name else "the recipe"
+    resolved: list[ResolvedMapping] = []
+    skipped: list[tuple[str, str]] = []
+    for balance, smoothed in mappings:
+        missing = unmatched(model, [*balance, smoothed])
+        if missing:
+            raise MappingError(f"{owner}: mapping {list(balance)} <- {smoothed!r} of {source}: "
+                               f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}; "
+                               f"write patterns over the qualified names `print(model)` shows")
+        candidates = {pattern: find_modules(model, [pattern]) for pattern in balance}
+        ignored = set(find_modules(model, list(balance))) - set(find_modules(model, list(balance), ignore))
+        for name, module in find_modules(model, [smoothed]).items():
+            layers = {pattern: _nearest(name, candidates[pattern]) for pattern in balance}
+            lost = [pattern for pattern, layer in layers.items() if layer is None]
+            if lost:
+                skipped.append((name, f"no single layer matching {lost[0]!r} in its block"))
+                continue
+            found = [layer for layer in layers.values() if layer not in ignored]
+            if not found:
+                skipped.append((name, "every balance layer is ignored"))
+                continue
+            why = _width_mismatch(model, name, module, found)
+            if why:
+                skipped.append((name, why))
+                continue
+            resolved.append(ResolvedMapping(name, tuple(found)))
+    return Resolution(tuple(resolved), tuple(skipped))
+
+
+def _nearest(smoothed: str, candidates: dict[str, torch.nn.Module]) -> str | None:
+    """The candidate sharing the longest module-path prefix with ``smoothed`` (its block first)."""
+    scope = smoothed
+    while scope:
+        scope = scope.rpartition(".")[0]
+        inside = [n for n in candidates if n.startswith(scope + ".")] if scope else list(candidates)
+        if inside:
+            return inside[0] if len(inside) == 1 else None  # several: ambiguous, the pattern is too loose
+    return None
+
+
+def output_width(module: torch.nn.Module) -> int | None:
+    """Channels a smoothed module produces: a norm's weight size, a Linear's out_features."""
+    if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+        return int(linear_weight(module).shape[0])
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+
+
+def _width_mismatch(model: torch.nn.Module, name: str, module: torch.nn.Module, balance: list[str]) -> str:
+    width = output_width(module)
+    if width is None:
+        return f"{type(module).__name__} has no per-channel weight to fold a scale into"
+    for layer in balance:
+        columns = int(linear_weight(model.get_submodule(layer)).shape[1])
+        if columns != width:
+            return f"{layer} reads {columns} channels, {name} produces {width} (e.g. grouped-query v_proj -> o_proj)"
+    return ""
