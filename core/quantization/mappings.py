@@ -6,10 +6,12 @@ layers. Dividing the smoothed module's output channels by ``s`` and multiplying 
 layers' input columns by ``s`` leaves the model's function unchanged; SmoothQuant and AWQ choose
 ``s``. Patterns use :mod:`layerwise.matching` syntax (class name, qualified name, ``re:``).
 
-Each smoothed module is paired with the balance layers nearest to it: those under its parent
-(the block), else under the grandparent, and so on. A mapping whose output width does not match
-the balance layers' input width (``v_proj`` -> ``o_proj`` under grouped-query attention) is
-skipped with its reason, never applied wrongly.
+Each smoothed module is paired, per balance pattern, with the layers nearest to it: those under
+its parent (the block), else under the grandparent, and so on (a pattern may pick several, e.g.
+every expert's ``gate_proj``). Every layer reading the smoothed output must be a balance layer,
+ignored (unquantized) ones included: scaling a layer left in full precision is exact, leaving it
+out is not. A mapping whose output width does not match the balance layers' input width
+(``v_proj`` -> ``o_proj`` under grouped-query attention) is skipped with its reason.
 """
 
 from __future__ import annotations
@@ -69,12 +71,8 @@ def check_mappings(mappings: Sequence[Mapping], owner: str, patch_name: str | No
 
 
 def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, owner: str,
-                     patch_name: str | None = None, ignore: Sequence[str] = ()) -> Resolution:
-    """Pair every smoothed module with its balance layers; a pattern matching nothing is an error naming it.
-
-    Balance layers in ``ignore`` are left out of their mapping (their columns would be scaled with
-    nobody to compensate); a mapping left with no balance layer is skipped.
-    """
+                     patch_name: str | None = None) -> Resolution:
+    """Pair every smoothed module with its balance layers; a pattern matching nothing is an error naming it."""
     mappings = check_mappings(mappings, owner, patch_name)
     source = f"the model patch {patch_name!r}" if patch_name else "the recipe"
     resolved: list[ResolvedMapping] = []
@@ -86,16 +84,10 @@ def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, own
                                f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}; "
                                f"write patterns over the qualified names `print(model)` shows")
         candidates = {pattern: find_modules(model, [pattern]) for pattern in balance}
-        ignored = set(find_modules(model, list(balance))) - set(find_modules(model, list(balance), ignore))
         for name, module in find_modules(model, [smoothed]).items():
-            layers = {pattern: _nearest(name, candidates[pattern]) for pattern in balance}
-            lost = [pattern for pattern, layer in layers.items() if layer is None]
-            if lost:
-                skipped.append((name, f"no single layer matching {lost[0]!r} in its block"))
-                continue
-            found = [layer for layer in layers.values() if layer not in ignored]
+            found = list(dict.fromkeys(layer for pattern in balance for layer in _nearest(name, candidates[pattern])))
             if not found:
-                skipped.append((name, "every balance layer is ignored"))
+                skipped.append((name, "no balance layer near it"))
                 continue
             why = _width_mismatch(model, name, module, found)
             if why:
@@ -105,15 +97,16 @@ def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, own
     return Resolution(tuple(resolved), tuple(skipped))
 
 
-def _nearest(smoothed: str, candidates: dict[str, torch.nn.Module]) -> str | None:
-    """The candidate sharing the longest module-path prefix with ``smoothed`` (its block first)."""
+def _nearest(smoothed: str, candidates: dict[str, torch.nn.Module]) -> list[str]:
+    """The candidates in the innermost scope around ``smoothed`` that holds any (its block first)."""
     scope = smoothed
     while scope:
         scope = scope.rpartition(".")[0]
-        inside = [n for n in candidates if n.startswith(scope + ".")] if scope else list(candidates)
+        inside = [n for n in candidates if n.startswith(scope + ".") and n != smoothed] if scope else \
+            [n for n in candidates if n != smoothed]
         if inside:
-            return inside[0] if len(inside) == 1 else None  # several: ambiguous, the pattern is too loose
-    return None
+            return inside
+    return []
 
 
 def output_width(module: torch.nn.Module) -> int | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from layerwise.model_zoo.llama import LLAMA, tiny_llama
 from layerwise.quantization.mappings import MappingError, resolve_mappings
+from layerwise.quantization.smoothing import apply_smoothing
 
 V_TO_O = ((("re:.*o_proj",), "re:.*v_proj"),)
 
@@ -27,9 +29,17 @@ def test_grouped_query_v_to_o_is_skipped_with_the_reason():
         f"(e.g. grouped-query v_proj -> o_proj)" for i in (0, 1)]
 
 
-def test_ignored_balance_layers_leave_the_mapping():
-    resolution = resolve_mappings(tiny_llama(), LLAMA.smoothing_mappings, owner="T", ignore=["re:.*k_proj"])
-    assert resolution.mappings[0].balance == ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj")
+def test_a_pattern_may_pick_every_expert_of_the_block():
+    from layerwise.model_zoo.qwen3_moe import QWEN3_MOE
+
+    model = QWEN3_MOE.tiny_models[0]()
+    from layerwise.model_patch import apply_patch
+
+    apply_patch(model, QWEN3_MOE)  # experts unfused into Linear layers
+    mapping = ((("re:.*mlp\\.gate", "re:.*experts\\.\\d+\\.gate_proj"), "re:.*post_attention_layernorm"),)
+    (first, _) = resolve_mappings(model, mapping, owner="T").mappings
+    assert first.balance[0] == "model.layers.0.mlp.gate"  # the router reads the same input: it is balanced too
+    assert first.balance[1:] == tuple(f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(4))
 
 
 @pytest.mark.parametrize("mappings,patch,message", [
@@ -43,3 +53,36 @@ def test_ignored_balance_layers_leave_the_mapping():
 def test_bad_mappings_are_named_errors(mappings, patch, message):
     with pytest.raises(MappingError, match=message):
         resolve_mappings(tiny_llama(), mappings, owner="SmoothQuantModifier", patch_name=patch)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_smoothing_any_positive_scales_keeps_the_function(family):
+    # Llama's RMSNorm scales by w, Gemma's by 1 + w: both are folded exactly
+    from layerwise.model_zoo.gemma3 import tiny_gemma3_text
+
+    model = tiny_llama() if family == "llama" else tiny_gemma3_text()
+    # Gemma norms the attention output with post_attention_layernorm; its MLP reads pre_feedforward_layernorm
+    mlp_norm = "re:.*post_attention_layernorm" if family == "llama" else "re:.*pre_feedforward_layernorm"
+    norms = ((("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
+             (("re:.*gate_proj", "re:.*up_proj"), mlp_norm))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    before = _logits(model, ids)
+    generator = torch.Generator().manual_seed(4)
+    for mapping in resolve_mappings(model, norms, owner="T").mappings:
+        width = model.get_submodule(mapping.balance[0]).in_features
+        apply_smoothing(model, mapping, torch.rand(width, generator=generator) * 4 + 0.1)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_scales_are_refused():
+    model = tiny_llama()
+    (mapping, *_) = resolve_mappings(model, LLAMA.smoothing_mappings, owner="T").mappings
+    with pytest.raises(ValueError, match="finite and positive"):
+        apply_smoothing(model, mapping, torch.zeros(64))
+    with pytest.raises(ValueError, match="produces 64 channels"):
+        apply_smoothing(model, mapping, torch.ones(32))
