@@ -21,8 +21,16 @@ Zero points are returned as floating tensors holding integers (same dtype as the
 scale); the saver casts them to int8.
 
 Shapes follow compressed-tensors: ``tensor`` -> ``(1,)``, ``channel`` -> ``(out, 1)``,
-``group`` -> ``(out, in // group_size)``. Weights are in the ``nn.Linear`` layout
-``(out_features, in_features)``.
+``group`` -> ``(out, in // group_size)``, ``block`` -> ``(ceil(out / rows), ceil(in / cols))``.
+Weights are in the ``nn.Linear`` layout ``(out_features, in_features)``.
+
+float8 (``type: float``): e4m3, symmetric, ``scale = max|x| / 448`` (448 is the largest e4m3
+value); ``q = float8(clamp(x / scale, -448, 448))`` (the cast rounds to the nearest e4m3 value),
+``x' = q * scale``.
+
+Activations (a layer's input, last dimension = channels): ``token`` -> one scale per row,
+``group`` -> one per ``group_size`` channels of each row, ``tensor`` -> one; dynamic ones are
+computed from each input, static ones calibrated once.
 """
 
 from __future__ import annotations
@@ -37,9 +45,14 @@ from .args import QuantizationArgs
 
 Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
 
+#: the largest float8 e4m3 value
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
-def qrange(args: QuantizationArgs) -> tuple[int, int]:
-    """The signed integer range: ``(-2**(b-1), 2**(b-1) - 1)``."""
+
+def qrange(args: QuantizationArgs) -> tuple[float, float]:
+    """The representable range: ``(-2**(b-1), 2**(b-1) - 1)`` for integers, ``(-448, 448)`` for float8."""
+    if args.type == "float":
+        return -FP8_MAX, FP8_MAX
     return -(1 << (args.num_bits - 1)), (1 << (args.num_bits - 1)) - 1
 
 
@@ -66,6 +79,8 @@ def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Quantiza
     """Integer values (in ``x``'s floating dtype) of ``x``; ``scale``/``zero_point`` broadcast."""
     qmin, qmax = qrange(args)
     scaled = x / scale
+    if args.type == "float":
+        return torch.clamp(scaled, qmin, qmax).to(torch.float8_e4m3fn).to(scaled.dtype)
     if zero_point is not None:
         scaled = scaled + zero_point.to(scaled.dtype)
     return torch.clamp(torch.round(scaled), qmin, qmax)
@@ -88,6 +103,8 @@ def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Qua
 def _check_weight(weight: Tensor, args: QuantizationArgs) -> None:
     if weight.ndim != 2:
         raise ValueError(f"weight quantization expects a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
+    if args.strategy in ("token",):
+        raise ValueError("strategy 'token' is for activations, not weights")
     if args.strategy == "group" and weight.shape[1] % args.group_size:
         raise ValueError(f"group_size {args.group_size} does not divide in_features {weight.shape[1]}; "
                          f"use strategy 'channel' or a group size that divides {weight.shape[1]}")
@@ -101,6 +118,9 @@ def weight_min_max(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tens
         return w.amin().reshape(1), w.amax().reshape(1)
     if args.strategy == "channel":
         return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    if args.strategy == "block":
+        tiles = _tiles(w, args.block_structure)
+        return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     grouped = w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size)
     return grouped.amin(dim=-1), grouped.amax(dim=-1)
 
@@ -121,9 +141,27 @@ def default_g_idx(in_features: int, group_size: int, device: torch.device | None
     return torch.arange(in_features, device=device, dtype=torch.int32) // group_size
 
 
+def _tiles(w: Tensor, block: tuple[int, int]) -> Tensor:
+    """``w`` as ``(row tiles, rows, column tiles, columns)``, zero-padded at the ends (zeros never widen a
+    range that always contains 0)."""
+    rows, cols = block
+    padded = torch.nn.functional.pad(w, (0, -w.shape[1] % cols, 0, -w.shape[0] % rows))
+    return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def _untile(values: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
+    """Per-tile ``values`` repeated over their tiles, cropped to ``shape``."""
+    rows, cols = block
+    return values.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)[:shape[0], :shape[1]]
+
+
 def expand_qparams(weight: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
                    g_idx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Scale and zero point broadcastable elementwise against ``weight`` (group -> per column)."""
+    """Scale and zero point broadcastable elementwise against ``weight`` (group -> per column,
+    block -> per element)."""
+    if args.strategy == "block":
+        return (_untile(scale, args.block_structure, weight.shape),
+                None if zero_point is None else _untile(zero_point, args.block_structure, weight.shape))
     if args.strategy != "group":
         return scale, zero_point
     _check_weight(weight, args)
@@ -146,3 +184,39 @@ def fake_quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | Non
     (default ``j // group_size``)."""
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
     return fake_quantize(weight, s, z, args)
+
+
+# -- activations --------------------------------------------------------------------------
+def activation_min_max(x: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tensor]:
+    """Minima and maxima of an activation ``(..., channels)`` per ``args.strategy`` (token / group / tensor);
+    group results have shape ``(..., channels // group_size, 1)``."""
+    if args.strategy == "token":
+        return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    if args.strategy == "group":
+        grouped = _activation_groups(x, args.group_size)
+        return grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+    return x.amin().reshape(1), x.amax().reshape(1)
+
+
+def _activation_groups(x: Tensor, group_size: int) -> Tensor:
+    if x.shape[-1] % group_size:
+        raise ValueError(f"activation group_size {group_size} does not divide the {x.shape[-1]} input channels")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+
+
+def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | None = None,
+                             zero_point: Tensor | None = None) -> Tensor:
+    """The values a quantized layer computes with for input ``x``: dynamic args take their scales from
+    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor)."""
+    values = x.to(torch.float32)
+    if args.dynamic:
+        scale, zero_point = compute_qparams(*activation_min_max(values, args), args)
+    elif scale is None:
+        raise ValueError("static activation quantization needs a calibrated scale")
+    else:
+        scale = scale.to(torch.float32)
+        zero_point = None if zero_point is None else zero_point.to(torch.float32)
+    if args.strategy == "group":
+        grouped = fake_quantize(_activation_groups(values, args.group_size), scale, zero_point, args)
+        return grouped.reshape(x.shape).to(x.dtype)
+    return fake_quantize(values, scale, zero_point, args).to(x.dtype)

@@ -7,19 +7,28 @@ After :func:`set_quantized_weight` a module carries
 * ``weight_g_idx`` (buffer, int32) when GPTQ reordered columns into groups,
 * ``quantization_args``: the :class:`~layerwise.quantization.args.QuantizationArgs` used.
 
+After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
+activations, ``input_scale`` / ``input_zero_point`` buffers), and its ``forward`` fake-quantizes its
+input first: the model computes as an inference server running the checkpoint will, and the
+layers after it are calibrated on those quantized activations. The forward is replaced on the
+instance (not a hook): it survives ``copy.deepcopy`` and is no hook for anyone to remove.
+
 transformers' ``Conv1D`` (GPT-2) stores its weight as ``(in, out)``; everything here
 takes and returns the ``nn.Linear`` layout ``(out, in)`` and transposes for you.
 """
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from .args import QuantizationArgs
-from .qmath import fake_quantize_weight
+from .qmath import fake_quantize_activation, fake_quantize_weight
 
-QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx")
+QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "input_scale", "input_zero_point")
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -84,8 +93,28 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def clear_quantization(module: nn.Module) -> None:
-    """Forget a module's qparams (its weight keeps its current values)."""
+    """Forget a module's qparams and input quantization (its weight keeps its current values)."""
     for name in QPARAM_NAMES:
         module._buffers.pop(name, None)
-    if hasattr(module, "quantization_args"):
-        del module.quantization_args
+    for name in ("quantization_args", "input_quantization_args", "forward"):
+        module.__dict__.pop(name, None)
+
+
+def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Tensor | None = None,
+                           zero_point: Tensor | None = None) -> None:
+    """Make ``module`` fake-quantize its input with ``args`` (static ones with ``scale`` / ``zero_point``)."""
+    if not args.dynamic:
+        if scale is None:
+            raise ValueError("static input quantization needs a calibrated scale")
+        device = module.weight.device
+        _set_buffer(module, "input_scale", scale.to(device=device, dtype=module.weight.dtype).reshape(1))
+        zero = torch.zeros_like(scale) if zero_point is None else zero_point
+        _set_buffer(module, "input_zero_point", zero.to(device=device, dtype=module.weight.dtype).reshape(1))
+    module.input_quantization_args = args
+    module.forward = types.MethodType(_input_quantized_forward, module)
+
+
+def _input_quantized_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+    x = fake_quantize_activation(x, self.input_quantization_args, self._buffers.get("input_scale"),
+                                 self._buffers.get("input_zero_point"))
+    return type(self).forward(self, x, *args, **kwargs)

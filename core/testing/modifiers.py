@@ -70,7 +70,7 @@ def check_modifier(cls: type[Modifier], fields: dict[str, Any] | None = None, *,
     batches = token_batches() if batches is None else batches
     _check_events_and_hooks(cls, name, fields, model_factory, batches)
     _check_calibration_inputs(cls, name, fields, model_factory)
-    if cls.requires_data:
+    if cls(**fields).requires_data:  # an instance: whether it needs data may depend on its fields
         _check_hooks_after_error(cls, name, fields, model_factory, batches)
 
 
@@ -149,12 +149,13 @@ def _check_events_and_hooks(cls: type, name: str, fields: dict[str, Any], model_
     before = count_hooks(model)
     modifier = cls(**fields)
     seen: list[str] = []
+    needs_data = modifier.requires_data
     _recording(modifier, seen)
     try:
-        layerwise.compress(model, [modifier], dataset=batches if cls.requires_data else None, show_progress=False)
+        layerwise.compress(model, [modifier], dataset=batches if needs_data else None, show_progress=False)
     except Exception as error:
         raise _fail(name, "events", f"compress() failed: {type(error).__name__}: {error}") from error
-    if cls.requires_data:  # initialize, calibration_start, epoch ends, calibration_end, finalize
+    if needs_data:  # initialize, calibration_start, epoch ends, calibration_end, finalize
         epochs = [e for e in seen if e == "on_sequential_epoch_end"]
         in_order = seen == ["on_initialize", "on_calibration_start", *epochs, "on_calibration_end", "on_finalize"]
     else:  # data-free: whatever the datafree pipeline fires, between initialize and finalize

@@ -90,6 +90,9 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
 
     def resolve_args(self) -> QuantizationArgs:
         args = super().resolve_args()
+        if args.strategy == "block":
+            raise RecipeError("GPTQModifier solves column by column: weight strategy 'block' (FP8_BLOCK) is "
+                              "round-to-nearest only; use QuantizationModifier")
         if args.actorder is None or args.actorder == self.actorder:
             return args.replace(actorder=self.actorder) if self.actorder != args.actorder else args
         if self.actorder == DEFAULT_ACTORDER:  # the field's default yields to the scheme's choice
@@ -105,6 +108,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
 
     def on_calibration_start(self, state: CompressionState) -> None:
         self._hook_hessians(state, self._modules)
+        self._observe_inputs()
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         self._last = None
@@ -159,6 +163,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
             warn_user(message, GPTQFallbackWarning)
             result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype)
         set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx)
+        self.quantize_inputs(name, module)
         self._done.add(name)
         record = {"name": name, "method": method, "loss": None if math.isnan(result.loss) else result.loss,
                   "seconds": round(time.perf_counter() - start, 4), "samples": samples,

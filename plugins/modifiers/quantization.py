@@ -1,16 +1,21 @@
-"""Round-to-nearest weight quantization (no calibration data needed).
+"""Round-to-nearest quantization of weights, and of layer inputs when the scheme says so.
 
 Each targeted module's weight gets a scale / zero point from an observer
 (min-max by default) and is replaced by its fake-quantized values; the saver
 packs it into the compressed-tensors format. Under a layer-by-layer pipeline the
 modules of each piece are quantized as soon as that piece was calibrated.
+
+A scheme with ``input_activations`` (``W8A8``, ``FP8_DYNAMIC`` ...) also makes each quantized
+layer fake-quantize its input from then on, so every later piece calibrates on the quantized
+model's activations. Dynamic activations need no data; static ones (``W8A8_STATIC``, ``FP8``)
+calibrate one input scale per layer with the args' observer, so the modifier then needs data.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -20,8 +25,13 @@ from layerwise.modifier import Modifier
 from layerwise.plugin_manager import registry
 from layerwise.quantization.args import QuantizationArgs, QuantizationScheme
 from layerwise.quantization.presets import resolve_scheme
-from layerwise.quantization.qmath import weight_qparams
-from layerwise.quantization.storage import linear_weight, set_quantized_weight
+from layerwise.quantization.qmath import compute_qparams, weight_qparams
+from layerwise.quantization.storage import (
+    is_transposed,
+    linear_weight,
+    set_input_quantization,
+    set_quantized_weight,
+)
 from layerwise.state import CompressionState
 
 
@@ -29,13 +39,11 @@ from layerwise.state import CompressionState
 class QuantizationModifier(Modifier):
     """Quantize the weights of ``targets`` (minus ``ignore``) with ``scheme``.
 
-    ``scheme`` is a preset name (``W4A16``, ``W4A16_ASYM``, ``W8A16``), a mapping of
-    :class:`~layerwise.quantization.args.QuantizationArgs` fields, or a scheme object.
-    ``num_bits`` / ``symmetric`` / ``strategy`` / ``group_size`` / ``observer``, when
-    given, override the scheme's weight args.
+    ``scheme`` is a preset name (``W4A16``, ``W8A8``, ``FP8_DYNAMIC`` ...), a mapping of
+    :class:`~layerwise.quantization.args.QuantizationArgs` fields (or ``weights`` /
+    ``input_activations`` mappings), or a scheme object. ``num_bits`` / ``symmetric`` /
+    ``strategy`` / ``group_size`` / ``observer``, when given, override the scheme's weight args.
     """
-
-    requires_data: ClassVar[bool] = False
 
     scheme: Any = "W4A16"
     targets: list[str] = field(default_factory=lambda: ["Linear"])
@@ -50,9 +58,16 @@ class QuantizationModifier(Modifier):
         super().__post_init__()
         self.targets, self.ignore = target_lists(type(self).__name__, self.targets, self.ignore)
         self.args: QuantizationArgs = self.resolve_args()  # fail at recipe time, not mid-run
+        self.input_args: QuantizationArgs | None = resolve_scheme(self.scheme).input_activations
         self._modules: dict[str, torch.nn.Module] = {}
         self._done: set[str] = set()
         self._observer: Any = None
+        self._input_observers: dict[str, Any] = {}
+
+    @property
+    def requires_data(self) -> bool:  # type: ignore[override]
+        """Only static input scales need calibration data; weights and dynamic inputs do not."""
+        return self.input_args is not None and not self.input_args.dynamic
 
     # -- configuration -----------------------------------------------------------------
     def resolve_args(self) -> QuantizationArgs:
@@ -64,13 +79,28 @@ class QuantizationModifier(Modifier):
         if not overrides:
             return scheme.weights
         try:
-            return scheme.weights.replace(**overrides)
+            args = scheme.weights.replace(**overrides)
         except TypeError as exc:
             raise RecipeError(str(exc)) from None
+        args.check_for("weights")
+        return args
 
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
         """The modules to quantize; errors for a target matching nothing or an indivisible group."""
         modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
+        if self.input_args is not None:
+            transposed = next((name for name, module in modules.items() if is_transposed(module)), None)
+            if transposed:
+                raise RecipeError(f"{type(self).__name__}: layer {transposed!r} is a transformers Conv1D (GPT-2 "
+                                  f"style): input-activation quantization is for nn.Linear layers only; use a "
+                                  f"weight-only scheme (W4A16, W8A16) or add it to ignore")
+        inputs = self.input_args
+        if inputs is not None and inputs.strategy == "group":
+            for name, module in modules.items():
+                if linear_weight(module).shape[-1] % inputs.group_size:
+                    raise RecipeError(f"{type(self).__name__}: input_activations group_size {inputs.group_size} does "
+                                      f"not divide the {linear_weight(module).shape[-1]} inputs of layer {name!r}; "
+                                      f"add it to ignore or choose a group size that divides it")
         if self.args.strategy == "group":
             for name, module in modules.items():
                 in_features = linear_weight(module).shape[-1]
@@ -86,8 +116,34 @@ class QuantizationModifier(Modifier):
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
         self._observer = registry("observers").get(self.args.observer)(self.args)
+        if self.input_args is not None:
+            registry("observers").get(self.input_args.observer)  # an unknown name fails before calibrating
         self._modules = self.resolve_modules(state)
         self._done = set()
+        self._input_observers = {}
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        self._observe_inputs()
+
+    def calibration_inputs(self, modules: list[str]) -> set[str]:
+        """Static input scales read the inputs of the layers still to be quantized; otherwise nothing."""
+        if not self.requires_data:
+            return set()
+        return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
+
+    def _observe_inputs(self) -> None:
+        """Static input scales: one observer per layer, fed by a pre-hook until the layer is quantized."""
+        if self.input_args is None or self.input_args.dynamic:
+            return
+        observer_cls = registry("observers").get(self.input_args.observer)
+        for name, module in self._modules.items():
+            self._input_observers[name] = observer_cls(self.input_args)
+            self.register_hook(module, lambda m, args, n=name: self._observe_input(n, args), "forward_pre")
+
+    def _observe_input(self, name: str, args: tuple) -> None:
+        observer = self._input_observers.get(name)
+        if observer is not None and args and isinstance(args[0], torch.Tensor):
+            observer.update(args[0])
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         for name in self._modules:
@@ -106,7 +162,23 @@ class QuantizationModifier(Modifier):
         weight = linear_weight(module).detach().to(torch.float32)
         scale, zero_point = weight_qparams(weight, self.args, self._observer)
         set_quantized_weight(module, weight, scale, zero_point, self.args)
+        self.quantize_inputs(name, module)
         self._done.add(name)
+
+    def quantize_inputs(self, name: str, module: torch.nn.Module) -> None:
+        """After the weight: make the layer quantize its input as the scheme says (calibrated scale if static)."""
+        if self.input_args is None:
+            return
+        if self.input_args.dynamic:
+            set_input_quantization(module, self.input_args)
+            return
+        observer = self._input_observers.pop(name, None)
+        if observer is None or observer.batches == 0:
+            raise RecipeError(f"{type(self).__name__}: layer {name!r} saw no calibration data, so its static input "
+                              f"scale cannot be calibrated; give data that reaches it, add it to ignore, or use a "
+                              f"dynamic scheme (W8A8, FP8_DYNAMIC)")
+        scale, zero_point = compute_qparams(*observer.result(), self.input_args)
+        set_input_quantization(module, self.input_args, scale, zero_point)
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe entry, leaving out overrides that were not given."""

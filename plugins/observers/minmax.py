@@ -1,23 +1,24 @@
-"""The min-max observer: the range of a weight is its smallest and largest value."""
+"""Min-max observers: the range is the smallest and largest value seen."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.qmath import weight_min_max
+from layerwise.quantization.observer import Observer
 
 
-class MinMaxObserver:
-    """``MinMaxObserver(args)(weight) -> (min_vals, max_vals)`` in the qparam shape of ``args``.
+class MinMaxObserver(Observer):
+    """A weight's own min and max; for activations, the widest range over every calibration batch."""
 
-    Observers share this interface: constructed with the :class:`QuantizationArgs`,
-    called with a ``(out, in)`` weight, returning reduced minima and maxima that
-    :func:`~layerwise.quantization.qmath.compute_qparams` turns into scale / zero point.
-    """
 
-    def __init__(self, args: QuantizationArgs) -> None:
-        self.args = args
+class MovingAverageMinMaxObserver(Observer):
+    """For activations, an exponential moving average of each batch's min and max (weight 0.01 per new
+    batch): one outlier batch moves the range a little instead of setting it. Weights: as min-max."""
 
-    def __call__(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        return weight_min_max(weight, self.args)
+    #: the weight of each new batch
+    averaging_constant = 0.01
+
+    def combine(self, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        c = self.averaging_constant
+        return torch.lerp(self.min_vals, low, c), torch.lerp(self.max_vals, high, c)

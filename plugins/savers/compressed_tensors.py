@@ -94,20 +94,32 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
 
 
 # -- config ------------------------------------------------------------------------------
-def _ct_weight_args(args: QuantizationArgs) -> dict[str, Any]:
-    """compressed-tensors' QuantizationArgs fields for our args."""
+def _ct_args(args: QuantizationArgs) -> dict[str, Any]:
+    """compressed-tensors' QuantizationArgs fields for our args (weights or input activations)."""
     fields: dict[str, Any] = {
         "num_bits": args.num_bits,
-        "type": "int",
+        "type": args.type,
         "symmetric": args.symmetric,
         "strategy": args.strategy,
         "group_size": args.group_size if args.strategy == "group" else None,
-        "dynamic": False,
-        "observer": args.observer,
+        "dynamic": args.dynamic,
+        "observer": None if args.dynamic else args.observer,
     }
+    if args.block_structure is not None:
+        fields["block_structure"] = list(args.block_structure)
     if args.actorder == "static":
         fields["actorder"] = "weight"  # compressed-tensors' name for static ordering
     return fields
+
+
+def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -> str:
+    """How a layer's weight is stored: float8 as is (``float-quantized``); int8 with quantized inputs as
+    int8 tensors (``int-quantized``, what W8A8 kernels read); other integers packed into int32."""
+    if args.type == "float":
+        return "float-quantized"
+    if input_args is not None and args.num_bits == 8:
+        return "int-quantized"
+    return FORMAT
 
 
 def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, Any]:
@@ -119,18 +131,22 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
     from compressed_tensors.quantization import QuantizationArgs as CTArgs
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    by_args: dict[QuantizationArgs, list[str]] = defaultdict(list)
+    by_args: dict[tuple[QuantizationArgs, QuantizationArgs | None], list[str]] = defaultdict(list)
     for name, module in modules.items():
-        by_args[module.quantization_args].append(name)
+        by_args[module.quantization_args, getattr(module, "input_quantization_args", None)].append(name)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if n not in modules]
     groups = {}
-    for i, (args, names) in enumerate(by_args.items()):
+    formats = {weight_format(*key) for key in by_args}
+    for i, ((args, input_args), names) in enumerate(by_args.items()):
         # one group: every Linear minus `ignore`; several: each group lists its layers exactly
         targets = ["Linear"] if len(by_args) == 1 else [f"re:^{re.escape(n)}$" for n in names]
-        groups[f"group_{i}"] = QuantizationScheme(targets=targets, weights=CTArgs(**_ct_weight_args(args)),
-                                                  input_activations=None, output_activations=None)
-    config = QuantizationConfig(config_groups=groups, format=FORMAT if groups else "dense",
+        groups[f"group_{i}"] = QuantizationScheme(
+            targets=targets, weights=CTArgs(**_ct_args(args)),
+            input_activations=None if input_args is None else CTArgs(**_ct_args(input_args)),
+            output_activations=None, format=weight_format(args, input_args) if len(formats) > 1 else None)
+    fmt = (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense"
+    config = QuantizationConfig(config_groups=groups, format=fmt,
                                 quantization_status="compressed", ignore=ignore if groups else [])
     data = config.model_dump(mode="json")
     data["quant_method"] = "compressed-tensors"
@@ -159,16 +175,27 @@ def compressed_state_dict(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
                     f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
                     f"Use actorder='static' (same format, no g_idx) or actorder=None")
         q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
-        q = q.to(torch.int8)
+        input_args = getattr(module, "input_quantization_args", None)
+        fmt = weight_format(args, input_args)
         state.pop(f"{prefix}weight")
-        state[f"{prefix}weight_packed"] = pack_to_int32(q, args.num_bits)
         state[f"{prefix}weight_scale"] = scale.to(module.weight.dtype).contiguous()
-        state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+        if fmt == "float-quantized":
+            state[f"{prefix}weight"] = q.to(torch.float8_e4m3fn).contiguous()
+        elif fmt == "int-quantized":
+            state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
+        else:
+            state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
+            state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
         if not args.symmetric:
             zp = torch.round(zero_point).to(torch.int8)
-            if args.strategy in ("channel", "group"):
+            if fmt == FORMAT and args.strategy in ("channel", "group"):
                 zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
             state[f"{prefix}weight_zero_point"] = zp.contiguous()
+        if input_args is not None and not input_args.dynamic:
+            state[f"{prefix}input_scale"] = module.input_scale.detach().to("cpu").contiguous()
+            if not input_args.symmetric:
+                state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
+                    "cpu", torch.int8).contiguous()
     return state
 
 

@@ -168,8 +168,11 @@ def test_indivisible_group_is_an_error():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"num_bits": 3}, "valid num_bits: 4, 8"),
-    ({"strategy": "block"}, "valid strategies: tensor, channel, group"),
+    ({"num_bits": 5}, "valid num_bits: 2, 3, 4, 8"),
+    ({"strategy": "rows"}, "valid strategies: tensor, channel, group, block, token"),
+    ({"strategy": "block"}, r"strategy 'block' needs block_structure \[rows, columns\]"),
+    ({"type": "fp4"}, "valid types: int, float"),
+    ({"type": "float", "num_bits": 4}, "type 'float' is float8 e4m3: num_bits 8 and symmetric"),
     ({"strategy": "group", "group_size": None}, "positive integer group_size"),
     ({"actorder": "dynamic"}, "valid actorders"),
 ])

@@ -1,0 +1,59 @@
+"""The observer interface: how a quantization range is measured, for weights and for activations.
+
+An observer is built with the tensor's :class:`~layerwise.quantization.args.QuantizationArgs`.
+For a weight it is called once: ``observer(weight) -> (min_vals, max_vals)`` in the qparam shape
+of the args. For a layer's input activations (static quantization) it sees every calibration
+batch through :meth:`Observer.update` and gives the calibrated range with :meth:`Observer.result`.
+:func:`~layerwise.quantization.qmath.compute_qparams` turns either into scale and zero point.
+Observers are plugins (``layerwise_register_observers``); a recipe picks one by name
+(``observer: mse``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .args import QuantizationArgs
+from .qmath import activation_min_max, weight_min_max
+
+
+class Observer:
+    """Min-max by default: subclasses change :meth:`reduce_weight` and/or :meth:`combine`."""
+
+    def __init__(self, args: QuantizationArgs) -> None:
+        self.args = args
+        self.min_vals: Tensor | None = None
+        self.max_vals: Tensor | None = None
+        self.batches = 0
+
+    def __call__(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return self.reduce_weight(weight)
+
+    def reduce_weight(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """A weight's range in the qparam shape of the args."""
+        return weight_min_max(weight, self.args)
+
+    def reduce_activation(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """One batch's range (per tensor: static activations take one scale)."""
+        return activation_min_max(x.detach().to(torch.float32), self.args)
+
+    @torch.no_grad()
+    def update(self, x: Tensor) -> None:
+        """Fold one batch of a layer's inputs into the running range."""
+        low, high = self.reduce_activation(x)
+        if self.min_vals is None:
+            self.min_vals, self.max_vals = low, high
+        else:
+            self.min_vals, self.max_vals = self.combine(low, high)
+        self.batches += 1
+
+    def combine(self, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        """The running range after a new batch's ``(low, high)``: the widest seen."""
+        return torch.minimum(self.min_vals, low), torch.maximum(self.max_vals, high)
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """The calibrated range; an error if no batch was seen."""
+        if self.min_vals is None or self.max_vals is None:
+            raise ValueError("the observer saw no calibration data")
+        return self.min_vals, self.max_vals
