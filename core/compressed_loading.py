@@ -7,7 +7,8 @@ pruned weights *missing*: randomly initialised, with only a load report saying s
 :func:`load_compressed` decodes those tensors (:mod:`layerwise.sparsity.bitmask`) into dense
 ``<layer>.weight`` tensors, drops the sparsity part of the config and builds the model from
 that state dict; every other folder (dense, pack-quantized, quantized with a ``dense``
-sparsity_config) is a plain ``from_pretrained``. :func:`layerwise.load_model`, and so
+sparsity_config) is a plain ``from_pretrained``, packed asymmetric weights dequantized on load
+(:func:`packed_asymmetric`). :func:`layerwise.load_model`, and so
 ``compress(path)``, load sparse folders the same way.
 
 The decoded layers are marked pruned again (:func:`layerwise.sparsity.mark_sparse`, with the
@@ -79,8 +80,22 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     fmt = sparse_format(loaded)
     if fmt is None:
         cls = model_class or _model_class(loaded, folder)
+        if "quantization_config" not in kwargs and packed_asymmetric(loaded):
+            from transformers import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
         return cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
     return load_sparse(folder, loaded, model_class, **kwargs)
+
+
+def packed_asymmetric(config: Any) -> bool:
+    """Does the folder hold packed asymmetric weights (``W4A16_ASYM``, AWQ's default)? transformers with
+    compressed-tensors 0.20 cannot build those packed layers, so they load dequantized (dense weights
+    with the quantized values: the same outputs, full-precision memory)."""
+    quant = quantization_config(config)
+    return quant.get("format") in ("pack-quantized", "mixed-precision") and any(
+        not (group.get("weights") or {}).get("symmetric", True)
+        for group in (quant.get("config_groups") or {}).values())
 
 
 def load_sparse(folder: str | os.PathLike, config: Any, model_class: type | None = None, **kwargs: Any) -> Any:

@@ -116,3 +116,25 @@ def test_quantized_bitmask_folders_are_refused(sparse_dir):
     path.write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="quantized and stored as sparse-bitmask"):
         layerwise.load_compressed(sparse_dir)
+
+
+def test_packed_asymmetric_folders_load_dequantized_with_the_same_outputs(tmp_path):
+    # transformers + compressed-tensors 0.20 cannot build packed asymmetric layers: load_compressed
+    # asks for the dequantizing load by itself (W4A16_ASYM is AWQ's default)
+    import warnings
+
+    import layerwise
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+    from layerwise.plugins.savers.compressed_tensors import save_compressed
+    from layerwise.testing import token_batches
+    from tests.conftest import build_tiny_llama
+
+    model = build_tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layerwise.compress(model, [QuantizationModifier(scheme="W4A16_ASYM", group_size=32)], show_progress=False)
+    save_compressed(model, tmp_path / "out")
+    reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
+    batch = token_batches(1, 16, vocab=128)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=1e-6)
