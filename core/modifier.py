@@ -30,6 +30,8 @@ class Modifier:
     #: compressed? (Wanda: it compensates nothing, so a layer scored on a pruned neighbour's
     #: outputs only adds error.) ``True`` makes the ``sequential`` pipeline cut at blocks.
     needs_uncompressed_block: ClassVar[bool] = False
+    #: why it needs that, as the run's ``pieces`` line gives the reason for the blocks cut ("<class> <reason>")
+    block_reason: ClassVar[str] = "observes each block before compressing any of its layers"
 
     def __post_init__(self) -> None:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

@@ -35,7 +35,7 @@ RecipeLike = Modifier | list | dict | str | Path
 METADATA_KEYS = ("version", "metadata", "run_type")
 
 #: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
-ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier"}
+ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier", "AWQ": "AWQModifier"}
 
 
 def preset_names() -> list[str]:

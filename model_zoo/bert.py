@@ -53,6 +53,9 @@ BERT = ModelPatch(
     ignore=("re:.*pooler.*", "re:cls\\..*", "classifier"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_bert, tiny_bert_masked_lm, tiny_bert_classifier),
+    # BERT norms after the residual add (post-LN): a LayerNorm's output is the residual stream itself, so
+    # no norm can be smoothed (the residual would change too). Attention values -> output projection can.
+    smoothing_mappings=((("re:.*attention\\.output\\.dense",), "re:.*attention\\.self\\.value"),),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

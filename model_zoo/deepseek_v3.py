@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from layerwise import hookimpl
 
-from .moe import text_moe_patch
+from .moe import moe_smoothing_mappings, text_moe_patch
 
 DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "DeepseekV3", tiny_sizes=dict(
     random_routers=True, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
     num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=16, rope_interleave=False))
+    qk_nope_head_dim=8, v_head_dim=16, rope_interleave=False),
+    # MLA: input_layernorm feeds the query (q_a_proj, or q_proj without a query LoRA) and the compressed
+    # key/value projection; inside, q_a_layernorm feeds q_b_proj and kv_a_layernorm feeds kv_b_proj. No v_proj.
+    smoothing_mappings=(
+        *moe_smoothing_mappings(("(q_a_proj|q_proj)", "kv_a_proj_with_mqa"), v_to_o=False),
+        (("re:.*self_attn\\.q_b_proj",), "re:.*self_attn\\.q_a_layernorm"),
+        (("re:.*self_attn\\.kv_b_proj",), "re:.*self_attn\\.kv_a_layernorm"),
+    ))
 
 
 @hookimpl

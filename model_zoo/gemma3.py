@@ -63,6 +63,9 @@ def tiny_gemma3_text() -> torch.nn.Module:
     return _tiny.seeded("Gemma3ForCausalLM", config)
 
 
+#: decoder layers, in Gemma3ForCausalLM (``model.layers``) and under the vision model (``language_model.layers``)
+_TEXT = "re:(.*language_model\\.|model\\.)layers\\.\\d+\\."
+
 GEMMA3 = ModelPatch(
     name="gemma3",
     model_types=("gemma3", "gemma3_text"),
@@ -75,6 +78,14 @@ GEMMA3 = ModelPatch(
     ignore=("lm_head", "re:.*multi_modal_projector.*", "re:.*vision_tower\\..*_proj", "re:.*vision_tower\\..*\\.fc[12]"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_gemma3, tiny_gemma3_text),
+    # text decoder only (the SigLIP Linear layers stay dense). Gemma norms the attention *output* with
+    # post_attention_layernorm; the MLP reads pre_feedforward_layernorm
+    smoothing_mappings=(
+        ((_TEXT + "self_attn\\.q_proj", _TEXT + "self_attn\\.k_proj", _TEXT + "self_attn\\.v_proj"),
+         _TEXT + "input_layernorm"),
+        ((_TEXT + "mlp\\.gate_proj", _TEXT + "mlp\\.up_proj"), _TEXT + "pre_feedforward_layernorm"),
+        ((_TEXT + "self_attn\\.o_proj",), _TEXT + "self_attn\\.v_proj"),
+    ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

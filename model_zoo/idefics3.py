@@ -122,6 +122,16 @@ IDEFICS3 = ModelPatch(
     apply=traceable_image_features,
     sample_inputs=sample_inputs,
     tiny_models=(tiny_idefics3,),
+    smoothing_mappings=(
+        (("re:.*text_model.*q_proj", "re:.*text_model.*k_proj", "re:.*text_model.*v_proj"),
+         "re:.*text_model.*input_layernorm"),
+        (("re:.*text_model.*gate_proj", "re:.*text_model.*up_proj"), "re:.*text_model.*post_attention_layernorm"),
+        (("re:.*text_model.*o_proj",), "re:.*text_model.*v_proj"),
+        # the SigLIP-style encoder: layer_norm1 feeds q/k/v, layer_norm2 the MLP's fc1
+        (("re:.*vision_model.*self_attn\\.[qkv]_proj",), "re:.*vision_model.*layer_norm1"),
+        (("re:.*vision_model.*mlp\\.fc1",), "re:.*vision_model.*layer_norm2"),
+        (("re:.*vision_model.*out_proj",), "re:.*vision_model.*v_proj"),
+    ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

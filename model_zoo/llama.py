@@ -40,6 +40,8 @@ LLAMA = ModelPatch(
     smoothing_mappings=(
         (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
         (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
+        # exact when o_proj reads as many channels as v_proj makes (no grouped-query attention): else skipped
+        (("re:.*o_proj",), "re:.*v_proj"),
     ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )

@@ -103,6 +103,21 @@ def tiny_mistral3() -> torch.nn.Module:
 _TARGETS = (VISION_LAYERS, TEXT_LAYERS)
 _IGNORE = ("lm_head", "re:.*multi_modal_projector.*")
 
+_VISION = "re:.*vision_tower\\..*"
+#: the decoder's norms and projections; in the vision tower, one pattern covers both layouts the patch
+#: takes: CLIP / SigLIP (layer_norm1 -> self_attn, layer_norm2 -> mlp.fc1) and Pixtral (attention_norm
+#: -> attention, ffn_norm -> feed_forward gate/up)
+_MAPPINGS = (
+    (("re:.*language_model.*q_proj", "re:.*language_model.*k_proj", "re:.*language_model.*v_proj"),
+     "re:.*language_model.*input_layernorm"),
+    (("re:.*language_model.*gate_proj", "re:.*language_model.*up_proj"),
+     "re:.*language_model.*post_attention_layernorm"),
+    (("re:.*language_model.*o_proj",), "re:.*language_model.*v_proj"),
+    ((_VISION + "(self_attn|attention)\\.[qkv]_proj",), _VISION + "(layer_norm1|attention_norm)"),
+    ((_VISION + "(mlp\\.fc1|feed_forward\\.(gate|up)_proj)",), _VISION + "(layer_norm2|ffn_norm)"),
+    ((_VISION + "(self_attn\\.out_proj|attention\\.o_proj)",), _VISION + "v_proj"),
+)
+
 LLAVA = ModelPatch(
     name="llava",
     model_types=("llava",),
@@ -111,6 +126,7 @@ LLAVA = ModelPatch(
     ignore=_IGNORE,
     sample_inputs=sample_inputs,
     tiny_models=(tiny_llava, tiny_pixtral),
+    smoothing_mappings=_MAPPINGS,
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

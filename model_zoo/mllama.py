@@ -96,6 +96,18 @@ MLLAMA = ModelPatch(
     opaque_functions=_opaque_functions(),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_mllama,),
+    smoothing_mappings=(
+        # a cross-attention layer's input norm feeds only its q_proj (k/v read the image states)
+        (("re:.*language_model.*self_attn\\.[qkv]_proj", "re:.*language_model.*cross_attn\\.q_proj"),
+         "re:.*language_model.*input_layernorm"),
+        (("re:.*language_model.*gate_proj", "re:.*language_model.*up_proj"),
+         "re:.*language_model.*post_attention_layernorm"),
+        (("re:.*language_model.*o_proj",), "re:.*language_model.*v_proj"),
+        # local and global vision layers: input_layernorm feeds q/k/v, post_attention_layernorm the MLP's fc1
+        (("re:.*vision_model.*self_attn\\.[qkv]_proj",), "re:.*vision_model.*input_layernorm"),
+        (("re:.*vision_model.*mlp\\.fc1",), "re:.*vision_model.*post_attention_layernorm"),
+        (("re:.*vision_model.*o_proj",), "re:.*vision_model.*v_proj"),
+    ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

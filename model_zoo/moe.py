@@ -29,7 +29,7 @@ import contextlib
 import functools
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from layerwise.versions import TESTED_TRANSFORMERS
 
 from . import _inputs, _tiny
 
+if TYPE_CHECKING:
+    from layerwise.quantization.mappings import Mapping
+
 __all__ = [
     "MOE_IGNORE",
     "ExpertMLP",
@@ -46,6 +49,7 @@ __all__ = [
     "calibrate_all_experts",
     "find_experts",
     "is_fused_experts",
+    "moe_smoothing_mappings",
     "text_moe_patch",
     "unfuse_experts",
 ]
@@ -223,9 +227,29 @@ def tiny_text_moe(class_prefix: str, random_routers: bool = False, **sizes: Any)
     return model
 
 
+def moe_smoothing_mappings(attention_inputs: tuple[str, ...], expert_names: tuple[str, str, str] = EXPERT_NAMES,
+                           v_to_o: bool = True) -> tuple[Mapping, ...]:
+    """The smoothing mappings of a pre-norm MoE decoder (see :mod:`layerwise.quantization.mappings`).
+
+    ``input_layernorm`` feeds the attention's ``attention_inputs`` (``self_attn.<name>``);
+    ``post_attention_layernorm`` feeds the router (``mlp.gate``), every expert's gate and up layers
+    (``expert_names``), a shared expert's and a dense layer's (``mlp.gate_proj`` of DeepSeek's first
+    layers): every reader, or the function would change. ``v_to_o`` adds ``v_proj`` -> ``o_proj``
+    (skipped by the resolver under grouped-query attention).
+    """
+    gate, up, _ = expert_names
+    mappings: tuple[Mapping, ...] = (
+        (tuple(f"re:.*self_attn\\.{n}" for n in attention_inputs), "re:.*input_layernorm"),
+        (("re:.*mlp\\.gate", f"re:.*mlp\\.(.*\\.)?{gate}", f"re:.*mlp\\.(.*\\.)?{up}"),
+         "re:.*post_attention_layernorm"),
+    )
+    return (*mappings, (("re:.*self_attn\\.o_proj",), "re:.*self_attn\\.v_proj")) if v_to_o else mappings
+
+
 def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
                    tiny_sizes: dict[str, Any] | None = None,
-                   expert_names: tuple[str, str, str] = EXPERT_NAMES) -> ModelPatch:
+                   expert_names: tuple[str, str, str] = EXPERT_NAMES,
+                   smoothing_mappings: tuple[Mapping, ...] = ()) -> ModelPatch:
     """The patch every text MoE family shares: one ``<prefix>DecoderLayer`` at a time,
     fused experts unfused into Linear layers, every expert calibrated on every token."""
 
@@ -248,5 +272,6 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
         tiny_models=(tiny_builder,),
+        smoothing_mappings=smoothing_mappings,
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )

@@ -106,11 +106,14 @@ QWEN2_VL = ModelPatch(
     sample_inputs=sample_inputs,
     tiny_models=(tiny_qwen2_vl,),
     smoothing_mappings=(
-        # text decoder only: the vision blocks norm with norm1/norm2 and fuse qkv
         (("re:.*language_model.*q_proj", "re:.*language_model.*k_proj", "re:.*language_model.*v_proj"),
          "re:.*language_model.*input_layernorm"),
         (("re:.*language_model.*gate_proj", "re:.*language_model.*up_proj"),
          "re:.*language_model.*post_attention_layernorm"),
+        (("re:.*language_model.*o_proj",), "re:.*language_model.*v_proj"),
+        # vision blocks: norm1 feeds the fused qkv, norm2 the MLP (Qwen2-VL's fc1, Qwen2.5-VL's gate/up)
+        (("re:.*visual\\.blocks\\.\\d+\\.attn\\.qkv",), "re:.*visual\\.blocks\\.\\d+\\.norm1"),
+        (("re:.*visual\\.blocks\\.\\d+\\.mlp\\.(fc1|gate_proj|up_proj)",), "re:.*visual\\.blocks\\.\\d+\\.norm2"),
     ),
     # before 5.23 the image path keeps rope_deltas as module state, which a trace cannot return
     verified_transformers=TESTED_TRANSFORMERS.since("5.23.0"),

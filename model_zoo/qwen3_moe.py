@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from layerwise import hookimpl
 
-from .moe import text_moe_patch
+from .moe import moe_smoothing_mappings, text_moe_patch
 
 QWEN3_MOE = text_moe_patch("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3Moe", tiny_sizes=dict(
-    head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+    head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    smoothing_mappings=moe_smoothing_mappings(("q_proj", "k_proj", "v_proj")))
 
 
 @hookimpl

@@ -49,6 +49,17 @@ WHISPER = ModelPatch(
     ignore=("proj_out",),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_whisper,),
+    # encoder and decoder layers alike. A decoder layer's encoder_attn_layer_norm feeds only the cross-attention's
+    # q_proj (k/v read the encoder output); that output (the encoder's last norm) feeds every decoder layer, is
+    # cached before any of them runs, and so is not smoothed
+    smoothing_mappings=(
+        (("re:.*self_attn\\.q_proj", "re:.*self_attn\\.k_proj", "re:.*self_attn\\.v_proj"),
+         "re:.*self_attn_layer_norm"),
+        (("re:.*encoder_attn\\.q_proj",), "re:.*encoder_attn_layer_norm"),
+        (("re:.*fc1",), "re:.*final_layer_norm"),
+        (("re:.*self_attn\\.out_proj",), "re:.*self_attn\\.v_proj"),
+        (("re:.*encoder_attn\\.out_proj",), "re:.*encoder_attn\\.v_proj"),
+    ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

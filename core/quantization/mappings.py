@@ -6,12 +6,15 @@ layers. Dividing the smoothed module's output channels by ``s`` and multiplying 
 layers' input columns by ``s`` leaves the model's function unchanged; SmoothQuant and AWQ choose
 ``s``. Patterns use :mod:`layerwise.matching` syntax (class name, qualified name, ``re:``).
 
-Each smoothed module is paired, per balance pattern, with the layers nearest to it: those under
-its parent (the block), else under the grandparent, and so on (a pattern may pick several, e.g.
-every expert's ``gate_proj``). Every layer reading the smoothed output must be a balance layer,
-ignored (unquantized) ones included: scaling a layer left in full precision is exact, leaving it
-out is not. A mapping whose output width does not match the balance layers' input width
-(``v_proj`` -> ``o_proj`` under grouped-query attention) is skipped with its reason.
+Each smoothed module is paired with the balance layers nearest to it: those under its parent (the
+block), else under the grandparent, and so on (a pattern may pick several, e.g. every expert's
+``gate_proj``). A layer is paired only with the smoothed module(s) nearest to *it*, so a block
+without a match (a MoE model's dense layer has no router, a cross-attention layer's ``k_proj``
+does not read its norm) gets nothing rather than another block's layers. Every layer reading the
+smoothed output must be a balance layer, ignored (unquantized) ones included: scaling a layer
+left in full precision is exact, leaving it out is not. A mapping whose output width does not
+match the balance layers' input width (``v_proj`` -> ``o_proj`` under grouped-query attention) is
+skipped with its reason.
 """
 
 from __future__ import annotations
@@ -83,9 +86,10 @@ def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, own
             raise MappingError(f"{owner}: mapping {list(balance)} <- {smoothed!r} of {source}: "
                                f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}; "
                                f"write patterns over the qualified names `print(model)` shows")
-        candidates = {pattern: find_modules(model, [pattern]) for pattern in balance}
-        for name, module in find_modules(model, [smoothed]).items():
-            found = list(dict.fromkeys(layer for pattern in balance for layer in _nearest(name, candidates[pattern])))
+        sources = find_modules(model, [smoothed])
+        candidates = _owned(sources, [layer for pattern in balance for layer in find_modules(model, [pattern])])
+        for name, module in sources.items():
+            found = _nearest(name, candidates.get(name, []))
             if not found:
                 skipped.append((name, "no balance layer near it"))
                 continue
@@ -97,13 +101,38 @@ def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, own
     return Resolution(tuple(resolved), tuple(skipped))
 
 
-def _nearest(smoothed: str, candidates: dict[str, torch.nn.Module]) -> list[str]:
+def _scopes(name: str) -> list[str]:
+    """The modules around ``name``, innermost first, the model (``""``) last: ``a.b.c`` -> ``a.b``, ``a``, ``""``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _inside(name: str, scope: str) -> bool:
+    return not scope or name.startswith(scope + ".")
+
+
+def _owned(sources: dict[str, torch.nn.Module], layers: list[str]) -> dict[str, list[str]]:
+    """Per smoothed module, the layers (in the order given, once each) for which it is among the nearest
+    smoothed modules: those in the innermost scope around the layer that holds any."""
+    under: dict[str, list[str]] = {}
+    for source in sources:
+        for scope in _scopes(source):
+            under.setdefault(scope, []).append(source)
+    owned: dict[str, list[str]] = {}
+    for layer in dict.fromkeys(layers):
+        for scope in _scopes(layer):
+            owners = [s for s in under.get(scope, ()) if s != layer]
+            if owners:
+                for source in owners:
+                    owned.setdefault(source, []).append(layer)
+                break
+    return owned
+
+
+def _nearest(smoothed: str, candidates: list[str]) -> list[str]:
     """The candidates in the innermost scope around ``smoothed`` that holds any (its block first)."""
-    scope = smoothed
-    while scope:
-        scope = scope.rpartition(".")[0]
-        inside = [n for n in candidates if n.startswith(scope + ".") and n != smoothed] if scope else \
-            [n for n in candidates if n != smoothed]
+    for scope in _scopes(smoothed):
+        inside = [n for n in candidates if _inside(n, scope)]
         if inside:
             return inside
     return []

@@ -2,8 +2,10 @@
 
 from layerwise.hookspecs import hookimpl
 
+from .awq import AWQModifier
 from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
+from .smoothquant import SmoothQuantModifier
 from .sparsegpt import SparseGPTModifier
 from .wanda import WandaModifier
 
@@ -12,6 +14,8 @@ MODIFIERS = [
     ("GPTQModifier", GPTQModifier),
     ("SparseGPTModifier", SparseGPTModifier),
     ("WandaModifier", WandaModifier),
+    ("AWQModifier", AWQModifier),
+    ("SmoothQuantModifier", SmoothQuantModifier),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -133,6 +134,31 @@ class HessianBank:
         if gram is None:
             return None, 0
         return gram.take(name)
+
+    @torch.no_grad()
+    def rescale_inputs(self, names: Iterable[str], scales: torch.Tensor) -> None:
+        """Layers ``names`` read ``x / scales`` from now on (a smoothing folded ``scales`` into their input
+        columns): rescale what was gathered from their inputs so far, as if it had been read smoothed.
+
+        Saves a second calibration pass (SmoothQuant then GPTQ in one recipe): each Gram ``G = X^T X``
+        becomes ``D G D`` with ``D = diag(1 / scales)``, inputs not folded yet are divided, and a Hessian
+        already taken but owed to another subscriber is rescaled the same way. A Gram shared by several
+        of the layers is rescaled once; its members read one tensor, so all of them must be in ``names``.
+        """
+        factors = 1.0 / scales.detach().to(torch.float32)
+        rescaled: set[int] = set()
+        for name in names:
+            gram = self.grams.get(name)
+            if gram is not None and id(gram) not in rescaled:
+                rescaled.add(id(gram))
+                gram.rescale(factors)
+            if name in self.taken:
+                hessian, rows, dropped = self.taken[name]
+                if hessian is not None:
+                    f = factors.to(hessian.device)
+                    hessian = hessian * f[:, None] * f[None, :]
+                self.taken[name] = (hessian, rows, dropped)
+        self.last = None  # the previous input's float32 copy is unscaled: never reuse it
 
     def clear(self) -> None:
         """Forget every matrix and hook handle (the hooks themselves go with their modifiers')."""
@@ -311,6 +337,14 @@ class _SharedGram:
         del self.positions[name]
         owners[name] = mine
         return mine
+
+    def rescale(self, factors: torch.Tensor) -> None:
+        """Every input becomes ``x * factors`` (per column), folded or pending: the matrix becomes ``D G D``."""
+        if self.gram is not None:
+            f = factors.to(self.gram.device)
+            self.gram.mul_(f[:, None]).mul_(f[None, :])
+        self.pending = [x * factors.to(x.device) for x in self.pending]
+        self.first = None  # the input a new member could join on is gone (replaced by its rescaled copy)
 
     def alone_and_idle(self) -> bool:
         """One member, nothing waiting, and past its first input (when another layer could have joined)."""

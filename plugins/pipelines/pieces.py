@@ -16,6 +16,7 @@ import torch
 from layerwise.cache import move_to
 from layerwise.errors import InvalidArgumentError
 from layerwise.lifecycle import Lifecycle
+from layerwise.modifier import Modifier
 from layerwise.offload import ModuleOffloader
 from layerwise.pipeline import PipelineFailed, PipelineOptions
 from layerwise.tracing.result import output_difference
@@ -79,9 +80,10 @@ def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineO
         return [], "propagate_error=False: each block runs once, on the uncompressed model's activations"
     if options.targets_per_subgraph > 1:
         return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
-    block_wise = [type(m).__name__ for m in lifecycle.modifiers if getattr(m, "needs_uncompressed_block", False)]
+    block_wise = [f"{type(m).__name__} {getattr(m, 'block_reason', Modifier.block_reason)}"
+                  for m in lifecycle.modifiers if getattr(m, "needs_uncompressed_block", False)]
     if block_wise:
-        return [], f"{', '.join(block_wise)} observes each block before compressing any of its layers"
+        return [], "; ".join(block_wise)
     names = all_module_names(model)
     read = lifecycle.calibration_inputs(names)
     if read is None:  # ask each modifier again only to name the ones that need whole forwards

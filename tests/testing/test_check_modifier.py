@@ -18,6 +18,10 @@ BUILT_IN = [
     ("SparseGPTModifier", {"mask_structure": "2:4", "block_size": 32, "dampening_frac": 0.05}),
     ("WandaModifier", {"sparsity": 0.3, "owl_m": 5, "owl_lmbda": 0.05}),
     ("WandaModifier", {"mask_structure": "2:4", "true_sequential": True}),
+    ("SmoothQuantModifier", {"smoothing_strength": 0.7,
+                             "mappings": [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"]]}),
+    ("AWQModifier", {"group_size": 32, "n_grid": 10, "duo_scaling": False, "search_tokens": 512,
+                     "mappings": [[["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"]]}),
 ]
 
 

@@ -18,7 +18,29 @@ def test_each_norm_pairs_with_the_layers_of_its_own_block():
     assert pairs["model.layers.1.input_layernorm"] == tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
     assert pairs["model.layers.0.post_attention_layernorm"] == ("model.layers.0.mlp.gate_proj",
                                                                "model.layers.0.mlp.up_proj")
-    assert len(pairs) == 4 and not resolution.skipped
+    assert len(pairs) == 4
+    # the tiny Llama has 2 KV heads: its v_proj -> o_proj mapping cannot apply
+    assert [name for name, _ in resolution.skipped] == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1)]
+
+
+def test_a_block_without_a_match_takes_nothing_from_another_block():
+    # layer 0's norm would otherwise reach for layer 1's gate_proj, one scope further out
+    mapping = (((r"re:.*layers\.1\.mlp\.gate_proj",), "re:.*post_attention_layernorm"),)
+    resolution = resolve_mappings(tiny_llama(), mapping, owner="T")
+    assert [m.smoothed for m in resolution.mappings] == ["model.layers.1.post_attention_layernorm"]
+    assert resolution.skipped == (("model.layers.0.post_attention_layernorm", "no balance layer near it"),)
+
+
+def test_a_dense_layer_of_a_moe_model_keeps_to_its_own_mlp():
+    from layerwise.model_patch import apply_patch
+    from layerwise.model_zoo.deepseek_v3 import DEEPSEEK_V3
+
+    model = apply_patch(DEEPSEEK_V3.tiny_models[0](), DEEPSEEK_V3)  # layer 0 dense, layer 1 routed experts
+    mapping = (((r"re:.*mlp\.gate", r"re:.*mlp\.(.*\.)?gate_proj"), "re:.*post_attention_layernorm"),)
+    dense, routed = resolve_mappings(model, mapping, owner="T").mappings
+    assert dense.balance == ("model.layers.0.mlp.gate_proj",)
+    assert routed.balance == ("model.layers.1.mlp.gate", *(f"model.layers.1.mlp.experts.{e}.gate_proj" for e in range(4)),
+                              "model.layers.1.mlp.shared_experts.gate_proj")
 
 
 def test_grouped_query_v_to_o_is_skipped_with_the_reason():
@@ -46,7 +68,7 @@ def test_a_pattern_may_pick_every_expert_of_the_block():
     ((((("re:.*q_prj",), "re:.*input_layernorm"),)), "llama",
      r"SmoothQuantModifier: mapping \['re:.\*q_prj'\] <- 're:.\*input_layernorm' of the model patch 'llama': "
      r"'re:.\*q_prj' match no module of LlamaForCausalLM"),
-    ((), "bert", r"no smoothing mappings: the model patch 'bert' declares no smoothing_mappings. Pass mappings"),
+    ((), "opt", r"no smoothing mappings: the model patch 'opt' declares no smoothing_mappings. Pass mappings"),
     ((), None, r"no smoothing mappings: no model patch matches this model"),
     (((("re:.*q_proj",),),), None, r"a mapping is \[\[balance patterns...\], smoothed pattern\]"),
 ])
