@@ -36,13 +36,19 @@ METADATA_KEYS = ("version", "metadata", "run_type")
 
 #: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
 ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier", "AWQ": "AWQModifier"}
+#: presets that chain modifiers (they share one calibration run)
+CHAINED_PRESETS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    # SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
+    "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),
+}
 
 
 def preset_names() -> list[str]:
-    """Every recipe preset name: the schemes (round-to-nearest) and ``<ALGORITHM>_<SCHEME>``."""
+    """Every recipe preset name: the schemes (round-to-nearest), ``<ALGORITHM>_<SCHEME>`` and the chains."""
     from .quantization.presets import PRESETS
 
-    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in ALGORITHM_PRESETS for scheme in PRESETS)]
+    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in ALGORITHM_PRESETS for scheme in PRESETS),
+            *CHAINED_PRESETS]
 
 
 def parse_recipe(recipe: RecipeLike) -> list[Modifier]:
@@ -73,6 +79,8 @@ def _parse_string(text: str) -> list[Modifier]:
     algorithm, _, scheme = stripped.partition("_")
     if algorithm in ALGORITHM_PRESETS and scheme in PRESETS:
         return [_build(ALGORITHM_PRESETS[algorithm], {"scheme": scheme}, "recipe")]
+    if stripped in CHAINED_PRESETS:
+        return [_build(name, dict(fields), "recipe") for name, fields in CHAINED_PRESETS[stripped]]
     if stripped.endswith((".yaml", ".yml")) or (("\n" not in stripped) and Path(stripped).is_file()):
         return _parse_file(Path(stripped))
     if ":" not in stripped and "\n" not in stripped:

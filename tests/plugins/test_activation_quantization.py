@@ -157,3 +157,22 @@ def test_an_input_group_that_does_not_divide_a_layer_is_named_before_calibrating
 def test_gptq_refuses_block_weights():
     with pytest.raises(RecipeError, match="strategy 'block' .* is round-to-nearest only"):
         GPTQModifier(scheme="FP8_BLOCK")
+
+
+def test_smoothquant_then_gptq_w8a8_is_one_preset_one_run_and_reloads(tmp_path):
+    def run(recipe, **options):
+        model, forwards = build_tiny_llama(), []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, a: forwards.append(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layerwise.compress(model, recipe, dataset=BATCHES, show_progress=False, **options)
+        return model, len(forwards)
+
+    model, forwards = run("SQ_GPTQ_W8A8")
+    assert model.layerwise_report.modifiers == ["SmoothQuantModifier", "GPTQModifier"]
+    # SmoothQuant adds no forward to GPTQ's own run at blocks: the two share one calibration run
+    assert forwards == run("GPTQ_W8A8", pieces="blocks")[1]
+    save_compressed(model, tmp_path / "out")
+    reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-6)
