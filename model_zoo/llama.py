@@ -42,8 +42,6 @@ LLAMA = ModelPatch(
         (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
         # exact when o_proj reads as many channels as v_proj makes (no grouped-query attention): else skipped
         (("re:.*o_proj",), "re:.*v_proj"),
-        # act(gate) * up is elementwise per channel, so up's output channels carry a scale into down
-        (("re:.*down_proj",), "re:.*up_proj"),
     ),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
