@@ -19,8 +19,10 @@ skipped with its reason.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +31,7 @@ from ..matching import find_modules, unmatched
 from .storage import linear_weight
 
 Mapping = tuple[tuple[str, ...], str]
+log = logging.getLogger("layerwise")
 
 
 class MappingError(RecipeError):
@@ -155,3 +158,30 @@ def _width_mismatch(model: torch.nn.Module, name: str, module: torch.nn.Module, 
         if columns != width:
             return f"{layer} reads {columns} channels, {name} produces {width} (e.g. grouped-query v_proj -> o_proj)"
     return ""
+
+
+def mappings_for_run(model: torch.nn.Module, patch: Any, mappings: Sequence[Mapping] | None, *,
+                     owner: str) -> tuple[ResolvedMapping, ...]:
+    """What a smoothing modifier works on: its recipe's ``mappings``, else the applied patch's, resolved
+    (skipped ones logged); no mapping left at all is a :class:`MappingError` with the reasons."""
+    given = mappings if mappings is not None else (patch.smoothing_mappings if patch is not None else ())
+    patch_name = patch.name if patch is not None and mappings is None else None
+    resolution = resolve_mappings(model, given, owner=owner, patch_name=patch_name)
+    for name, why in resolution.skipped:
+        log.info("%s: %s is not smoothed: %s", owner, name, why)
+    if not resolution.mappings:
+        reasons = "; ".join(f"{name}: {why}" for name, why in resolution.skipped)
+        raise MappingError(f"{owner}: no mapping applies to {type(model).__name__} ({reasons}); "
+                           f"give mappings in the recipe")
+    return resolution.mappings
+
+
+def recipe_mappings(mappings: Sequence[Any] | None, owner: str) -> list[list[Any]] | None:
+    """A modifier's ``mappings`` field checked when the recipe is read: ``None`` stays (the patch's are
+    used), an empty list is an error, pairs become ``[[balance...], smoothed]`` (what YAML writes back)."""
+    if mappings is None:
+        return None
+    if not mappings:
+        raise MappingError(f"{owner}.mappings is empty; leave it out to use the model patch's "
+                           f"smoothing_mappings, or give [[balance patterns...], smoothed pattern] pairs")
+    return [[list(balance), smoothed] for balance, smoothed in check_mappings(mappings, owner, None)]

@@ -34,8 +34,8 @@ from layerwise.quantization.awq import search_flops, search_scales
 from layerwise.quantization.mappings import (
     MappingError,
     ResolvedMapping,
-    check_mappings,
-    resolve_mappings,
+    mappings_for_run,
+    recipe_mappings,
 )
 from layerwise.quantization.smoothing import apply_smoothing
 from layerwise.quantization.storage import linear_weight
@@ -92,12 +92,7 @@ class AWQModifier(QuantizationModifier):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RecipeError(f"{owner}.{name} must be a positive integer, got {value!r}"
                                   + (" (n_grid: 20 tries a = 0, 0.05, ..., 0.95)" if name == "n_grid" else ""))
-        if self.mappings is not None:
-            if not self.mappings:
-                raise MappingError(f"{owner}.mappings is empty; leave it out to use the model patch's "
-                                   f"smoothing_mappings, or give [[balance patterns...], smoothed pattern] pairs")
-            self.mappings = [[list(balance), smoothed] for balance, smoothed in check_mappings(self.mappings, owner,
-                                                                                                None)]
+        self.mappings = recipe_mappings(self.mappings, owner)
         super().__post_init__()
         inputs = getattr(self, "input_args", None)  # a scheme that also quantizes layer inputs
         if inputs is not None and not getattr(inputs, "dynamic", True):
@@ -115,18 +110,10 @@ class AWQModifier(QuantizationModifier):
         """The mappings to search, by smoothed module: resolved on the model, each with a targeted layer."""
         owner = type(self).__name__
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
-        given = self.mappings if self.mappings is not None else (patch.smoothing_mappings if patch else ())
-        patch_name = patch.name if patch is not None and self.mappings is None else None
-        resolution = resolve_mappings(state.model, given, owner=owner, patch_name=patch_name)
-        for name, why in resolution.skipped:
-            log.info("%s: %s is not smoothed: %s", owner, name, why)
-        if not resolution.mappings:
-            reasons = "; ".join(f"{name}: {why}" for name, why in resolution.skipped)
-            raise MappingError(f"{owner}: no mapping applies to {type(state.model).__name__} ({reasons}); "
-                               f"give mappings in the recipe")
-        _check_disjoint(owner, resolution.mappings)
+        mappings = mappings_for_run(state.model, patch, self.mappings, owner=owner)
+        _check_disjoint(owner, mappings)
         pending: dict[str, ResolvedMapping] = {}
-        for mapping in resolution.mappings:
+        for mapping in mappings:
             if any(layer in self._modules for layer in mapping.balance):
                 pending[mapping.smoothed] = mapping
             else:

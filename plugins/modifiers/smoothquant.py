@@ -36,10 +36,9 @@ from layerwise.errors import RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite, listed
 from layerwise.modifier import Modifier
 from layerwise.quantization.mappings import (
-    MappingError,
     ResolvedMapping,
-    check_mappings,
-    resolve_mappings,
+    mappings_for_run,
+    recipe_mappings,
 )
 from layerwise.quantization.smoothing import apply_smoothing
 from layerwise.quantization.smoothquant import smoothquant_scales
@@ -81,12 +80,7 @@ class SmoothQuantModifier(Modifier):
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha)
                 or not 0 <= alpha <= 1):
             raise RecipeError(f"{owner}.smoothing_strength must be a number in [0, 1] (typically 0.5), got {alpha!r}")
-        if self.mappings is not None:
-            if not self.mappings:
-                raise MappingError(f"{owner}.mappings is empty; leave it out to use the model patch's "
-                                   f"smoothing_mappings, or give [[balance patterns...], smoothed pattern] pairs")
-            self.mappings = [[list(balance), smoothed] for balance, smoothed in check_mappings(self.mappings, owner,
-                                                                                                None)]
+        self.mappings = recipe_mappings(self.mappings, owner)
         super().__post_init__()
         #: the scales folded in, per smoothed module (float32, on the CPU)
         self.scales: dict[str, torch.Tensor] = {}
@@ -98,18 +92,9 @@ class SmoothQuantModifier(Modifier):
 
     def resolve(self, state: CompressionState) -> dict[str, ResolvedMapping]:
         """The mappings to smooth, by smoothed module; none at all is a :class:`MappingError`."""
-        owner = type(self).__name__
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
-        given = self.mappings if self.mappings is not None else (patch.smoothing_mappings if patch else ())
-        patch_name = patch.name if patch is not None and self.mappings is None else None
-        resolution = resolve_mappings(state.model, given, owner=owner, patch_name=patch_name)
-        for smoothed, why in resolution.skipped:
-            log.info("%s: %s is not smoothed: %s", owner, smoothed, why)
-        if not resolution.mappings:
-            reasons = "; ".join(f"{name}: {why}" for name, why in resolution.skipped)
-            raise MappingError(f"{owner}: no mapping applies to {type(state.model).__name__} ({reasons}); "
-                               f"give mappings in the recipe")
-        return {m.smoothed: m for m in resolution.mappings}
+        mappings = mappings_for_run(state.model, patch, self.mappings, owner=type(self).__name__)
+        return {m.smoothed: m for m in mappings}
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
