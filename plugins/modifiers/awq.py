@@ -100,6 +100,8 @@ class AWQModifier(QuantizationModifier):
                               f"rescales; use a weight-only scheme (W4A16_ASYM, W4A16, W8A16) or a dynamic one")
         #: one record per mapping: smoothed, balance, method, alpha, loss, rtn_loss, tokens, seconds
         self.summary: list[dict[str, Any]] = []
+        #: the scales folded in, per smoothed module (float32, on the CPU)
+        self.scales: dict[str, torch.Tensor] = {}
         self._pending: dict[str, ResolvedMapping] = {}
         self._stats: dict[str, InputSample] = {}
         self._handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
@@ -124,6 +126,7 @@ class AWQModifier(QuantizationModifier):
     def on_initialize(self, state: CompressionState) -> None:
         super().on_initialize(state)
         self.summary = []
+        self.scales = {}
         self._pending = self.resolve_pending(state)
         self._stats = {}
         accounting = getattr(state, "accounting", None)
@@ -190,6 +193,7 @@ class AWQModifier(QuantizationModifier):
         del rows, weights
         if result.alpha is not None:
             apply_smoothing(state.model, mapping, result.scales)
+            self.scales[mapping.smoothed] = result.scales.detach().cpu()
         self._record(state, mapping, "awq" if result.alpha is not None else "rtn", alpha=result.alpha,
                      loss=result.loss, rtn_loss=result.rtn_loss, tokens=sample.tokens, sample_tokens=sample.kept,
                      seconds=round(time.perf_counter() - start, 4),
