@@ -176,3 +176,17 @@ def test_smoothquant_then_gptq_w8a8_is_one_preset_one_run_and_reloads(tmp_path):
     save_compressed(model, tmp_path / "out")
     reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-6)
+
+
+def test_two_schemes_of_two_formats_save_as_mixed_precision_and_reload(tmp_path):
+    model = build_tiny_llama()
+    layerwise.compress(model, [QuantizationModifier(scheme="W8A8", targets=["re:.*mlp.*"]),
+                               QuantizationModifier(scheme="W4A16", group_size=32, targets=["re:.*self_attn.*"])],
+                       show_progress=False)
+    save_compressed(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    assert sorted(group["format"] for group in config["config_groups"].values()) == ["int-quantized",
+                                                                                      "pack-quantized"]
+    reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-6)
