@@ -78,12 +78,12 @@ def compute_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs) ->
 def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs) -> Tensor:
     """Integer values (in ``x``'s floating dtype) of ``x``; ``scale``/``zero_point`` broadcast."""
     qmin, qmax = qrange(args)
-    scaled = x / scale
+    scaled = x / scale  # a fresh tensor: the steps below work in place (one pass each, no copies)
     if args.type == "float":
-        return torch.clamp(scaled, qmin, qmax).to(torch.float8_e4m3fn).to(scaled.dtype)
-    if zero_point is not None:
-        scaled = scaled + zero_point.to(scaled.dtype)
-    return torch.clamp(torch.round(scaled), qmin, qmax)
+        return scaled.clamp_(qmin, qmax).to(torch.float8_e4m3fn).to(scaled.dtype)
+    if zero_point is not None and not args.symmetric:  # a symmetric zero point is 0
+        scaled.add_(zero_point.to(scaled.dtype))
+    return scaled.round_().clamp_(qmin, qmax)
 
 
 def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:
@@ -96,7 +96,12 @@ def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Te
 
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs) -> Tensor:
     """Quantize then dequantize (the values the compressed model computes with)."""
-    return dequantize(quantize(x, scale, zero_point, args), scale, zero_point).to(x.dtype)
+    q = quantize(x, scale, zero_point, args)
+    if q.dtype != scale.dtype:
+        return dequantize(q, scale, zero_point).to(x.dtype)
+    if zero_point is not None and not args.symmetric:
+        q.sub_(zero_point.to(q.dtype))
+    return q.mul_(scale).to(x.dtype)
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -115,14 +120,14 @@ def weight_min_max(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tens
     _check_weight(weight, args)
     w = weight.detach()
     if args.strategy == "tensor":
-        return w.amin().reshape(1), w.amax().reshape(1)
+        low, high = torch.aminmax(w)
+        return low.reshape(1), high.reshape(1)
     if args.strategy == "channel":
-        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        return torch.aminmax(w, dim=1, keepdim=True)
     if args.strategy == "block":
         tiles = _tiles(w, args.block_structure)
         return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
-    grouped = w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size)
-    return grouped.amin(dim=-1), grouped.amax(dim=-1)
+    return torch.aminmax(w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size), dim=-1)
 
 
 def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | Any = None) -> tuple[Tensor, Tensor]:
