@@ -79,7 +79,7 @@ def test_scales_are_the_papers(alpha):
         expected[mapping.smoothed] = (maxima[mapping.smoothed].pow(alpha) / weight_max.pow(1 - alpha)).clamp(min=1e-5)
     modifier = SmoothQuantModifier(smoothing_strength=alpha)
     layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False)
-    assert set(modifier.scales) == set(expected) and len(expected) == 6  # v_proj -> o_proj included
+    assert set(modifier.scales) == set(expected) and len(expected) == 8  # v_proj -> o_proj, up -> down included
     for name, scales in expected.items():
         torch.testing.assert_close(modifier.scales[name], scales, rtol=1e-5, atol=0)
 

@@ -18,7 +18,8 @@ def test_each_norm_pairs_with_the_layers_of_its_own_block():
     assert pairs["model.layers.1.input_layernorm"] == tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
     assert pairs["model.layers.0.post_attention_layernorm"] == ("model.layers.0.mlp.gate_proj",
                                                                "model.layers.0.mlp.up_proj")
-    assert len(pairs) == 4
+    assert pairs["model.layers.1.mlp.up_proj"] == ("model.layers.1.mlp.down_proj",)
+    assert len(pairs) == 6
     # the tiny Llama has 2 KV heads: its v_proj -> o_proj mapping cannot apply
     assert [name for name, _ in resolution.skipped] == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1)]
 
