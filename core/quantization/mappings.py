@@ -185,3 +185,21 @@ def recipe_mappings(mappings: Sequence[Any] | None, owner: str) -> list[list[Any
         raise MappingError(f"{owner}.mappings is empty; leave it out to use the model patch's "
                            f"smoothing_mappings, or give [[balance patterns...], smoothed pattern] pairs")
     return [[list(balance), smoothed] for balance, smoothed in check_mappings(mappings, owner, None)]
+
+
+def split_by_piece(pending: dict[str, ResolvedMapping], modules: Sequence[str]) -> tuple[list[ResolvedMapping],
+                                                                                         list[ResolvedMapping]]:
+    """The pending mappings a piece of the model (``modules``, qualified names; ``""`` the whole model)
+    holds whole, and those it holds only in part: a smoothed module cached before its balance layers
+    were calibrated cannot be smoothed any more."""
+    def inside(name: str) -> bool:
+        return any(m == "" or name == m or name.startswith(m + ".") for m in modules)
+
+    whole, split = [], []
+    for mapping in pending.values():
+        found = [inside(name) for name in (mapping.smoothed, *mapping.balance)]
+        if all(found):
+            whole.append(mapping)
+        elif any(found):
+            split.append(mapping)
+    return whole, split

@@ -36,6 +36,7 @@ from layerwise.quantization.mappings import (
     ResolvedMapping,
     mappings_for_run,
     recipe_mappings,
+    split_by_piece,
 )
 from layerwise.quantization.smoothing import apply_smoothing
 from layerwise.quantization.storage import linear_weight
@@ -141,13 +142,12 @@ class AWQModifier(QuantizationModifier):
                                                          with_kwargs=True)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
-        for smoothed, mapping in list(self._pending.items()):
-            inside = [_in_piece(name, modules) for name in (smoothed, *mapping.balance)]
-            if all(inside):
-                self.smooth(state, mapping)
-            elif any(inside):
-                self._drop(mapping, "its layers are in different pieces of the model (the smoothed module's "
-                                    "output was cached before the balance layers were calibrated)")
+        whole, split = split_by_piece(self._pending, modules)
+        for mapping in whole:
+            self.smooth(state, mapping)
+        for mapping in split:
+            self._drop(mapping, "its layers are in different pieces of the model (the smoothed module's "
+                                "output was cached before the balance layers were calibrated)")
         super().on_sequential_epoch_end(state, modules)
 
     def on_calibration_end(self, state: CompressionState) -> None:

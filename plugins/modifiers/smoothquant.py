@@ -39,6 +39,7 @@ from layerwise.quantization.mappings import (
     ResolvedMapping,
     mappings_for_run,
     recipe_mappings,
+    split_by_piece,
 )
 from layerwise.quantization.smoothing import apply_smoothing
 from layerwise.quantization.smoothquant import smoothquant_scales
@@ -108,13 +109,12 @@ class SmoothQuantModifier(Modifier):
             self.register_hook(first, self._max_hook(smoothed), "forward_pre", with_kwargs=True)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
-        for smoothed, mapping in list(self._pending.items()):
-            inside = [_in_piece(name, modules) for name in (smoothed, *mapping.balance)]
-            if all(inside):
-                self.smooth(state, mapping)
-            elif any(inside):
-                self._skip(mapping, "split over two pieces of the model: the smoothed module's output was "
-                                    "cached before its balance layers were calibrated")
+        whole, split = split_by_piece(self._pending, modules)
+        for mapping in whole:
+            self.smooth(state, mapping)
+        for mapping in split:
+            self._skip(mapping, "split over two pieces of the model: the smoothed module's output was "
+                                "cached before its balance layers were calibrated")
         self._warn_unsmoothed()
 
     def on_calibration_end(self, state: CompressionState) -> None:
