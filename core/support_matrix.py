@@ -108,7 +108,7 @@ def _check_one(patch: ModelPatch, build: Any, distribution: str, version: str, t
 
 def _column(step: str) -> str:
     first = step.split()[0]
-    return {"opaque": "opaque", "sample": "trace"}.get(first, first)
+    return {"opaque": "opaque", "sample": "trace"}.get(first, first)  # "mappings exact (x)": mappings
 
 
 def format_matrix(rows: Sequence[MatrixRow], times: bool = True) -> str:

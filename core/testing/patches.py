@@ -5,7 +5,9 @@
    would be swallowed into its parent's piece);
 3. **opaque functions**: each is a function some module of the model calls by name (the tracer
    swaps names in the forwards' globals: an entry nothing calls protects nothing);
-4. **mappings**: every regex of ``smoothing_mappings`` matches a module (SmoothQuant / AWQ read them);
+4. **mappings**: every regex of ``smoothing_mappings`` matches a module (SmoothQuant / AWQ read them),
+   and, per modality, scaling every resolved mapping by random positive scales leaves the outputs
+   unchanged (a reader of the smoothed output left out, or a norm that is not an input norm, shows);
 5. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
    forward calls, plus one, each target its own call; the replay equals the plain forward
    (<= 1e-5 relative), else a function needs ``opaque_functions`` or a module ``leaf_modules``;
@@ -32,6 +34,7 @@ import torch
 
 from layerwise.matching import find_modules, unmatched
 from layerwise.model_patch import ModelPatch, apply_patch
+from layerwise.quantization.storage import linear_weight
 from layerwise.quiet import without_progress_bars
 
 from .errors import PluginCheckError
@@ -40,6 +43,8 @@ CHECK = "check_model_patch"
 MODALITIES = ("text", "image", "audio")
 #: the largest relative difference between replay and plain forward that counts as equal
 REPLAY_TOLERANCE = 1e-5
+#: the largest relative output change random smoothing scales may cause (fp32 rounding only)
+MAPPING_TOLERANCE = 1e-4
 #: every step, in the order they run (``trace`` runs once per modality)
 STEPS = ("ignore", "targets", "opaque functions", "mappings", "trace", "RTN", "GPTQ", "reload")
 
@@ -99,6 +104,9 @@ def _steps(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] 
     except PluginCheckError as error:
         yield "sample inputs", lambda failure=error: _raise(failure)
         return
+    for modality, inputs in built.items():
+        if patch.smoothing_mappings:
+            yield f"mappings exact ({modality})", lambda m=modality, i=inputs: _check_mappings_exact(patch, model, m, i)
     for modality, inputs in built.items():
         yield f"trace ({modality})", lambda m=modality, i=inputs: _check_trace(patch, model, m, i)
     if not calibrate:
@@ -184,6 +192,33 @@ def _check_mappings(patch: ModelPatch, model: torch.nn.Module) -> None:
             raise _fail(patch, "mappings", f"smoothing mapping {list(balance)} <- {smoothed!r}: "
                         f"{', '.join(map(repr, missing))} match no module of {type(model).__name__}",
                         "write 're:' patterns over the qualified names `print(model)` shows")
+
+
+def _check_mappings_exact(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any]) -> None:
+    from layerwise.quantization.mappings import resolve_mappings
+    from layerwise.quantization.smoothing import apply_smoothing
+
+    with torch.no_grad(), patch.calibrating(model):
+        expected = _first_tensor(model(**inputs))
+    resolved = resolve_mappings(model, patch.smoothing_mappings, owner="check_model_patch",
+                                patch_name=patch.name).mappings
+    generator = torch.Generator().manual_seed(0)
+
+    def moved(mappings) -> float:
+        work = copy.deepcopy(model)
+        for mapping in mappings:
+            width = int(linear_weight(work.get_submodule(mapping.balance[0])).shape[1])
+            apply_smoothing(work, mapping, torch.rand(width, generator=generator) * 1.5 + 0.5)
+        with torch.no_grad(), patch.calibrating(work):
+            got = _first_tensor(work(**inputs))
+        return float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
+
+    if resolved and moved(resolved) > MAPPING_TOLERANCE:
+        culprit = next((m for m in resolved if moved([m]) > MAPPING_TOLERANCE), resolved[0])
+        raise _fail(patch, f"mappings exact ({modality})", f"scaling {culprit.smoothed} -> "
+                    f"{list(culprit.balance)} changes the model's outputs", "every layer reading the smoothed "
+                    "output must be a balance layer, and the smoothed module must be an input norm (or Linear) "
+                    "whose output goes nowhere else (GUIDE.md, 'Smoothing mappings')")
 
 
 def _sample_inputs(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None) -> dict[str, Any]:

@@ -149,3 +149,15 @@ def test_a_replay_that_differs_from_the_forward_is_caught_with_the_fix(monkeypat
     with pytest.raises(PluginCheckError, match=r"check_model_patch\(qwen2_vl\): trace \(text\): the replay differs "
                                                r"from the plain forward by 0.02 .*opaque_functions"):
         check_model_patch(patch, model, calibrate=False)
+
+
+def test_a_smoothing_mapping_that_changes_the_model_is_caught():
+    # Gemma's post_attention_layernorm normalises the attention output, not the MLP's input: smoothing
+    # the MLP from it changes the model (the right norm is pre_feedforward_layernorm)
+    patch = registry("model_patches").get("gemma3")
+    wrong = dataclasses.replace(patch, smoothing_mappings=(
+        (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),))
+    with pytest.raises(PluginCheckError, match=r"mappings exact \(text\): scaling model.layers.0."
+                                               r"post_attention_layernorm -> \['model.layers.0.mlp.gate_proj', "
+                                               r"'model.layers.0.mlp.up_proj'\] changes the model's outputs"):
+        check_model_patch(wrong, patch.tiny_models[1](), calibrate=False)
