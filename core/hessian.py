@@ -10,7 +10,7 @@ matrix ``X^T X``, in strips, upper triangle only) and factors it with dampening.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -76,7 +76,8 @@ def gram_to_hessian(gram: Tensor, num_samples: int) -> Tensor:
     return hessian.mul_(2.0 / max(num_samples, 1))
 
 
-def inverse_hessian_factor(reversed_hessian: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
+def inverse_hessian_factor(reversed_hessian: Tensor, dampening_frac: float,
+                           rebuild: Callable[[], Tensor] | None = None) -> tuple[Tensor, float]:
     """Upper triangular ``U`` with ``U^T U`` = the dampened ``H^-1``; retries with more dampening.
 
     Takes ``J H J`` (``H`` with rows and columns in reverse order; ``J`` is the exchange
@@ -84,22 +85,42 @@ def inverse_hessian_factor(reversed_hessian: Tensor, dampening_frac: float) -> t
     ``H = R R^T`` for the upper triangular ``R = J L J``, so ``H^-1 = (R^-1)^T R^-1`` and
     ``U = R^-1 = J L^-1 J``: one factorisation and one triangular inverse, instead of
     factorising ``H``, inverting it and factorising the inverse.
+
+    With ``rebuild`` (a function returning ``J H J`` again) the factor is computed in the
+    matrix's own memory and ``U`` shares it: two ``n x n`` matrices fewer at the peak (a
+    5632-input ``down_proj``: 250 MB), and a retry rebuilds the matrix.
     """
     diagonal = torch.diagonal(reversed_hessian)
     diag_mean = torch.mean(diagonal).item()
     frac = dampening_frac
-    for _ in range(DAMPENING_RETRIES + 1):
+    for attempt in range(DAMPENING_RETRIES + 1):
         damp = frac * diag_mean
+        if attempt and rebuild is not None:  # the failed factorisation overwrote it
+            reversed_hessian.copy_(rebuild())
         diagonal.add_(damp)
-        lower, info = torch.linalg.cholesky_ex(reversed_hessian)
+        if rebuild is None:
+            lower, info = torch.linalg.cholesky_ex(reversed_hessian)
+        else:
+            status = torch.empty((), dtype=torch.int32, device=reversed_hessian.device)
+            lower, info = torch.linalg.cholesky_ex(reversed_hessian, out=(reversed_hessian, status))
         if int(info) == 0:
-            upper = _lower_triangular_inverse(lower).flip(0, 1)
+            inverse = _lower_triangular_inverse(lower)
+            upper = _flip_into(inverse, lower) if rebuild is not None else inverse.flip(0, 1)
             if bool(torch.isfinite(torch.diagonal(upper)).all()):
                 return upper, frac
-        diagonal.sub_(damp)
+        if rebuild is None:
+            diagonal.sub_(damp)
         frac = frac * 10 if frac > 0 else 1e-4
     raise HessianError(f"the Hessian is not positive definite even with dampening {frac / 10:g} of its mean "
-                    f"diagonal (Cholesky factorisation failed)")
+                       f"diagonal (Cholesky factorisation failed)")
+
+
+def _flip_into(matrix: Tensor, spare: Tensor) -> Tensor:
+    """``matrix`` with rows and columns reversed, computed through ``spare`` (overwritten) into ``matrix``."""
+    reverse = torch.arange(matrix.shape[0] - 1, -1, -1, device=matrix.device)
+    torch.index_select(matrix, 0, reverse, out=spare)
+    torch.index_select(spare, 1, reverse, out=matrix)
+    return matrix
 
 
 def _lower_triangular_inverse(lower: Tensor, leaf: int = 128) -> Tensor:

@@ -146,11 +146,15 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
 
     order = perm if perm is not None else torch.arange(columns, device=H.device)
     reverse = order.flip(0)
-    H_reversed = H.index_select(0, reverse).index_select(1, reverse)  # a copy: ``hessian`` stays as it was
-    if any_dead:
-        H_reversed.diagonal()[dead[reverse]] = 1.0
-    U, used_frac = inverse_hessian_factor(H_reversed, dampening_frac)
-    del H_reversed
+
+    def reversed_hessian() -> Tensor:  # a copy: ``hessian`` stays as it was
+        copy = H[reverse[:, None], reverse[None, :]]
+        if any_dead:
+            copy.diagonal()[dead[reverse]] = 1.0
+        return copy
+
+    # factorised in the copy's own memory (U shares it); a retry with more dampening rebuilds it
+    U, used_frac = inverse_hessian_factor(reversed_hessian(), dampening_frac, rebuild=reversed_hessian)
     # rows of Wt are input columns in solve order: the per-column work touches contiguous memory
     Wt = (W.index_select(1, perm) if perm is not None else W).t().contiguous()
     keep = None

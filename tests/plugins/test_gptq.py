@@ -211,7 +211,7 @@ def test_group_actorder_keeps_g_idx_in_memory_and_refuses_to_save(tmp_path):
 
 # -- fallbacks -------------------------------------------------------------------------------------
 def test_failed_cholesky_falls_back_to_rtn_with_a_warning_naming_the_layer(monkeypatch, caplog):
-    monkeypatch.setattr(solver.torch.linalg, "cholesky_ex", lambda m, upper=False: (m, torch.tensor(1)))
+    monkeypatch.setattr(solver.torch.linalg, "cholesky_ex", lambda m, upper=False, out=None: (m, torch.tensor(1)))
     model, reference = TwoLinears(), TwoLinears()
     modifier = gptq(ignore=[], scheme="W4A16", group_size=32)
     with pytest.warns(RuntimeWarning, match="'second'.*round.*nearest") as record, caplog.at_level(logging.WARNING):

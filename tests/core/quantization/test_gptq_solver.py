@@ -210,9 +210,9 @@ def test_failed_cholesky_retries_with_more_dampening_then_gives_up(monkeypatch):
     real = torch.linalg.cholesky_ex
     calls = []
 
-    def failing_first(matrix, upper=False):
+    def failing_first(matrix, upper=False, out=None):
         calls.append(upper)
-        lower, info = real(matrix, upper=upper)
+        lower, info = real(matrix, upper=upper) if out is None else real(matrix, upper=upper, out=out)
         return lower, torch.ones_like(info) if len(calls) == 1 else info
 
     monkeypatch.setattr(gptq_module.torch.linalg, "cholesky_ex", failing_first)
@@ -220,7 +220,7 @@ def test_failed_cholesky_retries_with_more_dampening_then_gives_up(monkeypatch):
     assert result.dampening_frac == pytest.approx(0.1)
 
     monkeypatch.setattr(gptq_module.torch.linalg, "cholesky_ex",
-                        lambda matrix, upper=False: (matrix, torch.tensor(1)))
+                        lambda matrix, upper=False, out=None: (matrix, torch.tensor(1)))
     with pytest.raises(GPTQError, match="not positive definite"):
         gptq_quantize(w, h, SCHEMES["int4 channel"])
 
