@@ -60,8 +60,17 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pieces", choices=["auto", "layers", "blocks"], default="auto",
                    help="where the sequential pipeline cuts: before the layers a modifier reads (each piece runs "
                         "once), after each block (each block runs twice), or auto: layers where exact (default)")
-    p.add_argument("--offload", choices=["cpu", "disk"], default="cpu", help="where cached activations rest")
+    p.add_argument("--offload", choices=["auto", "cpu", "disk"], default="auto",
+                   help="where cached activations rest between pieces (default auto: disk when they would not fit "
+                        "in half the memory available, else cpu)")
+    p.add_argument("--weights", choices=["auto", "memory", "stream"], default="auto",
+                   help="where the weights rest: loaded whole (memory), read from the model folder piece by piece "
+                        "and written to the output as each piece is done (stream), or auto: stream when the "
+                        "model would not fit in memory (default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run on the same --output-dir that was interrupted, after its last finished "
+                        "piece (weights are streamed from the model folder; a checkpoint is kept after each piece)")
     p.add_argument("--skip-non-finite", action="store_true",
                    help="leave modules whose weights hold NaN/inf uncompressed (default: an error)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -71,7 +80,15 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_summary(model) -> None:
-    from .report import loss_chart, run_notes, size_text, skipped_lines, supports_blocks, time_text
+    from .report import (
+        loss_chart,
+        memory_text,
+        run_notes,
+        size_text,
+        skipped_lines,
+        supports_blocks,
+        time_text,
+    )
 
     report = model.layerwise_report
     print(f"pipeline:           {report.pipeline}")
@@ -88,6 +105,7 @@ def _print_summary(model) -> None:
     print(f"calibration:        {report.calibration_samples} samples")
     print(f"time:               {time_text(report.seconds, report.accounting)}")
     print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
+    print(f"memory:             {memory_text(report)}")
     if report.output_dir:
         print(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
     chart = loss_chart(report.layer_log, ascii_only=not supports_blocks(sys.stdout))
@@ -118,6 +136,18 @@ def _run_compress(args: argparse.Namespace) -> int:
     if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
         raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "
                                    f"pass --output-dir FOLDER, or --no-save to compress without saving")
+    from . import distributed
+
+    joined = distributed.init_from_env()  # under torchrun: one rank of a data-parallel run
+    try:
+        return _compress_and_print(args, show_progress=not args.quiet and distributed.is_main())
+    finally:
+        if joined:
+            distributed.shutdown()
+
+
+def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
+    from . import distributed
     from .compression import compress
 
     args.recipe = args.recipe or "W4A16"
@@ -126,10 +156,14 @@ def _run_compress(args: argparse.Namespace) -> int:
                      targets_per_subgraph=args.targets_per_subgraph,
                      output_dir=args.output_dir, pipeline=args.pipeline,
                      propagate_error=not args.no_propagate_error, pieces=args.pieces, offload=args.offload,
-                     overwrite=args.overwrite, show_progress=not args.quiet,
+                     overwrite=args.overwrite, show_progress=show_progress,
                      non_finite="skip" if args.skip_non_finite else "error",
-                     trust_remote_code=args.trust_remote_code)
-    _print_summary(model)
+                     trust_remote_code=args.trust_remote_code, weights=args.weights,
+                     resume=args.resume)
+    if distributed.is_main():  # one summary for the run, not one per rank
+        if distributed.world_size() > 1:
+            print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
+        _print_summary(model)
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .data import batches_from_records, load_records
 from .errors import DatasetError, require_positive
 from .finite import check_mode, check_weights
@@ -27,6 +28,7 @@ from .sparsity.bitmask import BITMASK, SPARSE_24, encoded_bytes
 from .sparsity.masks import MaskStructure
 from .sparsity.storage import SPARSITY_ATTR
 from .state import CompressionState
+from .streaming.stream import check_weights_option
 from .tracing.targets import check_entries, choose_targets
 from .versions import warn_if_untested
 
@@ -66,6 +68,13 @@ class CompressionReport:
     pieces: str = ""
     #: phase -> ``{"seconds", "flops", "calls", "gflops_per_second"}`` (forwards, GPTQ Hessians, solves, ...)
     accounting: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``memory`` (loaded whole) or ``stream`` (read from disk piece by piece), and why
+    weights: str = "memory"
+    #: where cached activations rested (``cpu`` / ``disk``), and why when chosen automatically
+    activations: str = "cpu"
+    #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
+    peak_rss_bytes: int = 0
+    peak_gpu_bytes: int | None = None
 
 
 #: tokens per calibration sample unless the model's context is shorter
@@ -89,6 +98,7 @@ def default_max_seq_length(model: torch.nn.Module) -> int:
     return DEFAULT_MAX_SEQ_LENGTH
 
 
+@distributed.guarded  # several ranks: one failing stops them all; they return once rank 0 saved
 def compress(
     model: torch.nn.Module | str | os.PathLike,
     recipe: RecipeLike = "W4A16",
@@ -105,13 +115,15 @@ def compress(
     packing: str | None = None,
     propagate_error: bool = True,
     pieces: str = "auto",
-    offload: str = "cpu",
+    offload: str = "auto",
     targets_per_subgraph: int = 1,
     overwrite: bool = False,
     save_format: str = "compressed-tensors",
     show_progress: bool = True,
     non_finite: str = "error",
     trust_remote_code: bool = False,
+    weights: str = "auto",
+    resume: bool = False,
 ) -> torch.nn.Module:
     """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
 
@@ -129,15 +141,32 @@ def compress(
     leaves the modules holding one uncompressed instead (listed in the report).
     ``trust_remote_code=True`` lets transformers run Python shipped with a model folder or
     hub repo (its ``auto_map``); off, such a model is refused with the code it would run named.
+    ``offload`` says where cached activations rest between pieces: ``"cpu"``, ``"disk"``, or
+    ``"auto"``: disk when the estimated cache would take more than half the memory available.
+    ``weights`` says where the weights rest:
+    ``"memory"`` loads the model whole; ``"stream"`` leaves them on disk, reads each piece's
+    tensors when it runs and writes its compressed tensors to the output as soon as it is done
+    (a folder of safetensors; peak memory about one piece); ``"auto"`` streams when loading the
+    model whole would not fit in the memory available.
+    ``resume=True`` continues a run on the same ``output_dir`` that was interrupted (killed,
+    out of memory, Ctrl-C) after its last finished piece; it needs the streamed path (a model
+    folder), which saves a checkpoint after every piece. Without it, such a checkpoint is an
+    error that names it (never reused or deleted silently).
     """
     start = time.perf_counter()
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
     check_pieces(pieces)
     check_mode(non_finite)
+    check_weights_option(weights)
+    _check_offload(offload)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
+    if resume:
+        _check_resumable(model, weights, output_dir)
+        weights = "stream"
+    streamed, weights_note = _streamed(model, weights)
     warn_if_untested()
-    if output_dir is not None:  # refuse an existing folder before an hour of calibration, not after
+    if output_dir is not None and distributed.is_main():  # refuse an existing folder before an hour of calibration
         check_output_dir(output_dir, overwrite)
     # what the user typed is checked before the model loads: a typo costs a second, not minutes
     modifiers = parse_recipe(recipe)
@@ -150,16 +179,29 @@ def compress(
         raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
                            f"a datasets.Dataset or tokenized samples)")
     records = load_records(dataset) if needs_data else []
-    with _claim(output_dir if saver is not None else None, overwrite):  # a second run on it fails now
-        source = None
+    if streamed and saver is not None:
+        _check_streamable_saver(saver, save_format)
+    writes = saver is not None and distributed.is_main()
+    with _claim(output_dir if writes else None, overwrite, resume) as claimed:  # a second run on it fails now
+        source, stream = None, None
         if not isinstance(model, torch.nn.Module):
             source = str(model)
-            model = load_model(source, patch=patch, trust_remote_code=trust_remote_code)
+            if streamed:
+                from .streaming import build_streamed_model
+
+                model, stream = build_streamed_model(source, patch=patch, trust_remote_code=trust_remote_code)
+                if writes:
+                    stream.write_to(claimed, saver.encode_module)
+            else:
+                model = load_model(source, patch=patch, trust_remote_code=trust_remote_code)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, trust_remote_code)
         chosen_patch = use_patch(model, patch)
         warn_if_untested(chosen_patch)
         model.eval()
-        skipped = check_weights(model, non_finite)  # a NaN weight fails in seconds, not after calibration
+        # a NaN weight fails in seconds, not after calibration (streamed: read one tensor at a time)
+        skipped = check_weights(model, non_finite, bad=stream.non_finite() if stream is not None else None)
+        if stream is not None:
+            stream.exempt = tuple(f"{name}." for name in skipped)
 
         # what the user wrote is checked before any calibration: a typo is an error, never a fallback
         choice = choose_targets(model, sequential_targets, chosen_patch)
@@ -171,25 +213,40 @@ def compress(
             max_seq_length = default_max_seq_length(model)
         batches = (batches_from_records(records, tokenizer, num_calibration_samples, max_seq_length, packing,
                                         source=dataset) if needs_data else [])
+        calibration_samples = len(batches)
+        batches = distributed.shard(batches)  # several ranks: each calibrates on its share
 
+        offload, offload_note = _cache_offload(offload, model, batches)
         bytes_before = _parameter_bytes(model)
         state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
                                  execution_device=_execution_device(), batches=batches)
         options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
                                   pieces=pieces, offload=offload, execution_device=state.execution_device,
-                                  targets_per_subgraph=targets_per_subgraph, show_progress=show_progress)
+                                  targets_per_subgraph=targets_per_subgraph, show_progress=show_progress,
+                                  stream=stream,
+                                  checkpoint=_piece_checkpoint(
+                                      claimed, stream, source, recipe_to_yaml(modifiers), batches,
+                                      {"targets": targets, "ignore": ignore, "pieces": pieces,
+                                       "propagate_error": propagate_error, "max_seq_length": max_seq_length,
+                                       "targets_per_subgraph": targets_per_subgraph, "save_format": save_format,
+                                       "non_finite": non_finite}, resume))
         lifecycle = Lifecycle(state)
         from .pipeline_selection import recording_fallbacks, run_pipeline
 
         try:
             lifecycle.initialize()
             # targets the user named are never dropped for the whole model at once: no fallback to basic
+            exclude = ("basic",) if sequential_targets else ()
+            if stream is not None:
+                exclude = _pipelines_not_streaming(pipeline)
             with recording_fallbacks() as fallbacks:
                 pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
-                                             exclude=("basic",) if sequential_targets else ())
+                                             exclude=exclude)
         except BaseException:
             lifecycle.remove_hooks()  # no modifier hook outlives a failed run
+            if stream is not None:
+                stream.close()
             raise
         lifecycle.finalize()
 
@@ -200,13 +257,17 @@ def compress(
         report = CompressionReport(
             pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
             compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
-            bytes_after=_compressed_bytes(model), calibration_samples=len(batches), layer_log=state.log,
+            bytes_after=_compressed_bytes(model) if stream is None else _streamed_bytes(stream, bytes_before),
+            calibration_samples=calibration_samples, layer_log=state.log,
             targets_found=targets_found, targets_source=choice.source,
             model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
             fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
             pieces=state.pieces, accounting=state.accounting.as_dict(),
+            weights=f"stream ({weights_note})" if stream is not None else "memory",
+            activations=offload_note,
         )
-        if saver is not None:
+        _record_peaks(report)
+        if saver is not None and distributed.is_main():  # several ranks: rank 0 writes
             from .run_summary import SUMMARY_FILE, summary_json
 
             report.output_dir = str(Path(output_dir))
@@ -214,16 +275,142 @@ def compress(
             extra = {SUMMARY_FILE: summary_json(report)}
             for modifier in modifiers:
                 extra.update(modifier.output_files())
-            saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
-                  extra_files=extra, overwrite=overwrite)
+            if stream is not None:
+                saver.save_streamed(model, stream, output_dir, tokenizer=tokenizer, recipe=report.recipe,
+                                    extra_files=extra, overwrite=overwrite)
+            else:
+                saver(model, output_dir, tokenizer=tokenizer, recipe=report.recipe,
+                      extra_files=extra, overwrite=overwrite)
+        if stream is not None:
+            stream.close()
         report.seconds = time.perf_counter() - start
         model.layerwise_report = report  # type: ignore[attr-defined]
         return model
 
 
-def _claim(output_dir: str | os.PathLike | None, overwrite: bool) -> contextlib.AbstractContextManager:
+def _streamed(model: Any, weights: str) -> tuple[bool, str]:
+    """Whether this run streams its weights from disk, and why (``weights`` checked, a folder given)."""
+    from .streaming.stream import StreamingError, should_stream
+
+    if weights == "memory":
+        return False, ""
+    if isinstance(model, torch.nn.Module):
+        if weights == "stream":
+            raise StreamingError("weights='stream' reads the model from its folder, but a loaded module was passed: "
+                                 "pass the folder instead (or weights='memory')")
+        return False, ""
+    if weights == "stream":
+        return True, "asked for"
+    stream, why = should_stream(model)
+    if stream:
+        log.info("layerwise: the model would not fit in memory (%s): streaming its weights from disk", why)
+    return stream, f"would not fit in memory: {why}"
+
+
+#: share of the available memory the activation cache may take before ``offload="auto"`` puts it on disk
+CACHE_MEMORY_SHARE = 0.5
+OFFLOADS = ("auto", "cpu", "disk")
+
+
+def _check_offload(offload: str) -> None:
+    if offload not in OFFLOADS:
+        from .errors import InvalidArgumentError, did_you_mean
+
+        raise InvalidArgumentError(f"unknown offload {offload!r};{did_you_mean(offload, OFFLOADS)} choose one of: "
+                                   f"{', '.join(OFFLOADS)} (CLI: --offload)")
+
+
+def _cache_offload(offload: str, model: torch.nn.Module, batches: list[dict[str, Any]]) -> tuple[str, str]:
+    """Where cached activations rest, and the note the report gives: ``auto`` becomes disk when the cache
+    at a cut (about three hidden-state-sized values per token) would not fit in half the available memory."""
+    if offload != "auto":
+        return offload, offload
+    from .streaming.stream import available_memory
+
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(getattr(config, "text_config", None), "hidden_size", 0)
+    tokens = sum(int(v.numel()) for batch in batches for k, v in batch.items()
+                 if k == "input_ids" and isinstance(v, torch.Tensor))
+    element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    estimate = 3 * tokens * int(hidden or 0) * element
+    free = available_memory()
+    if free is not None and estimate > CACHE_MEMORY_SHARE * free:
+        note = (f"disk (auto: ~{estimate / 2**30:.1f} GiB of activations, {free / 2**30:.1f} GiB memory available)")
+        log.info("layerwise: cached activations go to disk: %s", note)
+        return "disk", note
+    return "cpu", "cpu"
+
+
+def _check_streamable_saver(saver: Any, save_format: str) -> None:
+    from .streaming.stream import StreamingError
+
+    if not (callable(getattr(saver, "encode_module", None)) and callable(getattr(saver, "save_streamed", None))):
+        raise StreamingError(f"save format {save_format!r} cannot write a run whose weights stream from disk (its "
+                             f"saver has no encode_module / save_streamed); use save_format='compressed-tensors' "
+                             f"or weights='memory'")
+
+
+def _pipelines_not_streaming(requested: str | None) -> tuple[str, ...]:
+    """The pipelines that cannot run with weights on disk; one asked for by name is an error."""
+    from .streaming.stream import StreamingError
+
+    pipelines = registry("pipelines")
+    cannot = tuple(n for n in pipelines.names() if not getattr(pipelines.get(n), "streams_weights", False))
+    if requested in cannot:
+        raise StreamingError(f"pipeline {requested!r} needs every weight in memory; with weights streamed from disk "
+                             f"use one that runs piece by piece "
+                             f"({', '.join(n for n in pipelines.names() if n not in cannot)}) or weights='memory'")
+    return cannot
+
+
+def _streamed_bytes(stream: Any, bytes_before: int) -> int:
+    """What a streamed run's tensors take on disk (written so far, plus the rest still to copy as is)."""
+    written = stream.writer.total_bytes if stream.writer is not None else 0
+    return written + max(bytes_before - stream.covered_bytes(), 0)
+
+
+def _record_peaks(report: CompressionReport) -> None:
+    """The process's peak RSS (and the GPU's peak allocation) into ``report``."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report.peak_rss_bytes = peak if sys.platform == "darwin" else peak * 1024
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        report.peak_gpu_bytes = torch.cuda.max_memory_allocated()
+
+
+def _claim(output_dir: str | os.PathLike | None, overwrite: bool, resume: bool = False
+           ) -> contextlib.AbstractContextManager:
     """The output claimed (locked) for the run, before the model loads; nothing without one."""
-    return reserve_output(output_dir, overwrite) if output_dir is not None else contextlib.nullcontext()
+    return reserve_output(output_dir, overwrite, resume) if output_dir is not None else contextlib.nullcontext()
+
+
+def _check_resumable(model: Any, weights: str, output_dir: Any) -> None:
+    """``resume=True`` needs a model folder, an output folder, and weights streamed from disk."""
+    from .errors import InvalidArgumentError
+
+    if output_dir is None:
+        raise InvalidArgumentError("resume=True continues writing an output folder: pass output_dir= "
+                                   "(CLI: --output-dir), the one the interrupted run was writing")
+    if isinstance(model, torch.nn.Module) or weights == "memory":
+        raise InvalidArgumentError("resume=True needs the weights streamed from the model's folder (a checkpoint "
+                                   "is the pieces written so far): pass the folder, and weights='stream' or 'auto'")
+    if distributed.world_size() > 1:
+        raise InvalidArgumentError("resume=True is for one process: a data-parallel run's ranks each cache their own "
+                                   "share of the activations, which the checkpoint does not hold; run without resume")
+
+
+def _piece_checkpoint(claimed: Any, stream: Any, source: str, recipe: str, batches: list, options: dict,
+                      resume: bool) -> Any:
+    """The resume checkpoint of a streamed run that writes an output, else ``None``."""
+    if stream is None or stream.writer is None:
+        return None
+    from .resume import PieceCheckpoint, fingerprint
+
+    checkpoint = PieceCheckpoint(Path(claimed), fingerprint(source, recipe, batches, options), resume)
+    stream.on_finish.append(checkpoint.discard)
+    return checkpoint
 
 
 def _check_counts(num_calibration_samples: int, max_seq_length: int | None, targets_per_subgraph: int) -> None:

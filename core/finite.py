@@ -78,10 +78,13 @@ def check_mode(mode: str) -> None:
         raise InvalidArgumentError(f"non_finite must be one of {', '.join(NON_FINITE_MODES)}, got {mode!r}")
 
 
-def check_weights(model: torch.nn.Module, mode: str = "error") -> list[str]:
-    """Fail on non-finite parameters, or (``mode="skip"``) mark their modules and return their names."""
+def check_weights(model: torch.nn.Module, mode: str = "error", bad: list[str] | None = None) -> list[str]:
+    """Fail on non-finite parameters, or (``mode="skip"``) mark their modules and return their names.
+
+    ``bad``: the non-finite parameters when the caller found them (weights streamed from disk).
+    """
     check_mode(mode)
-    bad = non_finite_parameters(model)
+    bad = non_finite_parameters(model) if bad is None else bad
     if not bad:
         return []
     if mode == "error":

@@ -2,6 +2,11 @@
 
 Events: initialize -> calibration_start -> sequential_epoch_end(modules) ... ->
 calibration_end -> finalize. Pipelines call these; modifiers only react.
+
+With several ranks (:mod:`layerwise.distributed`) every ``sequential_epoch_end(modules)`` and the
+``calibration_end`` are preceded by ``reduce``: the ranks meet (one that failed is reported on all),
+then every modifier's ``on_reduce(state, reducer, modules)`` merges its statistics over the ranks.
+``finalize`` ends with a last meeting, before anything is saved.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from . import distributed
 from .modifier import Modifier
 from .state import CompressionState
 
@@ -19,6 +25,10 @@ class Lifecycle:
     def __init__(self, state: CompressionState) -> None:
         self.state = state
         self.modifiers: list[Modifier] = list(state.modifiers)
+        #: merges statistics over the ranks; ``None`` with one process (``on_reduce`` is never fired)
+        self.reducer = (distributed.Reducer(len(getattr(state, "batches", None) or []))
+                        if distributed.world_size() > 1 else None)
+        self._counted = False
 
     def initialize(self) -> None:
         for m in self.modifiers:
@@ -28,7 +38,20 @@ class Lifecycle:
         for m in self.modifiers:
             m.on_calibration_start(self.state)
 
+    def reduce(self, modules: list[str] | None) -> None:
+        """With several ranks: meet them (a failed one is an error here), then merge every modifier's statistics."""
+        reducer = self.reducer
+        if reducer is None:
+            return
+        distributed.check()
+        if not self._counted:
+            reducer.total_samples = int(reducer.count(reducer.samples))
+            self._counted = True
+        for m in self.modifiers:
+            m.on_reduce(self.state, reducer, modules)
+
     def sequential_epoch_end(self, modules: list[str]) -> None:
+        self.reduce(modules)
         for m in self.modifiers:
             m.on_sequential_epoch_end(self.state, modules)
 
@@ -44,6 +67,7 @@ class Lifecycle:
 
     def calibration_end(self) -> None:
         try:
+            self.reduce(None)
             for m in self.modifiers:
                 m.on_calibration_end(self.state)
         finally:
@@ -52,6 +76,8 @@ class Lifecycle:
     def finalize(self) -> None:
         for m in self.modifiers:
             m.on_finalize(self.state)
+        if self.reducer is not None:
+            distributed.check()  # no rank saves while another one failed
 
     def remove_hooks(self) -> None:
         for m in self.modifiers:

@@ -6,6 +6,11 @@ are removed by the lifecycle on every path out, errors included.
 
 Modifiers are dataclasses, so a recipe's fields map one to one onto constructor
 arguments and an unknown field is an error that lists the valid ones.
+
+In a distributed run (several ranks, each calibrating on its share of the batches, see
+:mod:`layerwise.distributed`) a modifier that gathers statistics from data merges them over the
+ranks in :meth:`Modifier.on_reduce`, fired before each piece is compressed; the built-in ones
+also spread their per-layer solves over the ranks with :func:`layerwise.distributed.spread`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
+    from .distributed import Reducer
     from .state import CompressionState
 
 
@@ -42,6 +48,20 @@ class Modifier:
 
     def on_calibration_start(self, state: CompressionState) -> None:
         """Register observers / Hessian hooks before the first batch."""
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Merge the statistics gathered for ``modules`` over the ranks of a distributed run.
+
+        Fired only with several ranks, on every rank, right before ``sequential_epoch_end(modules)``
+        and (``modules=None``: everything not compressed yet) before ``calibration_end``. Each rank
+        calibrated on its own share of the batches; afterwards every rank must hold what a single
+        process calibrating on all of them would: sums summed (``reducer.sum(tensor)``, in place),
+        maxima maxed, minima minned, counts counted (``reducer.count(n)``), anything else gathered
+        (``reducer.gather(obj)``). Every rank must make the same calls in the same order with tensors
+        of the same shapes (a rank that saw no data contributes zeros / ``-inf`` / ``inf``). The
+        compressing events that follow then run identically on every rank. Default: nothing (a
+        modifier that gathers no statistics).
+        """
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         """Compress the given modules (qualified names) of the subgraph just calibrated."""

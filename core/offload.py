@@ -14,15 +14,26 @@ the same (the CPU-only case) nothing moves.
 ``protected`` names modules that belong to *other* pieces (the sequential
 targets): onloading an ancestor of them (the whole model, to capture the first
 target's inputs) moves everything except them.
+
+With a ``source`` (:class:`~layerwise.streaming.WeightStream`) the weights rest on disk: an
+unloaded parameter is read from the checkpoint when its piece is onloaded, and
+:meth:`ModuleOffloader.retire` hands modules no later piece runs to the source, which writes
+them; on leaving the block they are unloaded again. With ``keep_loaded`` a loaded weight whose
+module is not retired yet (a later piece runs it too, perhaps after a modifier changed it)
+stays in CPU memory until it is; without, it is unloaded on leaving the block (a replay that
+changes nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+
+from .streaming.placeholders import is_unloaded, unload
 
 __all__ = ["ModuleOffloader"]
 
@@ -37,8 +48,11 @@ class ModuleOffloader:
     """Onloads module sets of ``model`` to ``execution_device`` around each piece."""
 
     def __init__(self, model: torch.nn.Module, execution_device: torch.device | str | None,
-                 protected: Iterable[str] = (), move: Move = _default_move) -> None:
+                 protected: Iterable[str] = (), move: Move = _default_move, source: Any = None,
+                 keep_loaded: bool = False) -> None:
         self.model = model
+        self.source = source
+        self.keep_loaded = keep_loaded
         self.execution_device = torch.device(execution_device) if execution_device is not None else None
         self.protected = set(protected)
         self._move = move
@@ -74,6 +88,11 @@ class ModuleOffloader:
             for key, tensor in list(table.items()):
                 if tensor is None:
                     continue
+                if self.source is not None and is_unloaded(tensor):
+                    if homes is not None:
+                        homes.setdefault((id(module), kind, key), _ON_DISK)
+                    _replace(table, key, tensor, self.source.load(tensor, device))
+                    continue
                 if homes is not None:  # onloading: remember where it lives
                     homes.setdefault((id(module), kind, key), tensor.device)
                 if tensor.device == device:
@@ -84,6 +103,8 @@ class ModuleOffloader:
     def onloaded(self, names: Iterable[str]) -> Iterator[None]:
         """Inside the block, the tensors of modules ``names`` are on the execution device."""
         device = self.execution_device
+        if device is None and self.source is not None:
+            device = torch.device("cpu")
         if device is None:
             yield
             return
@@ -99,16 +120,29 @@ class ModuleOffloader:
     def _send_home(self, owners: list[tuple[str, torch.nn.Module]],
                    homes: dict[tuple[int, str, str], torch.device], device: torch.device) -> None:
         fallback = next(iter(homes.values()), None)
-        for _, module in owners:
+        for name, module in owners:
+            retired = self.source is not None and self.source.is_retired(name)
             for kind, table in (("p", module._parameters), ("b", module._buffers)):
                 for key, tensor in list(table.items()):
                     if tensor is None:
                         continue
                     # tensors a modifier added meanwhile go where their neighbours live
                     home = homes.get((id(module), kind, key), fallback)
+                    if home == _ON_DISK:
+                        if retired or not self.keep_loaded:  # its values are (still) on disk
+                            self.source.release(tensor)  # the pages read (or changed) go back to the system
+                            unload(tensor)
+                            continue
+                        home = torch.device("cpu")  # a later piece runs it: keep what was loaded (or changed)
                     if home is None or tensor.device == home:
                         continue
                     _replace(table, key, tensor, self._move(tensor.data if kind == "p" else tensor, home))
+
+    def retire(self, names: Iterable[str]) -> None:
+        """Hand modules ``names`` (their subtrees, minus protected ones) to the source to be written: no
+        later piece runs them. Without a source (weights in memory) nothing happens."""
+        if self.source is not None:
+            self.source.retire(self._owners(names))
 
     def is_noop(self) -> bool:
         """True when every tensor already rests on the execution device."""
@@ -116,6 +150,10 @@ class ModuleOffloader:
             return True
         return all(t.device == self.execution_device
                    for t in list(self.model.parameters()) + list(self.model.buffers()))
+
+
+#: the "home" of a weight read from the checkpoint: it is unloaded again once written
+_ON_DISK = torch.device("meta")
 
 
 def _replace(table: dict, key: str, old: torch.Tensor, new: torch.Tensor) -> None:

@@ -54,12 +54,16 @@ def lock_owner(folder: Path) -> int | None:
         return None
 
 
-def claim(target: Path, held: Collection[Path] = ()) -> Path:
+def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Path:
     """A new locked temporary sibling of ``target``; stale siblings are removed on the way.
 
     ``held``: siblings this process holds already (not a conflict). Raises
-    :class:`OutputLockedError` when another live run holds one.
+    :class:`OutputLockedError` when another live run holds one. A dead run's sibling holding a
+    resume checkpoint (:mod:`layerwise.resume`) is never removed: with ``resume`` it is taken
+    over and returned, without it is reported (:class:`~layerwise.resume.ResumeError`).
     """
+    from .resume import ResumeError, describe, has_checkpoint
+
     tmp = Path(tempfile.mkdtemp(prefix=incomplete_prefix(target), dir=target.parent))
     try:
         (tmp / LOCK_FILE).write_text(f"{os.getpid()}\n")
@@ -74,6 +78,15 @@ def claim(target: Path, held: Collection[Path] = ()) -> Path:
                     f"output folder '{target}' is being written by another run (process {owner}, "
                     f"temporary folder '{other}'); wait for it to finish, or choose another output_dir "
                     f"(CLI: --output-dir). If process {owner} is not layerwise, delete '{other}'")
+            if has_checkpoint(other):
+                if not resume:
+                    raise ResumeError(
+                        f"an interrupted run of output folder '{target}' left a checkpoint in '{other}' "
+                        f"({describe(other) or 'unreadable progress'}): pass resume=True (CLI: --resume) to "
+                        f"continue it, or delete that folder to start over")
+                (other / LOCK_FILE).write_text(f"{os.getpid()}\n")  # taken over: this run continues it
+                shutil.rmtree(tmp, ignore_errors=True)
+                return other
             shutil.rmtree(other, ignore_errors=True)  # its run was killed before it could clean up
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,6 +34,10 @@ class PipelineOptions:
     targets_per_subgraph: int = 1
     execution_device: torch.device | None = None
     show_progress: bool = True
+    #: weights streamed from disk (:class:`~layerwise.streaming.WeightStream`), ``None``: in memory
+    stream: Any = None
+    #: saves the run after every piece and restores an interrupted one (:class:`~layerwise.resume.PieceCheckpoint`)
+    checkpoint: Any = None
 
 
 #: ``layers``: cut before each group of layers a modifier reads, every piece runs once per sample;
@@ -58,6 +62,9 @@ class Pipeline(ABC):
     #: False for a pipeline that never runs calibration data (``datafree``): the plugin kit then
     #: checks its events only, not that every sample reached every layer
     runs_data: ClassVar[bool] = True
+    #: True for a pipeline that onloads every piece through ``options.stream`` and retires each piece's
+    #: modules once no later piece runs them (weights streamed from disk); only these run streamed
+    streams_weights: ClassVar[bool] = False
 
     @abstractmethod
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,

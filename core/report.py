@@ -230,3 +230,12 @@ def skipped_lines(skipped_non_finite: Sequence[str]) -> list[str]:
         return []
     return [f"{'left uncompressed:':<20}{len(skipped_non_finite)} with NaN/inf weights "
             f"({', '.join(skipped_non_finite)})"]
+
+
+def memory_text(report: Any) -> str:
+    """``weights stream (...), peak RSS 1.52 GiB`` (and the GPU's peak allocation when one ran)."""
+    parts = [f"weights {report.weights}", f"activations {report.activations}",
+             f"peak RSS {report.peak_rss_bytes / 2**30:.2f} GiB"]
+    if report.peak_gpu_bytes is not None:
+        parts.append(f"peak GPU {report.peak_gpu_bytes / 2**30:.2f} GiB")
+    return ", ".join(parts)

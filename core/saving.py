@@ -74,7 +74,7 @@ _RESERVED: dict[Path, Path] = {}
 
 
 @contextlib.contextmanager
-def reserve_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def reserve_output(path: str | os.PathLike, overwrite: bool = False, resume: bool = False) -> Iterator[Path]:
     """Claim ``path`` for this run: yield its locked temporary sibling, removed on exit.
 
     ``compress()`` claims the output before loading the model, so a second run aiming at
@@ -89,16 +89,36 @@ def reserve_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator
     existing = _nearest_existing(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        tmp = claim(target, held=set(_RESERVED.values()))
+        tmp = claim(target, held=set(_RESERVED.values()), resume=resume)
         _RESERVED[target] = tmp
+        keep = False
         try:
             yield tmp
+        except BaseException:
+            keep = _keep_checkpoint(tmp)
+            raise
         finally:
             del _RESERVED[target]
-            shutil.rmtree(tmp, ignore_errors=True)  # already gone once it became the output
+            if not keep:
+                shutil.rmtree(tmp, ignore_errors=True)  # already gone once it became the output
     except BaseException:
         _remove_empty_parents(target.parent, existing)
         raise
+
+
+def _keep_checkpoint(tmp: Path) -> bool:
+    """A failed run's folder holding a resume checkpoint stays (unlocked) for ``resume=True`` to continue."""
+    from .output_lock import LOCK_FILE
+    from .resume import describe, has_checkpoint
+
+    if not has_checkpoint(tmp):
+        return False
+    (tmp / LOCK_FILE).write_text("0\n")  # no live owner: the next run reports it, or takes it over
+    import logging
+
+    logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': run it "
+                                           "again with resume=True (CLI: --resume) to continue", describe(tmp), tmp)
+    return True
 
 
 @contextlib.contextmanager

@@ -7,6 +7,10 @@ batch through :meth:`Observer.update` and gives the calibrated range with :meth:
 :func:`~layerwise.quantization.qmath.compute_qparams` turns either into scale and zero point.
 Observers are plugins (``layerwise_register_observers``); a recipe picks one by name
 (``observer: mse``).
+
+In a distributed run each rank's activation observer saw its share of the batches;
+:meth:`Observer.reduce` gathers every rank's range and batch count and :meth:`Observer.merge`
+combines them: the widest range for min-max (exact), a subclass's own rule otherwise.
 """
 
 from __future__ import annotations
@@ -51,6 +55,25 @@ class Observer:
     def combine(self, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         """The running range after a new batch's ``(low, high)``: the widest seen."""
         return torch.minimum(self.min_vals, low), torch.maximum(self.max_vals, high)
+
+    def reduce(self, reducer) -> None:
+        """Combine the ranks' activation ranges (a :class:`~layerwise.distributed.Reducer`); every rank
+        ends with the same range and the total batch count."""
+        states = [s for s in reducer.gather((self.min_vals, self.max_vals, self.batches)) if s[0] is not None]
+        if not states:
+            return
+        device = self.min_vals.device if self.min_vals is not None else states[0][0].device
+        low, high = self.merge([(lo.to(device), hi.to(device), n) for lo, hi, n in states])
+        self.min_vals, self.max_vals = low, high
+        self.batches = sum(n for _, _, n in states)
+
+    def merge(self, states: list[tuple[Tensor, Tensor, int]]) -> tuple[Tensor, Tensor]:
+        """The range after every rank's ``(low, high, batches)`` (ranks with data only, in rank order):
+        min-max's widest."""
+        low, high = states[0][0], states[0][1]
+        for other_low, other_high, _ in states[1:]:
+            low, high = torch.minimum(low, other_low), torch.maximum(high, other_high)
+        return low, high
 
     def result(self) -> tuple[Tensor, Tensor]:
         """The calibrated range; an error if no batch was seen."""

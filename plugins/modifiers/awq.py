@@ -13,7 +13,10 @@ alone yields a fully quantized model.
 Smoothing rescales the module whose output the piece cached, so each block is observed before
 any of it changes and re-run from its own input afterwards (:attr:`needs_uncompressed_block`).
 A mapping split over two pieces, or whose layers saw no data, is not smoothed (warning); its
-layers are still rounded to nearest. Per mapping results are in :attr:`AWQModifier.summary`, the
+layers are still rounded to nearest. In a distributed run the ranks' samples are merged before
+a piece is smoothed (:meth:`AWQModifier.on_reduce`): the mean ``|x|`` exactly, the search rows
+approximately (every rank's rows thinned evenly; one process keeps another even spacing), and
+every rank searches the same merged sample, so all fold the same scales. Per mapping results are in :attr:`AWQModifier.summary`, the
 run's log and ``awq_summary.json`` next to the saved model.
 """
 
@@ -28,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from layerwise.accounting import Accounting
+from layerwise.distributed import Reducer
 from layerwise.errors import RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite
 from layerwise.quantization.awq import search_flops, search_scales
@@ -140,6 +144,20 @@ class AWQModifier(QuantizationModifier):
             first = state.model.get_submodule(mapping.balance[0])
             self._handles[smoothed] = self.register_hook(first, self._sample_hook(smoothed), "forward_pre",
                                                          with_kwargs=True)
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Merge each pending mapping's sample over the ranks (:meth:`InputSample.merge`): the mean ``|x|``
+        exactly, the search rows as the ranks' rows thinned to ``search_tokens``."""
+        super().on_reduce(state, reducer, modules)
+        for smoothed, mapping in self._pending.items():
+            if modules is not None and not _in_piece(mapping.balance[0], modules):
+                continue
+            sample = self._stats.get(smoothed)
+            if sample is None:
+                continue
+            merged = InputSample.merge(reducer.gather(sample.portable()), self.search_tokens)
+            device = sample.device or state.execution_device
+            self._stats[smoothed] = merged.to(device)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         whole, split = split_by_piece(self._pending, modules)
@@ -283,6 +301,44 @@ class InputSample:
         while self.kept > self.limit:
             self._rows = [torch.cat(self._rows)[::2].clone()]
             self.stride *= 2
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._abs_sum.device if self._abs_sum is not None else None
+
+    def portable(self) -> InputSample:
+        """A copy on the CPU, to send to the other ranks."""
+        copy = InputSample(self.limit)
+        copy.tokens, copy.non_finite, copy.stride = self.tokens, self.non_finite, self.stride
+        copy._abs_sum = None if self._abs_sum is None else self._abs_sum.cpu()
+        copy._rows = [torch.cat(self._rows).cpu()] if self._rows else []
+        return copy
+
+    def to(self, device: torch.device) -> InputSample:
+        self._abs_sum = None if self._abs_sum is None else self._abs_sum.to(device)
+        self._rows = [r.to(device) for r in self._rows]
+        return self
+
+    @staticmethod
+    def merge(samples: list[InputSample], limit: int) -> InputSample:
+        """The ranks' samples as one: tokens, non-finite counts and ``|x|`` sums add up (so the mean is
+        exact); the rows are every rank's, in rank order, thinned evenly to at most ``limit``. An
+        approximation: one process would have kept a different even spacing of the same tokens."""
+        merged = InputSample(limit)
+        rows = []
+        for sample in samples:
+            merged.tokens += sample.tokens
+            merged.non_finite += sample.non_finite
+            if sample._abs_sum is not None:
+                merged._abs_sum = (sample._abs_sum.clone() if merged._abs_sum is None
+                                   else merged._abs_sum.add_(sample._abs_sum))
+            rows.extend(sample._rows)
+        if rows:
+            stacked = torch.cat(rows)
+            step = -(-stacked.shape[0] // limit)  # ceil: at most ``limit`` rows stay
+            merged._rows = [stacked[::step].clone()]
+            merged.stride = step
+        return merged
 
     def mean(self) -> torch.Tensor:
         if self._abs_sum is None:

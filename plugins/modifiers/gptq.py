@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from layerwise.accounting import gptq_solve_flops
+from layerwise.distributed import Reducer, spread, world_size
 from layerwise.errors import NonFiniteError, RecipeError
 from layerwise.finite import is_finite
 from layerwise.quantization.args import ACTORDERS, QuantizationArgs
@@ -110,17 +111,19 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         self._hook_hessians(state, self._modules)
         self._observe_inputs()
 
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Sum the Hessians (Gram matrices and token counts) and merge the input observers over the ranks."""
+        super().on_reduce(state, reducer, modules)
+        self._reduce_hessians(reducer, modules)
+
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         self._last = None
-        for name, module in self._modules.items():
-            if name not in self._done and _in_piece(name, modules):
-                self.quantize_module(name, module, state)
+        self.quantize_modules([name for name in self._modules if name not in self._done and _in_piece(name, modules)],
+                              state)
 
     def on_calibration_end(self, state: CompressionState) -> None:
         self._last = None
-        for name, module in self._modules.items():
-            if name not in self._done:
-                self.quantize_module(name, module, state)
+        self.quantize_modules([name for name in self._modules if name not in self._done], state)
 
     def calibration_inputs(self, modules: list[str]) -> set[str]:
         """GPTQ reads only the inputs of its layers still to be quantized."""
@@ -135,16 +138,32 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         return {SUMMARY_FILE: json.dumps(self.summary, indent=1)} if self.summary else {}
 
     # -- work --------------------------------------------------------------------------
+    def quantize_modules(self, names: list[str], state: CompressionState | None = None) -> None:
+        """Quantize layers ``names`` (:meth:`quantize_module` each); with several ranks each rank solves its
+        share and every rank applies them all."""
+        if world_size() == 1:
+            for name in names:
+                self.quantize_module(name, self._modules[name], state)
+            return
+        for name, solved in spread(names, self._solve, skip=self._take_hessian):
+            self._apply(name, self._modules[name], solved, state)
+
     @torch.no_grad()
     def quantize_module(self, name: str, module: torch.nn.Module, state: CompressionState | None = None) -> None:
         """GPTQ with the layer's Hessian (round-to-nearest when there is none or it is unusable)."""
+        self._apply(name, module, self._solve(name, module), state)
+
+    @torch.no_grad()
+    def _solve(self, name: str, module: torch.nn.Module | None = None) -> _Solved:
+        """The layer's GPTQ (or round-to-nearest) result, with what its record needs; changes no module."""
+        module = self._modules[name] if module is None else module
         start = time.perf_counter()
         hessian, samples, dropped = self._take_hessian(name)
         weight = linear_weight(module)
         _check_finite_weight(name, weight)
         dtype = module.weight.dtype
         result: GPTQResult | None = None
-        method = "gptq"
+        reason = None
         pruned = pruned_mask(module)  # a pruning modifier's zeros stay zeros
         if hessian is None or samples == 0:
             reason = "it saw no calibration data"
@@ -158,15 +177,24 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
                 reason = str(exc)
             del hessian
         if result is None:
-            method = "rtn"
-            message = f"GPTQ: layer {name!r} is rounded to nearest instead: {reason}"
-            warn_user(message, GPTQFallbackWarning)
             result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype)
+        return _Solved(result, reason, samples, dropped, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def _apply(self, name: str, module: torch.nn.Module, solved: _Solved, state: CompressionState | None) -> None:
+        """Store a solved layer on ``module`` and record it (every rank, for every layer)."""
+        start = time.perf_counter()
+        result = solved.result
+        method = "gptq" if solved.fallback is None else "rtn"
+        if solved.fallback is not None:
+            message = f"GPTQ: layer {name!r} is rounded to nearest instead: {solved.fallback}"
+            warn_user(message, GPTQFallbackWarning)
         set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx)
         self.quantize_inputs(name, module)
         self._done.add(name)
+        samples, dropped = solved.samples, solved.dropped
         record = {"name": name, "method": method, "loss": None if math.isnan(result.loss) else result.loss,
-                  "seconds": round(time.perf_counter() - start, 4), "samples": samples,
+                  "seconds": round(solved.seconds + time.perf_counter() - start, 4), "samples": samples,
                   "dampening_frac": None if math.isnan(result.dampening_frac) else result.dampening_frac}
         if dropped:
             record["non_finite_inputs"] = dropped
@@ -178,6 +206,18 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
             state.log.append({"modifier": type(self).__name__, **record})
         log.info("GPTQ %s: %s loss %s, %.3f s, %d samples", name, method,
                  "n/a" if record["loss"] is None else f"{record['loss']:.4g}", record["seconds"], samples)
+
+
+@dataclass
+class _Solved:
+    """One layer's solve, as it travels between ranks: the result and what the layer's record needs."""
+
+    result: GPTQResult
+    #: why the layer was rounded to nearest instead (``None``: GPTQ)
+    fallback: str | None
+    samples: int
+    dropped: int
+    seconds: float
 
 
 def _check_finite_weight(name: str, weight: torch.Tensor) -> None:

@@ -7,6 +7,11 @@ very same tensor (q/k/v projections, gate/up) share one matrix. An input holding
 inf is left out (it would poison the matrix) and counted. The modifier takes a layer's
 Hessian once, when it compresses the layer, and the matrix is freed when its last
 member took it.
+
+In a distributed run :meth:`HessianBank.reduce` sums the Gram matrices, their token counts and
+the non-finite input counts over the ranks before a piece is compressed (a Gram is a sum over
+tokens: the sum of the ranks' Grams is the Gram of all their tokens), so every rank then takes
+the Hessian one process calibrating on every batch would have built.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class HessianBank:
         self.phases: dict[str, str] = {}
         self.accounting = Accounting()
         self.gram_flops = _FlopCount()
+        #: layers whose matrix was summed over the ranks already (distributed runs)
+        self.reduced: set[str] = set()
 
     def subscribe(self, owner: HessianHooks, name: str, module: torch.nn.Module) -> None:
         """``owner`` will take layer ``name``'s Hessian; the first subscriber registers the hook."""
@@ -160,6 +167,74 @@ class HessianBank:
                 self.taken[name] = (hessian, rows, dropped)
         self.last = None  # the previous input's float32 copy is unscaled: never reuse it
 
+    @torch.no_grad()
+    def reduce(self, reducer: Any, layers: dict[str, torch.nn.Module]) -> None:
+        """Sum the Gram matrices of ``layers`` (name -> module, the same on every rank) over the ranks.
+
+        Layers whose Hessian was reduced or taken already are left alone (two modifiers sharing the
+        bank both ask). Layers sharing one matrix are reduced once: the groups are those sharing on
+        every rank. A rank without data for a layer contributes zeros. Afterwards each group holds
+        the summed matrix and token count, its hooks are gone (no local input may join a reduced
+        matrix) and the non-finite counts are the ranks' sum.
+        """
+        names = sorted(n for n in layers if n not in self.reduced and n not in self.taken and n in self.waiting)
+        if not names:
+            return
+        self.last = None
+        groups = _common_groups(reducer.gather(self._local_groups(names)), names)
+        dropped = reducer.sum(torch.tensor([float(self.non_finite.get(n, 0)) for n in names], dtype=torch.float64))
+        for name, count in zip(names, dropped.tolist(), strict=True):
+            if count:
+                self.non_finite[name] = int(count)
+            else:
+                self.non_finite.pop(name, None)
+        for group in groups:
+            gram, rows = self._full_gram(group[0], layers[group[0]])
+            reducer.sum(gram)
+            rows = int(reducer.count(rows))
+            shared = _SharedGram(self.gram_flops)
+            shared.gram, shared.samples = (gram, rows) if rows else (None, 0)
+            shared.positions = dict.fromkeys(group, 0)
+            for name in group:
+                self.grams[name] = shared
+                handle = self.handles.pop(name, None)
+                if handle is not None:
+                    handle.remove()
+                self.reduced.add(name)
+
+    def _local_groups(self, names: list[str]) -> list[list[str]]:
+        """``names`` grouped by the matrix they share on this rank (a matrix whose members read different
+        inputs, or a layer without one, stands alone)."""
+        by_gram: dict[int, list[str]] = {}
+        alone: list[list[str]] = []
+        for name in names:
+            gram = self.grams.get(name)
+            if gram is None or len(set(gram.positions.values())) > 1:
+                alone.append([name])
+            else:
+                by_gram.setdefault(id(gram), []).append(name)
+        return [*by_gram.values(), *alone]
+
+    def _full_gram(self, name: str, module: torch.nn.Module) -> tuple[torch.Tensor, int]:
+        """Layer ``name``'s whole Gram matrix on this rank (a fresh tensor; zeros without data) and its rows."""
+        gram = self.grams.get(name)
+        if gram is not None:
+            position = gram.positions.get(name, 0)
+            if position > gram.folded:
+                if all(p >= position for p in gram.positions.values()):
+                    gram._fold(position - gram.folded)
+                else:
+                    x = torch.cat(gram.pending[:position - gram.folded])
+                    own = (torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+                           if gram.gram is None else gram.gram.clone())
+                    _add_gram(own, x, self.gram_flops)
+                    return own, gram.samples + x.shape[0]
+            if gram.gram is not None:
+                return gram.gram.clone(), gram.samples
+        width = module.weight.shape[0] if type(module).__name__ == "Conv1D" else module.weight.shape[-1]
+        device = next((g.gram.device for g in self.grams.values() if g.gram is not None), torch.device("cpu"))
+        return torch.zeros(width, width, dtype=torch.float32, device=device), 0
+
     def clear(self) -> None:
         """Forget every matrix and hook handle (the hooks themselves go with their modifiers')."""
         self.grams.clear()
@@ -167,7 +242,21 @@ class HessianBank:
         self.non_finite.clear()
         self.waiting.clear()
         self.taken.clear()
+        self.reduced.clear()
         self.last = None
+
+
+def _common_groups(per_rank: list[list[list[str]]], names: list[str]) -> list[list[str]]:
+    """The layers that share one matrix on every rank, grouped (in ``names`` order): each rank's grouping refined."""
+    keys: dict[str, list[int]] = {name: [] for name in names}
+    for groups in per_rank:
+        for index, group in enumerate(groups):
+            for name in group:
+                keys[name].append(index)
+    merged: dict[tuple[int, ...], list[str]] = {}
+    for name in names:
+        merged.setdefault(tuple(keys[name]), []).append(name)
+    return list(merged.values())
 
 
 class HessianHooks:
@@ -185,6 +274,7 @@ class HessianHooks:
     #: how warnings and errors name the modifier
     label = "Hessian"
     _done: set[str]
+    _modules: dict[str, torch.nn.Module]
     block_size: int
     dampening_frac: float
     register_hook: Any
@@ -231,6 +321,14 @@ class HessianHooks:
         for name, module in modules.items():
             if name not in self._done:
                 self._bank.subscribe(self, name, module)
+
+    def _reduce_hessians(self, reducer: Any, modules: list[str] | None) -> None:
+        """Sum the Grams of this modifier's layers in ``modules`` (``None``: all not compressed) over the ranks."""
+        from .quantization import _in_piece
+
+        layers = {name: module for name, module in self._modules.items()
+                  if name not in self._done and (modules is None or _in_piece(name, modules))}
+        self._bank.reduce(reducer, layers)
 
     def _take_hessian(self, name: str) -> tuple[torch.Tensor | None, int, int]:
         """The layer's Hessian, token count (``None, 0`` without data) and inputs left out as non-finite.

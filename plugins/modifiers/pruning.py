@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerwise.distributed import Reducer, check, spread, world_size
 from layerwise.errors import RecipeError
 from layerwise.matching import find_modules
 from layerwise.modifier import Modifier
@@ -138,19 +139,18 @@ class PruningModifier(Modifier):
         if self.owl_m is None or not self._modules:
             return
         norms = input_norms(state.model, self._modules, list(getattr(state, "batches", []) or []))
+        if world_size() > 1:  # each rank ran its share of the batches: the sums of squares add up
+            norms = _summed_over_ranks(norms, self._modules)
         blocks = find_modules(state.model, state.sequential_targets) if state.sequential_targets else {}
         self.layer_sparsity = owl_sparsities(self._modules, blocks, norms, self.fraction, self.owl_m,
                                              self.owl_lmbda)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
-        for name, module in self._modules.items():
-            if name not in self._done and _in_piece(name, modules):
-                self.prune_module(name, module, state)
+        self.prune_modules([name for name in self._modules if name not in self._done and _in_piece(name, modules)],
+                           state)
 
     def on_calibration_end(self, state: CompressionState) -> None:
-        for name, module in self._modules.items():
-            if name not in self._done:
-                self.prune_module(name, module, state)
+        self.prune_modules([name for name in self._modules if name not in self._done], state)
 
     def calibration_inputs(self, modules: list[str]) -> set[str]:
         """A pruning modifier reads only the inputs of its layers still to be pruned."""
@@ -160,14 +160,43 @@ class PruningModifier(Modifier):
         return {self.summary_file: json.dumps(self.summary, indent=1)} if self.summary else {}
 
     # -- work --------------------------------------------------------------------------
+    def prune_modules(self, names: list[str], state: CompressionState | None = None) -> None:
+        """Prune layers ``names`` (:meth:`prune_module` each); with several ranks each rank solves its share
+        and every rank applies them all."""
+        if world_size() == 1:
+            for name in names:
+                self.prune_module(name, self._modules[name], state)
+            return
+        for name, (pruned, record, seconds) in spread(names, self._solve_layer, skip=self.skip_layer):
+            self._apply(name, self._modules[name], pruned, record, seconds, state)
+
     def prune_module(self, name: str, module: torch.nn.Module, state: CompressionState | None = None) -> None:
         """Prune one layer (subclasses: :meth:`solve`), write the result back and record it."""
+        self._apply(name, module, *self._solve_layer(name, module), state)
+
+    def _solve_layer(self, name: str, module: torch.nn.Module | None = None
+                     ) -> tuple[torch.Tensor, dict[str, Any], float]:
+        """The pruned float32 ``(out, in)`` weight of one layer, its record and the seconds it took."""
         start = time.perf_counter()
-        weight = linear_weight(module)
+        weight = linear_weight(self._modules[name] if module is None else module)
         pruned, record = self.solve(name, weight.detach().to(torch.float32))
         if pruned is None:
             pruned = weight.detach().to(torch.float32) * ~magnitude_mask(weight, self.structure,
                                                                         self.sparsity_for(name))
+        return pruned, record, time.perf_counter() - start
+
+    def skip_layer(self, name: str) -> None:
+        """Another rank solves layer ``name`` (distributed runs): drop what this rank holds for it."""
+
+    def _apply(self, name: str, module: torch.nn.Module, pruned: torch.Tensor, record: dict[str, Any],
+               seconds: float, state: CompressionState | None) -> None:
+        """Write a pruned layer back and record it (every rank, for every layer)."""
+        start = time.perf_counter() - seconds
+        weight = linear_weight(module)
+        if record.get("method") == "magnitude" and "reason" in record:
+            reason = record.pop("reason")
+            warn_user(f"{type(self).__name__}: layer {name!r} is magnitude-pruned instead: {reason}",
+                      PruningFallbackWarning)
         write_pruned(module, pruned)
         mark_sparse(module, self.structure)
         self._done.add(name)
@@ -185,10 +214,23 @@ class PruningModifier(Modifier):
         raise NotImplementedError
 
     def fallback(self, name: str, reason: str, record: dict[str, Any]) -> tuple[None, dict[str, Any]]:
-        """Magnitude-prune ``name`` instead, with a warning that says why; ``record`` joins the layer's record."""
-        warn_user(f"{type(self).__name__}: layer {name!r} is magnitude-pruned instead: {reason}",
-                  PruningFallbackWarning)
-        return None, {"method": "magnitude", **record}
+        """Magnitude-prune ``name`` instead, with a warning (when the layer is written back) that says why;
+        ``record`` joins the layer's record."""
+        return None, {"method": "magnitude", "reason": reason, **record}
+
+
+def _summed_over_ranks(norms: dict[str, torch.Tensor], layers: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """OWL's per-layer input sums of squares summed over the ranks (a layer without data here adds zeros)."""
+    check()  # the ranks meet first: a failed one is an error here, not a mismatched collective
+    reducer = Reducer()
+    summed = {}
+    for name, module in layers.items():
+        total = norms.get(name)
+        if total is None:
+            total = torch.zeros(linear_weight(module).shape[-1], dtype=torch.float32,
+                                device=next(iter(norms.values())).device if norms else "cpu")
+        summed[name] = reducer.sum(total)
+    return summed
 
 
 @torch.no_grad()

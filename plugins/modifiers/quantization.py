@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from layerwise.distributed import Reducer
 from layerwise.errors import RecipeError
 from layerwise.matching import find_modules, unmatched
 from layerwise.modifier import Modifier
@@ -144,6 +145,12 @@ class QuantizationModifier(Modifier):
         observer = self._input_observers.get(name)
         if observer is not None and args and isinstance(args[0], torch.Tensor):
             observer.update(args[0])
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Static input scales: merge each layer's input observer over the ranks (:meth:`Observer.reduce`)."""
+        for name, observer in self._input_observers.items():
+            if name not in self._done and (modules is None or _in_piece(name, modules)):
+                observer.reduce(reducer)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         for name in self._modules:

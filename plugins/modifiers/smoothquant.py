@@ -21,6 +21,9 @@ mapping is smoothed.
 next piece, so :attr:`needs_uncompressed_block` makes the ``sequential`` pipeline cut at blocks:
 each block is observed whole, smoothed (and compressed), then re-run from its own input. A
 mapping split over two pieces, or whose layers saw no data, is not smoothed (warning).
+
+**Ranks.** In a distributed run the maxima are maxed over the ranks before a piece is smoothed
+(:meth:`SmoothQuantModifier.on_reduce`): every rank folds the very same scales.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerwise.distributed import Reducer
 from layerwise.errors import RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite, listed
 from layerwise.modifier import Modifier
@@ -107,6 +111,26 @@ class SmoothQuantModifier(Modifier):
         for smoothed, mapping in self._pending.items():
             first = state.model.get_submodule(mapping.balance[0])
             self.register_hook(first, self._max_hook(smoothed), "forward_pre", with_kwargs=True)
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """The per-channel maxima are maxed over the ranks, token and non-finite counts summed (exact)."""
+        for smoothed, mapping in self._pending.items():
+            if modules is not None and not _in_piece(mapping.balance[0], modules):
+                continue
+            maximum = self._maxima.get(smoothed)
+            if maximum is None:  # no data here: the identity of max over |x| >= 0
+                width = linear_weight(state.model.get_submodule(mapping.balance[0])).shape[-1]
+                maximum = torch.zeros(width, dtype=torch.float32, device=state.execution_device)
+            reducer.max(maximum)
+            tokens = int(reducer.count(self._tokens.get(smoothed, 0)))
+            dropped = int(reducer.count(self._non_finite.get(smoothed, 0)))
+            self._tokens[smoothed] = tokens
+            if dropped:
+                self._non_finite[smoothed] = dropped
+            if tokens:
+                self._maxima[smoothed] = maximum
+            else:
+                self._maxima.pop(smoothed, None)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         whole, split = split_by_piece(self._pending, modules)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerwise.distributed import Reducer
 from layerwise.hessian import HessianError
 from layerwise.sparsity.sparsegpt import sparsegpt_prune
 from layerwise.state import CompressionState
@@ -55,6 +56,14 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
     def on_calibration_start(self, state: CompressionState) -> None:
         super().on_calibration_start(state)  # OWL's dense pass first, without these hooks
         self._hook_hessians(state, self._modules)
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Sum the Hessians (Gram matrices and token counts) over the ranks."""
+        self._reduce_hessians(reducer, modules)
+
+    def skip_layer(self, name: str) -> None:
+        """Another rank prunes ``name``: take (and drop) its Hessian, so the bank's bookkeeping stays as everywhere."""
+        self._take_hessian(name)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         self._last = None

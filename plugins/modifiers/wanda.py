@@ -17,13 +17,16 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerwise.distributed import Reducer
 from layerwise.errors import RecipeError
 from layerwise.finite import is_finite
+from layerwise.quantization.storage import linear_weight
 from layerwise.sparsity.masks import score_mask
 from layerwise.state import CompressionState
 
 from .hessians import _warn_dropped, layer_input
 from .pruning import PruningModifier
+from .quantization import _in_piece
 
 
 @dataclass
@@ -67,6 +70,32 @@ class WandaModifier(PruningModifier):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self._norms.clear()
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """The input columns' sums of squares, their token counts and the non-finite counts add up over the ranks."""
+        for name, module in self._modules.items():
+            if name in self._done or (modules is not None and not _in_piece(name, modules)):
+                continue
+            total, count = self._norms.get(name, (None, 0))
+            if total is None:
+                total = torch.zeros(linear_weight(module).shape[-1], dtype=torch.float32,
+                                    device=state.execution_device)
+            reducer.sum(total)
+            count = int(reducer.count(count))
+            dropped = int(reducer.count(self._non_finite.get(name, 0)))
+            if count:
+                self._norms[name] = (total, count)
+            else:
+                self._norms.pop(name, None)
+            if dropped:
+                self._non_finite[name] = dropped
+
+    def skip_layer(self, name: str) -> None:
+        """Another rank prunes ``name``: drop its statistics (an input count that is all non-finite still raises)."""
+        _, samples = self._norms.pop(name, (None, 0))
+        dropped = self._non_finite.pop(name, 0)
+        if dropped and samples == 0:
+            _warn_dropped("Wanda", name, dropped, True)
 
     def _norm_hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

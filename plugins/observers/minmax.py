@@ -22,3 +22,12 @@ class MovingAverageMinMaxObserver(Observer):
     def combine(self, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         c = self.averaging_constant
         return torch.lerp(self.min_vals, low, c), torch.lerp(self.max_vals, high, c)
+
+    def merge(self, states: list[tuple[Tensor, Tensor, int]]) -> tuple[Tensor, Tensor]:
+        """Several ranks: the ranks' averages weighted by their batch counts. An approximation: one
+        process would have run a single average over every batch in order, which no split reproduces
+        (the ranks' averages each start from their own first batch)."""
+        total = sum(n for _, _, n in states)
+        low = sum(lo * (n / total) for lo, _, n in states)
+        high = sum(hi * (n / total) for _, hi, n in states)
+        return low, high

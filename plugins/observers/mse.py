@@ -4,7 +4,8 @@ Clipping the range below min-max trades a few large values' error for a finer st
 others. For each shrink factor ``p`` in ``1, 0.99, ..., 0.2`` (81 points) the range ``p * (min, max)``
 is quantized and the mean squared error measured; the best ``p`` is kept per qparam group (per
 channel, group, block or tensor). For static activations the best range of each batch is averaged
-over the batches (no batch is stored).
+over the batches (no batch is stored); ranks of a distributed run average theirs, weighted by
+their batch counts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class MSEObserver(Observer):
     def combine(self, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         n = self.batches  # running mean of the per-batch best ranges
         return (self.min_vals * n + low) / (n + 1), (self.max_vals * n + high) / (n + 1)
+
+    def merge(self, states: list[tuple[Tensor, Tensor, int]]) -> tuple[Tensor, Tensor]:
+        """Several ranks: each holds the mean of its batches' best ranges, so their mean weighted by batch
+        counts is the mean over every batch (exact, up to rounding)."""
+        total = sum(n for _, _, n in states)
+        low = sum(lo * (n / total) for lo, _, n in states)
+        high = sum(hi * (n / total) for _, hi, n in states)
+        return low, high
 
     @torch.no_grad()
     def _search(self, values: Tensor, low: Tensor, high: Tensor, expand, per_group: bool) -> tuple[Tensor, Tensor]:

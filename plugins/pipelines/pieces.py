@@ -116,7 +116,7 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     if layers:
         try:
             fine, fine_assignment = traces_for_batches(model, batches, options, lifecycle, layers)
-            difference = _first_batch_difference(model, fine, blocks, batches[0], device)
+            difference = _first_batch_difference(model, fine, blocks, batches[0], device, options.stream)
         except PipelineFailed as exc:
             why_not = f"cutting before the layers failed ({exc})"
         else:
@@ -137,10 +137,10 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
 
 
 def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,
-                            batch: dict[str, Any], device: torch.device) -> float:
+                            batch: dict[str, Any], device: torch.device, stream: Any = None) -> float:
     """Relative difference of the model output replayed through both cuts (the first batch's trace of each)."""
     targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
-    offloader = ModuleOffloader(model, device, protected=targets)
+    offloader = ModuleOffloader(model, device, protected=targets, source=stream)
     try:
         inputs = move_to(dict(batch), offloader.execution_device)  # its guards held: it was assigned to both
         expected = blocks.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)

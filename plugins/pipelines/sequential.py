@@ -94,6 +94,7 @@ class Piece:
 
 class SequentialPipeline(Pipeline):
     name = "sequential"
+    streams_weights = True
 
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
             options: PipelineOptions) -> None:
@@ -104,7 +105,8 @@ class SequentialPipeline(Pipeline):
             traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
             pieces = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
                       for k in range(len(traces.traces[0].subgraphs))]
-            offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names])
+            offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names],
+                                        source=options.stream, keep_loaded=True)
             cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
             accounting = getattr(lifecycle.state, "accounting", None)
             run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
@@ -114,7 +116,9 @@ class SequentialPipeline(Pipeline):
                 for index, batch in enumerate(batches):
                     cache.update(index, {k: v for k, v in batch.items() if k in wanted})
                 with lifecycle.calibrating():
+                    run.resume()
                     run.layers() if at_layers else run.blocks()
+                    run.leftovers()
             finally:
                 cache.close()
 
@@ -134,6 +138,31 @@ class _Runner:
 
     def __post_init__(self) -> None:
         self.dropped: set[int] = set()  # batches whose activations became non-finite
+        self.finished = _finished_after(self.pieces)
+        self.start = 0  # the first piece to run (a resumed run starts after its checkpoint)
+
+    def resume(self) -> None:
+        """An interrupted run's checkpoint, when there is one, puts back everything up to its last piece."""
+        checkpoint = self.options.checkpoint
+        if checkpoint is not None:
+            self.start, self.dropped = checkpoint.restore(self.options.stream, self.cache, self.lifecycle)
+            self.compressed = self.compressed or self.start > 0
+
+    def _checkpoint(self, position: int) -> None:
+        """Piece ``position`` is done (written, its inputs freed): save the run for a resume."""
+        if self.options.checkpoint is not None:
+            self.options.checkpoint.save(position, len(self.pieces), self.options.stream, self.cache,
+                                         self.num_batches, self.dropped, self.lifecycle)
+
+    def leftovers(self) -> None:
+        """Weights streamed from disk: modules no piece ran are compressed one by one (as
+        ``calibration_end`` would, with no data) and written, so nothing computes on unloaded weights."""
+        if self.options.stream is None:
+            return
+        for name in self.options.stream.leftovers():
+            with self.offloader.onloaded([name]):
+                self.lifecycle.sequential_epoch_end([name])
+                self.offloader.retire([name])
 
     def layers(self) -> None:
         """Each piece: gather its entry layers' inputs from the cache, compress, run once with the result.
@@ -144,6 +173,8 @@ class _Runner:
         """
         last = len(self.pieces) - 1
         for position, piece in enumerate(progress(self.pieces, "calibrating pieces", self.options.show_progress)):
+            if position < self.start:
+                continue
             with self.offloader.onloaded(piece.modules):
                 entries = self._observe_entries(piece)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
@@ -151,7 +182,9 @@ class _Runner:
                 if position < last:
                     with calibration_hooks_paused(self.lifecycle):
                         self._forward(piece, keep=True)
+                self.offloader.retire(self.finished[position])
             piece.free(self.cache, self.num_batches)
+            self._checkpoint(position)
 
     def blocks(self) -> None:
         """Each piece: run it observed, compress its modules, run it again compressed to feed the next."""
@@ -163,6 +196,8 @@ class _Runner:
         for position, piece in enumerate(progress(self.pieces, "calibrating subgraphs", self.options.show_progress)):
             # the tail's outputs are never used: it runs only when a modifier reads data in it (an LLM's
             # lm_head, usually ignored, costs more than a decoder layer), and so does what feeds it
+            if position < self.start:
+                continue
             feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
             keep = feeds_next and not propagate
             with self.offloader.onloaded(piece.modules):
@@ -173,7 +208,9 @@ class _Runner:
                 if feeds_next and propagate:  # re-run with the compressed weights
                     with calibration_hooks_paused(self.lifecycle):
                         self._forward(piece, keep=True)
+                self.offloader.retire(self.finished[position])
             piece.free(self.cache, self.num_batches)
+            self._checkpoint(position)
 
     def _forward(self, piece: Piece, keep: bool, observed: bool = False) -> None:
         """Run every live batch through ``piece``; cache the outputs when ``keep``.
@@ -234,6 +271,18 @@ class _Runner:
             for handle in stops:
                 handle.remove()
         return True
+
+
+def _finished_after(pieces: list[Piece]) -> list[list[str]]:
+    """Per piece, its modules that no later piece runs (a module, or one inside or around it)."""
+    def overlaps(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".") or not a or not b
+
+    finished = []
+    for position, piece in enumerate(pieces):
+        later = [m for p in pieces[position + 1:] for m in p.modules]
+        finished.append([m for m in piece.modules if not any(overlaps(m, other) for other in later)])
+    return finished
 
 
 def _stop_before_forward(module: torch.nn.Module, args: tuple) -> None:

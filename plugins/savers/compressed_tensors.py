@@ -45,9 +45,16 @@ from layerwise.saving import atomic_output_dir, check_output_dir
 from layerwise.sparsity.storage import sparse_modules
 
 from .errors import SaveError
-from .sparse import build_sparsity_config, check_sparse_layers, encode_sparse_weights, sparse_format
+from .sparse import (
+    DENSE,
+    build_sparsity_config,
+    check_sparse_layers,
+    encode_sparse_weights,
+    sparse_format,
+)
 
-__all__ = ["FORMAT", "SaveError", "build_quantization_config", "compressed_state_dict", "save_compressed"]
+__all__ = ["FORMAT", "SaveError", "build_quantization_config", "compressed_state_dict", "quantized_tensors",
+           "save_compressed", "save_streamed"]
 
 FORMAT = "pack-quantized"
 
@@ -75,22 +82,57 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
     check_saved(state_dict, skipped_prefixes(model))  # before anything is written
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
-        config_path = tmp / "config.json"
-        config = json.loads(config_path.read_text())
-        config["quantization_config"] = quant_config
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if recipe is not None:
-            (tmp / "recipe.yaml").write_text(recipe if isinstance(recipe, str) else _yaml(recipe))
-        for relative, content in (extra_files or {}).items():
-            path = _inside(tmp, relative)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, bytes):
-                path.write_bytes(content)
-            else:
-                path.write_text(content)
+        _write_beside(tmp, quant_config, tokenizer, recipe, extra_files)
     return Path(output_dir)
+
+
+def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any = None,
+                  recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
+                  overwrite: bool = False) -> Path:
+    """Finish a run whose weights streamed from disk (:class:`~layerwise.streaming.WeightStream`): its
+    pieces' tensors are in the output's temporary folder already; copy the rest, write the config."""
+    modules, pruned = quantized_modules(model), sparse_modules(model)
+    if not modules and not pruned:
+        raise SaveError("the model has no quantized module and no pruned one; quantize it first (e.g. recipe "
+                        "'W4A16') or prune it (SparseGPT, Wanda)")
+    check_sparse_layers(pruned)
+    quant_config = build_quantization_config(model, modules)
+    rewrite = None
+    if pruned:
+        fmt = sparse_format(pruned, modules)
+        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, fmt, counts=stream.sparsity_counts)
+        if fmt != DENSE:  # pruned weights were written dense as their pieces ended; now the layout is known
+            keys = {f"{name}.weight" if name else "weight" for name in pruned}
+            rewrite = (keys, lambda key, weight: encode_sparse_weights({key: weight}, {key[:-len(".weight")]: None},
+                                                                       fmt, {key: weight}))
+    with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+        stream.finish(rewrite)
+        model.config.save_pretrained(tmp)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(tmp)
+        _write_beside(tmp, quant_config, tokenizer, recipe, extra_files)
+    return Path(output_dir)
+
+
+def _write_beside(tmp: Path, quant_config: dict[str, Any], tokenizer: Any, recipe: dict | str | None,
+                  extra_files: dict[str, str | bytes] | None) -> None:
+    """``quantization_config`` into config.json, and the tokenizer, recipe and extra files next to it."""
+    config_path = tmp / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = quant_config
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if recipe is not None:
+        (tmp / "recipe.yaml").write_text(recipe if isinstance(recipe, str) else _yaml(recipe))
+    for relative, content in (extra_files or {}).items():
+        path = _inside(tmp, relative)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
 
 
 # -- config ------------------------------------------------------------------------------
@@ -157,45 +199,53 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
 @torch.no_grad()
 def compressed_state_dict(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     """The model's state dict with each quantized weight replaced by its packed form."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
     state = dict(model.state_dict())
     for name, module in modules.items():
-        args: QuantizationArgs = module.quantization_args
-        prefix = f"{name}." if name else ""
-        weight = linear_weight(module).detach().to("cpu", torch.float32)
-        scale = module.weight_scale.detach().to("cpu")
-        zero_point = module.weight_zero_point.detach().to("cpu")
-        g_idx = getattr(module, "weight_g_idx", None)
-        if g_idx is not None:
-            trivial = default_g_idx(weight.shape[1], args.group_size)
-            if not torch.equal(g_idx.to("cpu", torch.int32), trivial):
-                raise SaveError(
-                    f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
-                    f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
-                    f"Use actorder='static' (same format, no g_idx) or actorder=None")
-        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
-        input_args = getattr(module, "input_quantization_args", None)
-        fmt = weight_format(args, input_args)
-        state.pop(f"{prefix}weight")
-        state[f"{prefix}weight_scale"] = scale.to(module.weight.dtype).contiguous()
-        if fmt == "float-quantized":
-            state[f"{prefix}weight"] = q.to(torch.float8_e4m3fn).contiguous()
-        elif fmt == "int-quantized":
-            state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
-        else:
-            state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
-            state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
-        if not args.symmetric:
-            zp = torch.round(zero_point).to(torch.int8)
-            if fmt == FORMAT and args.strategy in ("channel", "group"):
-                zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
-            state[f"{prefix}weight_zero_point"] = zp.contiguous()
-        if input_args is not None and not input_args.dynamic:
-            state[f"{prefix}input_scale"] = module.input_scale.detach().to("cpu").contiguous()
-            if not input_args.symmetric:
-                state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
-                    "cpu", torch.int8).contiguous()
+        state.pop(f"{name}.weight" if name else "weight")
+        state.update(quantized_tensors(name, module))
+    return state
+
+
+@torch.no_grad()
+def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What quantized module ``name`` is saved as: its encoded weight and qparams (every other tensor of
+    the module is saved as it is)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    args: QuantizationArgs = module.quantization_args
+    prefix = f"{name}." if name else ""
+    weight = linear_weight(module).detach().to("cpu", torch.float32)
+    scale = module.weight_scale.detach().to("cpu")
+    zero_point = module.weight_zero_point.detach().to("cpu")
+    g_idx = getattr(module, "weight_g_idx", None)
+    if g_idx is not None:
+        trivial = default_g_idx(weight.shape[1], args.group_size)
+        if not torch.equal(g_idx.to("cpu", torch.int32), trivial):
+            raise SaveError(
+                f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
+                f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
+                f"Use actorder='static' (same format, no g_idx) or actorder=None")
+    q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    input_args = getattr(module, "input_quantization_args", None)
+    fmt = weight_format(args, input_args)
+    state = {f"{prefix}weight_scale": scale.to(module.weight.dtype).contiguous()}
+    if fmt == "float-quantized":
+        state[f"{prefix}weight"] = q.to(torch.float8_e4m3fn).contiguous()
+    elif fmt == "int-quantized":
+        state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
+    else:
+        state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
+        state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+    if not args.symmetric:
+        zp = torch.round(zero_point).to(torch.int8)
+        if fmt == FORMAT and args.strategy in ("channel", "group"):
+            zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
+        state[f"{prefix}weight_zero_point"] = zp.contiguous()
+    if input_args is not None and not input_args.dynamic:
+        state[f"{prefix}input_scale"] = module.input_scale.detach().to("cpu").contiguous()
+        if not input_args.symmetric:
+            state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
+                "cpu", torch.int8).contiguous()
     return state
 
 
@@ -219,3 +269,9 @@ def _yaml(data: Any) -> str:
     import yaml
 
     return yaml.safe_dump(data, sort_keys=False)
+
+
+# a saver that can finish a run whose weights streamed from disk says how: each finished quantized
+# module is encoded by `encode_module` as its piece ends, the folder is completed by `save_streamed`
+save_compressed.encode_module = quantized_tensors  # type: ignore[attr-defined]
+save_compressed.save_streamed = save_streamed  # type: ignore[attr-defined]

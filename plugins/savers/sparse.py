@@ -51,15 +51,21 @@ def sparse_format(pruned: dict[str, nn.Module], quantized: dict[str, nn.Module])
     return SPARSE_24 if two_four else BITMASK
 
 
-def build_sparsity_config(model: nn.Module, pruned: dict[str, nn.Module], fmt: str) -> dict[str, Any]:
-    """``quantization_config.sparsity_config`` (validated by compressed-tensors' config classes)."""
+def build_sparsity_config(model: nn.Module, pruned: dict[str, nn.Module], fmt: str,
+                          counts: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """``quantization_config.sparsity_config`` (validated by compressed-tensors' config classes).
+
+    ``counts`` (zeros, weights) per pruned layer, when their weights are no longer in memory.
+    """
     from compressed_tensors.config import BitmaskConfig, DenseSparsityConfig, Sparse24BitMaskConfig
 
     classes = {DENSE: DenseSparsityConfig, BITMASK: BitmaskConfig, SPARSE_24: Sparse24BitMaskConfig}
     structures = {str(getattr(m, SPARSITY_ATTR)) for m in pruned.values()}
     structure = structures.pop() if len(structures) == 1 else "unstructured"
-    zeros = sum(int((m.weight.detach() == 0).sum()) for m in pruned.values())
-    total = sum(m.weight.numel() for m in pruned.values())
+    if counts is None:
+        counts = {n: (int((m.weight.detach() == 0).sum()), m.weight.numel()) for n, m in pruned.items()}
+    zeros = sum(counts[n][0] for n in pruned)
+    total = sum(counts[n][1] for n in pruned)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in pruned]
     config = classes[fmt](targets=list(pruned), ignore=ignore, global_sparsity=zeros / max(total, 1),
                           sparsity_structure=structure)
@@ -67,17 +73,21 @@ def build_sparsity_config(model: nn.Module, pruned: dict[str, nn.Module], fmt: s
 
 
 @torch.no_grad()
-def encode_sparse_weights(state: dict[str, torch.Tensor], pruned: dict[str, nn.Module],
-                          fmt: str) -> dict[str, torch.Tensor]:
-    """``state`` with each pruned ``<name>.weight`` replaced by its ``<name>.weight.<part>`` tensors."""
+def encode_sparse_weights(state: dict[str, torch.Tensor], pruned: dict[str, nn.Module | None],
+                          fmt: str, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``state`` with each pruned ``<name>.weight`` replaced by its ``<name>.weight.<part>`` tensors.
+
+    ``weights``: the pruned weights by key, when the modules no longer hold them (a streamed run).
+    """
     if fmt == DENSE:
         return state
     encode = ENCODERS[fmt]
     state = dict(state)
     for name, module in pruned.items():
         key = f"{name}.weight" if name else "weight"
+        weight = weights[key] if weights is not None else module.weight.detach().to("cpu")
         try:
-            parts = encode(module.weight.detach().to("cpu"))
+            parts = encode(weight)
         except SparseFormatError as exc:
             raise SaveError(f"pruned layer {name!r} cannot be saved as {fmt}: {exc}. Prune it again, or mark it "
                             f"unstructured (layerwise.sparsity.mark_sparse(module, MaskStructure(0, 0))) so it is "
