@@ -364,9 +364,8 @@ def _pipelines_not_streaming(requested: str | None) -> tuple[str, ...]:
 
 
 def _streamed_bytes(stream: Any, bytes_before: int) -> int:
-    """What a streamed run's tensors take on disk (written so far, plus the rest still to copy as is)."""
-    written = stream.writer.total_bytes if stream.writer is not None else 0
-    return written + max(bytes_before - stream.covered_bytes(), 0)
+    """What a streamed run's tensors take on disk (the finished modules', plus the rest still to copy as is)."""
+    return stream.final_bytes + max(bytes_before - stream.covered_bytes(), 0)
 
 
 def _record_peaks(report: CompressionReport) -> None:
@@ -465,7 +464,10 @@ def _first_time(tensor: torch.Tensor, seen: set[tuple]) -> bool:
 
     A tensor without real storage (meta) is told apart by identity only.
     """
-    pointer = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else 0
+    from .streaming.placeholders import is_unloaded
+
+    # a meta tensor, or a weight still on disk (placeholders share one element), is told apart by identity
+    pointer = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" and not is_unloaded(tensor) else 0
     key = ((str(tensor.device), pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
            if pointer else ("id", id(tensor)))
     if key in seen:

@@ -17,6 +17,7 @@ from .errors import LayerwiseError
 from .report import (
     layer_table,
     loss_chart,
+    memory_text,
     run_notes,
     size_text,
     skipped_lines,
@@ -66,6 +67,7 @@ def header_lines(summary: RunSummary) -> list[str]:
              f"{'calibration:':<20}{report.calibration_samples} samples",
              f"{'time:':<20}{time_text(report.seconds, report.accounting)} (up to saving)",
              f"{'size:':<20}{size_text(report.bytes_before, report.bytes_after)}",
+             *([f"{'memory:':<20}{memory_text(report)}"] if report.peak_rss_bytes else []),
              f"{'versions:':<20}layerwise {summary.layerwise_version}" + (f", {libraries}" if libraries else "")]
     if report.recipe.strip():
         lines.append("recipe:")

@@ -119,6 +119,8 @@ class WeightStream:
         #: parameter prefixes exempt from the non-finite check (``non_finite="skip"``)
         self.exempt: tuple[str, ...] = ()
         self.loaded_bytes = 0
+        #: bytes of the final tensors of the modules retired so far (written, or dropped without an output)
+        self.final_bytes = 0
         #: per pruned module written, (zeros, weights): the sparsity config is built from these
         self.sparsity_counts: dict[str, tuple[int, int]] = {}
         #: called once every tensor is written, before the folder becomes the output (drops a resume checkpoint)
@@ -179,6 +181,7 @@ class WeightStream:
             self.retired.add(name)
         if tensors:
             check_saved(tensors, self.exempt)
+            self.final_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             if self.writer is not None:
                 self.writer.write(tensors, written=self.checkpoint.release)
         trim_heap()

@@ -54,6 +54,8 @@ def test_streamed_run_writes_the_in_memory_runs_checkpoint_bit_for_bit(tmp_path,
     assert [k for k in memory if not torch.equal(memory[k], streamed[k])] == []
     config = [json.loads((outputs[w] / "config.json").read_text()) for w in ("memory", "stream")]
     assert config[0] == config[1]
+    summaries = [json.loads((outputs[w] / "layerwise_summary.json").read_text()) for w in ("memory", "stream")]
+    assert summaries[0]["bytes_before"] == summaries[1]["bytes_before"]  # placeholders counted as the weights
     # the parts written piece by piece were gathered into one shard (a small model), which transformers loads
     assert (outputs["stream"] / "model.safetensors").is_file() and not list(outputs["stream"].glob("part-*"))
     from transformers import AutoModelForCausalLM
