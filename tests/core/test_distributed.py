@@ -7,7 +7,6 @@ leaves its results in files; the tests compare them with single-process runs on 
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 from pathlib import Path
 
@@ -71,12 +70,13 @@ def integers(entry: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # -- the ranks ---------------------------------------------------------------------------------------
-def _worker(rank: int, port: int, folder: str) -> None:
+def _worker(rank: int, store: str, folder: str) -> None:
     import layerwise
     from layerwise import compression
 
     out = Path(folder)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # a file store: no port to pick (a free port found by the parent can be taken before the ranks bind it)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, object] = {}
     try:
         # the Reducer on its own
@@ -138,16 +138,11 @@ def layerwise_recipe(text: str) -> list:
     return parse_recipe(text)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(str(folder / "rendezvous"), str(folder)), nprocs=WORLD, join=True,
+                       start_method="spawn")
     for rank in range(WORLD):
         result = json.loads((folder / f"rank{rank}.json").read_text())
         assert "crash" not in result, result["crash"]
