@@ -190,8 +190,8 @@ def compress(
                 from .streaming import build_streamed_model
 
                 model, stream = build_streamed_model(source, patch=patch, trust_remote_code=trust_remote_code)
-                if writes:
-                    stream.write_to(claimed, saver.encode_module)
+                # every rank encodes what it finishes (the sizes are reported), rank 0 alone writes
+                stream.write_to(claimed if writes else None, saver.encode_module if saver is not None else None)
             else:
                 model = load_model(source, patch=patch, trust_remote_code=trust_remote_code)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, trust_remote_code)

@@ -127,9 +127,10 @@ class WeightStream:
         self.on_finish: list[Callable[[], None]] = []
 
     # -- set-up ------------------------------------------------------------------------
-    def write_to(self, folder: str | Path, encoder: Encoder | None) -> None:
-        """Send retired modules' tensors to shards in ``folder``, quantized modules through ``encoder``."""
-        self.writer, self.encoder = ShardWriter(folder), encoder
+    def write_to(self, folder: str | Path | None, encoder: Encoder | None) -> None:
+        """Send retired modules' tensors to shards in ``folder`` (``None``: counted, not written: another
+        rank writes, or a dry run), quantized modules through ``encoder``."""
+        self.writer, self.encoder = (ShardWriter(folder) if folder is not None else None), encoder
 
     def non_finite(self) -> list[str]:
         """Parameters (qualified names) whose checkpoint values hold NaN or inf; read a chunk at a time, each
@@ -207,10 +208,10 @@ class WeightStream:
             if is_unloaded(param):
                 raise StreamingError(f"{prefix + key} was never loaded but its module {name!r} is finished")
             out[stored] = param.detach()
-        if quantized:
-            if self.encoder is None:
-                raise StreamingError(f"quantized module {name!r} has no encoder to write it")
+        if quantized and self.encoder is not None:  # without one nothing is written (a dry run)
             out.update(self.encoder(name, module))
+        elif quantized and self.writer is not None:
+            raise StreamingError(f"quantized module {name!r} has no encoder to write it")
         for key, buffer in module._buffers.items():
             full = prefix + key
             if buffer is not None and key not in module._non_persistent_buffers_set and full not in self.covered:

@@ -112,6 +112,13 @@ def _worker(rank: int, store: str, folder: str) -> None:
             layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False)
             torch.save(weights(model), out / f"{name}-rank{rank}.pt")
 
+        # weights streamed from disk on every rank, rank 0 writing: the same checkpoint as the in-memory run
+        if rank == 0:
+            build_tiny_llama().save_pretrained(out / "tiny-llama")
+        dist.barrier()
+        layerwise.compress(str(out / "tiny-llama"), GPTQ_W4A16, dataset=batches(), num_calibration_samples=SAMPLES,
+                           output_dir=str(out / "streamed-model"), weights="stream", show_progress=False)
+
         # a rank failing inside calibration ends both with an error, and nothing is saved
         class Boom(layerwise.Modifier):
             def on_sequential_epoch_end(self, state, modules):
@@ -222,10 +229,18 @@ def test_pruning_and_awq_on_two_ranks(ranks, name):
 
 def test_only_rank_zero_claims_and_writes_the_output(ranks):
     assert (ranks / "gptq-model" / "config.json").exists()
-    assert rank_result(ranks, 0)["claims"] == [str(ranks / "gptq-model"), str(ranks / "failed-model")]
+    assert rank_result(ranks, 0)["claims"] == [str(ranks / n) for n in ("gptq-model", "streamed-model", "failed-model")]
     assert rank_result(ranks, 1)["claims"] == []
     assert rank_result(ranks, 0)["gptq"]["output_dir"] == str(ranks / "gptq-model")
     assert rank_result(ranks, 1)["gptq"]["output_dir"] is None
+
+
+def test_weights_streamed_on_every_rank_write_what_the_in_memory_run_writes(ranks):
+    from safetensors.torch import load_file
+
+    streamed, in_memory = (load_file(ranks / n / "model.safetensors") for n in ("streamed-model", "gptq-model"))
+    assert streamed.keys() == in_memory.keys()
+    assert [k for k in streamed if not torch.equal(streamed[k], in_memory[k])] == []
 
 
 def test_a_rank_failing_ends_every_rank_with_the_error_and_no_output(ranks):

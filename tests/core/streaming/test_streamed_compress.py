@@ -222,3 +222,13 @@ def test_a_truncated_shard_is_named_before_any_work(tmp_path):
     with pytest.raises(CheckpointError, match=rf"'{shard.name}' is truncated or corrupt.*download it again"):
         layerwise.compress(str(source), "W4A16", weights="stream", output_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_streamed_dry_run_writes_nothing_and_still_reports(tmp_path):
+    source = _save(tmp_path / "model")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), weights="stream", show_progress=False)
+    report = model.layerwise_report
+    assert report.weights.startswith("stream") and len(report.compressed_modules) == 21
+    assert 0 < report.bytes_after < report.bytes_before
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
