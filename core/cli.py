@@ -67,6 +67,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="where the weights rest: loaded whole (memory), read from the model folder piece by piece "
                         "and written to the output as each piece is done (stream), or auto: stream when the "
                         "model would not fit in memory (default)")
+    p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue a run on the same --output-dir that was interrupted, after its last finished "
@@ -159,7 +160,7 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
                      overwrite=args.overwrite, show_progress=show_progress,
                      non_finite="skip" if args.skip_non_finite else "error",
                      trust_remote_code=args.trust_remote_code, weights=args.weights,
-                     resume=args.resume)
+                     resume=args.resume, device=args.device)
     if distributed.is_main():  # one summary for the run, not one per rank
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")

@@ -14,6 +14,7 @@ import torch
 
 from . import distributed
 from .data import batches_from_records, load_records
+from .devices import out_of_memory_error, resolve_device
 from .errors import DatasetError, require_positive
 from .finite import check_mode, check_weights
 from .lifecycle import Lifecycle
@@ -124,6 +125,7 @@ def compress(
     trust_remote_code: bool = False,
     weights: str = "auto",
     resume: bool = False,
+    device: str | torch.device | None = None,
 ) -> torch.nn.Module:
     """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
 
@@ -148,6 +150,9 @@ def compress(
     tensors when it runs and writes its compressed tensors to the output as soon as it is done
     (a folder of safetensors; peak memory about one piece); ``"auto"`` streams when loading the
     model whole would not fit in the memory available.
+    ``device`` is where calibration runs: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, or ``None`` for
+    the first GPU torch sees (else the CPU); weights rest where they were loaded and each piece is
+    onloaded there. Running out of memory there is a named error listing the fixes that apply.
     ``resume=True`` continues a run on the same ``output_dir`` that was interrupted (killed,
     out of memory, Ctrl-C) after its last finished piece; it needs the streamed path (a model
     folder), which saves a checkpoint after every piece. Without it, such a checkpoint is an
@@ -159,6 +164,7 @@ def compress(
     check_mode(non_finite)
     check_weights_option(weights)
     _check_offload(offload)
+    execution_device = resolve_device(device)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
     if resume:
@@ -220,7 +226,7 @@ def compress(
         bytes_before = _parameter_bytes(model)
         state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
-                                 execution_device=_execution_device(), batches=batches)
+                                 execution_device=execution_device, batches=batches)
         options = PipelineOptions(sequential_targets=targets, ignore=ignore, propagate_error=propagate_error,
                                   pieces=pieces, offload=offload, execution_device=state.execution_device,
                                   targets_per_subgraph=targets_per_subgraph, show_progress=show_progress,
@@ -243,10 +249,13 @@ def compress(
             with recording_fallbacks() as fallbacks:
                 pipeline_used = run_pipeline(model, batches, lifecycle, options, requested=pipeline,
                                              exclude=exclude)
-        except BaseException:
+        except BaseException as exc:
             lifecycle.remove_hooks()  # no modifier hook outlives a failed run
             if stream is not None:
                 stream.close()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise out_of_memory_error(exc, execution_device, offload, targets_per_subgraph,
+                                          stream is not None) from exc
             raise
         lifecycle.finalize()
 
@@ -418,10 +427,6 @@ def _check_counts(num_calibration_samples: int, max_seq_length: int | None, targ
     if max_seq_length is not None:
         require_positive(max_seq_length, "max_seq_length", "--max-seq-length")
     require_positive(targets_per_subgraph, "targets_per_subgraph", "--targets-per-subgraph")
-
-
-def _execution_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:
