@@ -1,0 +1,260 @@
+"""GPTQ on one GPU, piece by piece: layerwise against llm-compressor in one run, and the distance to the
+device's own matmul peak.
+
+Model: a random-weight bf16 Llama of Llama-3.2-3B shape (``--shape 3b``; ``8b`` when time allows)
+saved once to ``--work``; calibration: ``--samples`` x ``--seq-len`` random tokens, the same ids
+for both tools; recipe: GPTQ W4A16, groups of 128, ``lm_head`` left out. Each tool runs in a fresh
+process (its own peak host RSS and GPU memory); llm-compressor from the Python named by
+``LLMCOMPRESSOR_PYTHON`` (its own venv, as ``bench/gptq_bench.py`` does). Printed per tool: wall
+time of the compress call, calibration tokens/s, peak GPU memory, peak host RSS; for layerwise the
+TFLOP/s of its forwards and Hessian accumulation against the bf16 and fp32 ``torch.matmul`` peaks
+measured in the same process, and the peak GPU memory against one piece (a decoder layer's
+weights, the cached activations of every sample at a cut, the largest layer's Hessian).
+``--quality``: tiny-llama-doc GPTQ W4A16 calibrated on ``--device`` and on the CPU, perplexity of
+both (the protocol of ``bench/gptq_bench.py``).
+
+    LLMCOMPRESSOR_PYTHON=/opt/llmc/bin/python python bench/gpu_bench.py --shape 3b --llmcompressor --quality
+    python bench/gpu_bench.py --shape tiny --samples 4 --seq-len 64 --device cpu --quality  # smoke test, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gptq_bench import CALIB, EVAL, TINY_LLAMA, _peak_rss_gb, _result_line, _windows, perplexity
+
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied)
+    "tiny": (256, 512, 4, 4, 2, 1024, True),
+    "3b": (3072, 8192, 28, 24, 8, 128256, True),
+    "8b": (4096, 14336, 32, 32, 8, 128256, False),
+}
+RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
+
+
+def save_model(shape: str, folder: Path) -> Path:
+    """A random-weight bf16 Llama of ``shape`` in ``folder`` (made once)."""
+    if not (folder / "config.json").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                             max_position_embeddings=8192, tie_word_embeddings=tied, dtype="bfloat16")
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="5GB")
+        word_tokenizer(vocab).save_pretrained(folder)  # llm-compressor's oneshot wants a processor
+    return folder
+
+
+def word_tokenizer(vocab: int):
+    """A whitespace word-level tokenizer whose ids fit ``vocab`` (built offline; the data are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab - 2)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+
+
+def token_rows(vocab: int, samples: int, seq_len: int) -> list[list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (seq_len,), generator=generator).tolist() for _ in range(samples)]
+
+
+def matmul_peak_tflops(device: str, dtype_name: str, size: int = 8192, repeats: int = 10) -> float:
+    """The best rate of a ``size``-square matmul on ``device`` in ``dtype``, now (TFLOP/s). fp32 is measured with
+    TF32 off, as layerwise's Hessians and solves run."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if device == "cpu":
+        size = min(size, 2048)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(repeats + 2):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e12
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def forward_flops(config, tokens: int, seq_len: int) -> float:
+    """FLOPs of one forward of the decoder stack over ``tokens`` (2 per multiply-add of every Linear, plus
+    attention's two products; the head is not run)."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    linear = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    attention = 2 * 2 * seq_len * q  # per token: scores and weighted sum (full, not causal-halved)
+    return 2.0 * layers * tokens * linear + layers * tokens * attention
+
+
+def child_layerwise(folder: str, device: str, samples: int, seq_len: int) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    import layerwise
+
+    config = AutoConfig.from_pretrained(folder)
+    rows = token_rows(config.vocab_size, samples, seq_len)
+    peaks = {"bf16": matmul_peak_tflops(device, "bfloat16"), "fp32": matmul_peak_tflops(device, "float32")}
+    batches = [{"input_ids": torch.tensor([r])} for r in rows]
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    model = layerwise.compress(folder, RECIPE, dataset=batches, num_calibration_samples=samples,
+                               max_seq_length=seq_len, device=device, show_progress=False)
+    seconds = time.perf_counter() - start
+    report = model.layerwise_report
+    tokens = samples * seq_len
+    result = {"tool": "layerwise", "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_rss_gb": _peak_rss_gb(),
+              "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.startswith("cuda") else None,
+              "pieces": report.pieces, "accounting": report.accounting, "matmul_peak_tflops": peaks,
+              "forward_flops": forward_flops(config, tokens, seq_len), "piece_gb": piece_gb(config, tokens),
+              "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+    print("RESULT " + json.dumps(result))
+
+
+def piece_gb(config, tokens: int) -> dict[str, float]:
+    """What one piece needs at most (GB): a decoder layer's weights (bf16), the cached activations at a cut
+    (three hidden-state-sized values per token, bf16) and the largest layer's fp32 Hessian."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = 2 * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    return {"layer_weights": layer / 1e9, "cached_activations": 3 * 2 * tokens * hidden / 1e9,
+            "largest_hessian": 4 * inter * inter / 1e9}
+
+
+def child_llmcompressor(folder: str, samples: int, seq_len: int) -> None:
+    """Runs under LLMCOMPRESSOR_PYTHON: oneshot GPTQ W4A16 on the same token ids."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    rows = [{"input_ids": r, "attention_mask": [1] * len(r)} for r in token_rows(config.vocab_size, samples, seq_len)]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    oneshot(model=model, dataset=Dataset.from_list(rows), recipe=GPTQModifier(targets="Linear", scheme="W4A16",
+                                                                               ignore=["lm_head"]),
+            max_seq_length=seq_len, num_calibration_samples=samples)
+    seconds = time.perf_counter() - start
+    print("RESULT " + json.dumps({
+        "tool": "llm-compressor", "seconds": seconds, "tokens_per_s": samples * seq_len / seconds,
+        "peak_rss_gb": _peak_rss_gb(),
+        "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}))
+
+
+def child_quality(device: str) -> None:
+    """tiny-llama-doc GPTQ W4A16 calibrated on ``device``; perplexity on the CPU (gptq_bench's protocol)."""
+    import torch
+
+    import layerwise
+    from layerwise.loading import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(TINY_LLAMA)
+    calib = [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in _windows(tokenizer, CALIB, 128, 512)]
+    held_out = _windows(tokenizer, EVAL, 128, 512)
+    model = layerwise.compress(load_model(TINY_LLAMA), RECIPE, dataset=calib, max_seq_length=512,
+                               num_calibration_samples=len(calib), device=device, show_progress=False)
+    print("RESULT " + json.dumps({"device": device, "ppl": perplexity(model.to("cpu"), held_out)}))
+
+
+def run(cmd: list[str], what: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    return _result_line(proc, what)
+
+
+def report(lw: dict, llmc: dict | None) -> list[str]:
+    acc, peaks = lw["accounting"], lw["matmul_peak_tflops"]
+    lines = [f"device: {lw['device']}; matmul peak measured in the same process: {peaks['bf16']:.0f} TFLOP/s bf16, "
+             f"{peaks['fp32']:.1f} TFLOP/s fp32 (TF32 off)", "", f"pieces: {lw['pieces']}", "",
+             "| tool | compress() s | tokens/s | peak GPU GB | peak host RSS GB |", "|---|---:|---:|---:|---:|"]
+    for r in (lw, llmc):
+        if r is not None:
+            gpu = f"{r['peak_gpu_gb']:.1f}" if r.get("peak_gpu_gb") is not None else "-"
+            lines.append(f"| {r['tool']} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {gpu} | {r['peak_rss_gb']:.1f} |")
+    if llmc is not None:
+        lines += ["", f"time ratio layerwise / llm-compressor: {lw['seconds'] / llmc['seconds']:.2f}x (target <= 0.5x)"]
+    forward = acc.get("forward", {}).get("seconds", 0.0)
+    hessian = acc.get("GPTQ Hessians", {})
+    lines += ["", "| phase | seconds | TFLOP | TFLOP/s | of peak |", "|---|---:|---:|---:|---:|"]
+    if forward:
+        rate = lw["forward_flops"] / forward / 1e12
+        lines.append(f"| forwards (bf16) | {forward:.1f} | {lw['forward_flops'] / 1e12:.1f} | {rate:.1f} | "
+                     f"{rate / peaks['bf16']:.0%} of bf16 |")
+    if hessian.get("seconds"):
+        rate = hessian["flops"] / hessian["seconds"] / 1e12
+        lines.append(f"| Hessians (fp32) | {hessian['seconds']:.1f} | {hessian['flops'] / 1e12:.1f} | {rate:.1f} | "
+                     f"{rate / peaks['fp32']:.0%} of fp32 |")
+    piece = lw["piece_gb"]
+    lines += ["", f"one piece at most: {sum(piece.values()):.2f} GB (layer weights {piece['layer_weights']:.2f}, "
+                  f"cached activations {piece['cached_activations']:.2f}, largest Hessian {piece['largest_hessian']:.2f})"]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--work", default="/tmp/layerwise-gpu-bench")
+    parser.add_argument("--llmcompressor", action="store_true", help="run llm-compressor (LLMCOMPRESSOR_PYTHON)")
+    parser.add_argument("--quality", action="store_true", help="tiny-llama-doc perplexity: --device vs cpu")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        {"layerwise": lambda: child_layerwise(rest[0], rest[1], int(rest[2]), int(rest[3])),
+         "llmc": lambda: child_llmcompressor(rest[0], int(rest[1]), int(rest[2])),
+         "quality": lambda: child_quality(rest[0])}[kind]()
+        return
+    folder = save_model(args.shape, Path(args.work) / f"llama-{args.shape}-bf16")
+    script = str(Path(__file__).resolve())
+    lw = run([sys.executable, script, "--child", "layerwise", str(folder), args.device, str(args.samples),
+              str(args.seq_len)], "layerwise")
+    llmc = None
+    if args.llmcompressor:
+        llmc = run([os.environ["LLMCOMPRESSOR_PYTHON"], script, "--child", "llmc", str(folder), str(args.samples),
+                    str(args.seq_len)], "llm-compressor")
+    print(f"## GPTQ W4A16 g128 on {args.device}: {args.shape} bf16, {args.samples} x {args.seq_len} tokens\n")
+    print("\n".join(report(lw, llmc)))
+    if args.quality:
+        here, cpu = (run([sys.executable, script, "--child", "quality", d], f"quality on {d}")
+                     for d in (args.device, "cpu"))
+        print(f"\ntiny-llama-doc perplexity: {here['ppl']:.3f} calibrated on {args.device}, {cpu['ppl']:.3f} on the "
+              f"CPU ({here['ppl'] / cpu['ppl'] - 1:+.2%}; target within 0.2 %)")
+
+
+if __name__ == "__main__":
+    main()
