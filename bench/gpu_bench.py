@@ -51,19 +51,10 @@ def save_model(shape: str, folder: Path) -> Path:
         torch.manual_seed(0)
         with torch.device("cpu"):
             LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="5GB")
+        from layerwise.testing import word_tokenizer
+
         word_tokenizer(vocab).save_pretrained(folder)  # llm-compressor's oneshot wants a processor
     return folder
-
-
-def word_tokenizer(vocab: int):
-    """A whitespace word-level tokenizer whose ids fit ``vocab`` (built offline; the data are token ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab - 2)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
 
 
 def token_rows(vocab: int, samples: int, seq_len: int) -> list[list[int]]:

@@ -55,13 +55,9 @@ def tiny_llama_dir(tmp_path):
 
 def make_word_tokenizer(vocab_size: int):
     """A whitespace word-level tokenizer whose ids fit ``vocab_size``; built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from layerwise.testing import word_tokenizer
 
-    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    return word_tokenizer(vocab_size)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from .modifiers import check_modifier, count_hooks, tiny_llama, token_batches
 from .patches import StepResult, check_model_patch, patch_report
 from .pipelines import check_pipeline
 from .savers import check_saver
+from .tokenizers import word_tokenizer
 
 __all__ = ["PluginCheckError", "StepResult", "check_model_patch", "check_modifier", "check_pipeline", "check_saver", "count_hooks", "patch_report",
-           "tiny_llama", "token_batches"]
+           "tiny_llama", "token_batches", "word_tokenizer"]
