@@ -81,7 +81,6 @@ in the tables and the exit status is 1.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -106,16 +105,17 @@ from gptq_bench import (
     eval_sentences,
     llmcompressor_inputs,
     perplexity,
-    run_in_subprocess,
 )
 from sparsity_bench import (
     RSS_RATIO,
     TIME_RATIO,
-    _attempt,
     _calibration,
     _f,
     _ok,
+    finish,
+    run_cases,
     saved_format,
+    side_by_side_parser,
     weight_bytes,
 )
 
@@ -525,18 +525,7 @@ def _time_split(config: str, r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=["minilm", "tiny-llama", "all"], default="all")
-    parser.add_argument("--quick", action="store_true", help="fewer samples: a smoke test, not a measurement")
-    choices = [c for c in CONFIGS if c != "fp32"]
-    parser.add_argument("--configs", default=",".join(choices),
-                        help="comma-separated subset of: " + ", ".join(choices) + " (fp32 always runs)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
-    parser.add_argument("--llmcompressor", action="store_true",
-                        help="also run llm-compressor with the Python in $LLMCOMPRESSOR_PYTHON, for the ratios")
-    parser.add_argument("--write", metavar="MD", default=None, help="also write the markdown to this file")
-    parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--llmc-child", nargs=3, metavar=("CASE", "CONFIG", "MODEL"), help=argparse.SUPPRESS)
+    parser = side_by_side_parser(__doc__, list(CONFIGS), ("CASE", "CONFIG", "MODEL"))
     args = parser.parse_args()
     if args.child:
         child(*args.child, quick=args.quick, threads=args.threads)
@@ -551,36 +540,18 @@ def main() -> None:
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
              f"{_torch_version()} with {args.threads or 'its default number of'} threads; each run in a fresh "
              f"process.", ""]
-    failed = False
     with tempfile.TemporaryDirectory(prefix="activation-bench-") as tmp:
-        for case in cases:
+        def before(case: str) -> None:  # the fp32 run writes the MiniLM reference embeddings here
             os.environ[REFERENCE_ENV] = str(Path(tmp) / f"{case}-reference.pt")
-            dense = _attempt(f"{case} / fp32", lambda case=case: run_in_subprocess(
-                case, "fp32", args.quick, args.threads, script=__file__))
+
+        def after_dense(case: str, dense: dict) -> None:  # llm-compressor gets layerwise's mappings
             if "error" not in dense:
                 os.environ[MAPPINGS_ENV] = json.dumps(dense["mappings"])
-            results: dict[str, dict[str, dict]] = {}
-            for config in configs:
-                results[config] = {LW: _attempt(f"{case} / {config} / {LW}", lambda case=case, config=config:
-                                                run_in_subprocess(case, config, args.quick, args.threads,
-                                                                  script=__file__))}
-                if args.llmcompressor:
-                    results[config][LLMC] = _attempt(f"{case} / {config} / {LLMC}", lambda case=case, config=config:
-                                                     run_llmcompressor(case, config, args.quick, args.threads))
-            failed |= "error" in dense or any("error" in r for tools in results.values() for r in tools.values())
-            if "error" in dense:
-                lines += [f"### {case}: the fp32 reference failed: {dense['error']}", ""]
-                continue
-            lines += report_case(case, dense, results, args.quick)
+
+        body, failed = run_cases(cases, configs, args, __file__, run_llmcompressor, report_case, before, after_dense)
         os.environ.pop(REFERENCE_ENV, None)
         os.environ.pop(MAPPINGS_ENV, None)
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        Path(args.write).write_text(text + "\n")
-    if failed:
-        print("[bench] some runs failed: see the tables and the output above", file=sys.stderr)
-        sys.exit(1)
+    finish(lines + body, args, failed)
 
 
 if __name__ == "__main__":

@@ -324,6 +324,66 @@ def _attempt(what: str, run) -> dict:
     return result
 
 
+def side_by_side_parser(doc: str, configs: list[str], llmc_child: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The command line of a bench that runs each configuration in both tools (this one, activation_bench):
+    ``--case``, ``--quick``, ``--configs``, ``--threads``, ``--llmcompressor``, ``--write`` and the hidden
+    child entries (``--llmc-child`` takes ``llmc_child``'s fields)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=["minilm", "tiny-llama", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer samples: a smoke test, not a measurement")
+    choices = [c for c in configs if c != "fp32"]
+    parser.add_argument("--configs", default=",".join(choices),
+                        help=("comma-separated subset of: " + ", ".join(choices) + " (fp32 always runs)")
+                        .replace("%", "%%"))  # argparse formats help with %
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
+    parser.add_argument("--llmcompressor", action="store_true",
+                        help="also run llm-compressor with the Python in $LLMCOMPRESSOR_PYTHON, for the ratios")
+    parser.add_argument("--write", metavar="MD", default=None, help="also write the markdown to this file")
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--llmc-child", nargs=len(llmc_child), metavar=llmc_child, help=argparse.SUPPRESS)
+    return parser
+
+
+def run_cases(cases: list[str], configs: list[str], args: argparse.Namespace, script: str, run_llmcompressor,
+              report_case, before=None, after_dense=None) -> tuple[list[str], bool]:
+    """Each case: the fp32 reference, then every configuration in layerwise (and llm-compressor), each in its
+    own process; the report's lines and whether any run failed. ``before(case)`` and ``after_dense(case,
+    dense)`` let a bench hand its runs what the reference found."""
+    lines: list[str] = []
+    failed = False
+    for case in cases:
+        if before is not None:
+            before(case)
+        dense = _attempt(f"{case} / fp32", lambda case=case: run_in_subprocess(
+            case, "fp32", args.quick, args.threads, script=script))
+        if after_dense is not None:
+            after_dense(case, dense)
+        results: dict[str, dict[str, dict]] = {}
+        for config in configs:
+            results[config] = {LW: _attempt(f"{case} / {config} / {LW}", lambda case=case, config=config:
+                                            run_in_subprocess(case, config, args.quick, args.threads, script=script))}
+            if args.llmcompressor:
+                results[config][LLMC] = _attempt(f"{case} / {config} / {LLMC}", lambda case=case, config=config:
+                                                 run_llmcompressor(case, config, args.quick, args.threads))
+        failed |= "error" in dense or any("error" in r for tools in results.values() for r in tools.values())
+        if "error" in dense:
+            lines += [f"### {case}: the fp32 reference failed: {dense['error']}", ""]
+            continue
+        lines += report_case(case, dense, results, args.quick)
+    return lines, failed
+
+
+def finish(lines: list[str], args: argparse.Namespace, failed: bool) -> None:
+    """Print the report (and write it with ``--write``); exit 1 when a run failed."""
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        Path(args.write).write_text(text + "\n")
+    if failed:
+        print("[bench] some runs failed: see the tables and the output above", file=sys.stderr)
+        sys.exit(1)
+
+
 def _reason(text: str) -> str:
     """The exception line of a failed child's output (its last ``...Error: ...`` line), shortened."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -447,19 +507,7 @@ def _time_split(config: str, r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=["minilm", "tiny-llama", "all"], default="all")
-    parser.add_argument("--quick", action="store_true", help="fewer samples: a smoke test, not a measurement")
-    choices = [c for c in CONFIGS if c != "fp32"]
-    parser.add_argument("--configs", default=",".join(choices),
-                        help=("comma-separated subset of: " + ", ".join(choices) + " (fp32 always runs)")
-                        .replace("%", "%%"))  # argparse formats help with %
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
-    parser.add_argument("--llmcompressor", action="store_true",
-                        help="also run llm-compressor with the Python in $LLMCOMPRESSOR_PYTHON, for the ratios")
-    parser.add_argument("--write", metavar="MD", default=None, help="also write the markdown to this file")
-    parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--llmc-child", nargs=4, metavar=("CASE", "CONFIG", "MODEL", "OUT"), help=argparse.SUPPRESS)
+    parser = side_by_side_parser(__doc__, list(CONFIGS), ("CASE", "CONFIG", "MODEL", "OUT"))
     args = parser.parse_args()
     if args.child:
         child(*args.child, quick=args.quick, threads=args.threads)
@@ -475,30 +523,8 @@ def main() -> None:
              f"process; SparseGPT block_size {SOLVER['block_size']}, dampening_frac {SOLVER['dampening_frac']}; "
              f"'load avg' is the 1-minute load average when a run ended (timings above ~1 are inflated by "
              f"other work).", ""]
-    failed = False
-    for case in cases:
-        dense = _attempt(f"{case} / fp32", lambda case=case: run_in_subprocess(
-            case, "fp32", args.quick, args.threads, script=__file__))
-        results: dict[str, dict[str, dict]] = {}
-        for config in configs:
-            results[config] = {LW: _attempt(f"{case} / {config} / {LW}", lambda case=case, config=config:
-                                            run_in_subprocess(case, config, args.quick, args.threads,
-                                                              script=__file__))}
-            if args.llmcompressor:
-                results[config][LLMC] = _attempt(f"{case} / {config} / {LLMC}", lambda case=case, config=config:
-                                                 run_llmcompressor(case, config, args.quick, args.threads))
-        failed |= "error" in dense or any("error" in r for tools in results.values() for r in tools.values())
-        if "error" in dense:
-            lines += [f"### {case}: the fp32 reference failed: {dense['error']}", ""]
-            continue
-        lines += report_case(case, dense, results, args.quick)
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        Path(args.write).write_text(text + "\n")
-    if failed:
-        print("[bench] some runs failed: see the tables and the output above", file=sys.stderr)
-        sys.exit(1)
+    body, failed = run_cases(cases, configs, args, __file__, run_llmcompressor, report_case)
+    finish(lines + body, args, failed)
 
 
 if __name__ == "__main__":
