@@ -15,7 +15,7 @@ import torch
 from . import distributed
 from .data import batches_from_records, load_records
 from .devices import out_of_memory_error, resolve_device
-from .errors import DatasetError, require_positive
+from .errors import DatasetError, check_choice, require_positive
 from .finite import check_mode, check_weights
 from .lifecycle import Lifecycle
 from .loading import check_model_path, load_model, load_tokenizer
@@ -29,7 +29,7 @@ from .sparsity.bitmask import BITMASK, SPARSE_24, encoded_bytes
 from .sparsity.masks import MaskStructure
 from .sparsity.storage import SPARSITY_ATTR
 from .state import CompressionState
-from .streaming.stream import check_weights_option
+from .streaming.stream import WEIGHTS
 from .tracing.targets import check_entries, choose_targets
 from .versions import warn_if_untested
 
@@ -162,8 +162,8 @@ def compress(
     _check_counts(num_calibration_samples, max_seq_length, targets_per_subgraph)
     check_pieces(pieces)
     check_mode(non_finite)
-    check_weights_option(weights)
-    _check_offload(offload)
+    check_choice(weights, WEIGHTS, "weights", "--weights")
+    check_choice(offload, OFFLOADS, "offload", "--offload")
     execution_device = resolve_device(device)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
@@ -319,14 +319,6 @@ def _streamed(model: Any, weights: str) -> tuple[bool, str]:
 #: share of the available memory the activation cache may take before ``offload="auto"`` puts it on disk
 CACHE_MEMORY_SHARE = 0.5
 OFFLOADS = ("auto", "cpu", "disk")
-
-
-def _check_offload(offload: str) -> None:
-    if offload not in OFFLOADS:
-        from .errors import InvalidArgumentError, did_you_mean
-
-        raise InvalidArgumentError(f"unknown offload {offload!r};{did_you_mean(offload, OFFLOADS)} choose one of: "
-                                   f"{', '.join(OFFLOADS)} (CLI: --offload)")
 
 
 def _cache_offload(offload: str, model: torch.nn.Module, batches: list[dict[str, Any]]) -> tuple[str, str]:

@@ -55,6 +55,14 @@ class NonFiniteError(LayerwiseError, ArithmeticError):
     """A NaN or inf where a finite number is needed: a weight, every calibration sample, a saved tensor."""
 
 
+def check_choice(value: str, choices: Iterable[str], argument: str, flag: str) -> None:
+    """Refuse a ``value`` of ``argument`` outside ``choices`` before anything loads, naming the closest."""
+    choices = list(choices)
+    if value not in choices:
+        raise InvalidArgumentError(f"unknown {argument} {value!r};{did_you_mean(value, choices)} choose one of: "
+                                   f"{', '.join(choices)} (CLI: {flag})")
+
+
 def did_you_mean(name: object, valid: Iterable[str]) -> str:
     """`` did you mean 'X'?`` for the closest valid name(s) (case ignored), else ``""``.
 

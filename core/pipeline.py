@@ -48,11 +48,9 @@ PIECES = ("auto", "layers", "blocks")
 
 def check_pieces(pieces: str) -> None:
     """Refuse an unknown ``pieces`` value before anything loads."""
-    if pieces not in PIECES:
-        from .errors import InvalidArgumentError, did_you_mean
+    from .errors import check_choice
 
-        raise InvalidArgumentError(f"unknown pieces {pieces!r};{did_you_mean(pieces, PIECES)} "
-                                   f"choose one of: {', '.join(PIECES)} (CLI: --pieces)")
+    check_choice(pieces, PIECES, "pieces", "--pieces")
 
 
 class Pipeline(ABC):

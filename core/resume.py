@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .errors import LayerwiseError
+from .streaming.shards import PART_PREFIX
 
 STATE_FOLDER = ".layerwise-resume"
 STATE_FILE = "state.pt"
@@ -166,7 +167,7 @@ class PieceCheckpoint:
         stream.sparsity_counts.update(saved["stream"]["sparsity_counts"])
         writer = saved["writer"]
         stream.writer.restore(writer["parts"], writer["weight_map"], writer["total_bytes"])
-        for part in self.folder.glob("part-*.safetensors"):  # written after the last checkpoint: redone
+        for part in self.folder.glob(f"{PART_PREFIX}*.safetensors"):  # written after the last checkpoint: redone
             if part.name not in writer["parts"]:
                 part.unlink()
         cache.clear()

@@ -71,10 +71,6 @@ class Checkpoint:
     def release(self, tensor: torch.Tensor) -> None:
         self.mapped.release(tensor)
 
-    def nbytes(self) -> int:
-        """Bytes of every tensor in the checkpoint (what loading it all would take, as stored)."""
-        return sum(p.stat().st_size for p in {self.folder / f for f in self.files.values()})
-
     def close(self) -> None:
         self.mapped.close()
 

@@ -41,14 +41,6 @@ class StreamingError(LayerwiseError, RuntimeError):
     """This model or run cannot stream its weights from disk (the message says why and what to do)."""
 
 
-def check_weights_option(weights: str) -> None:
-    if weights not in WEIGHTS:
-        from layerwise.errors import InvalidArgumentError, did_you_mean
-
-        raise InvalidArgumentError(f"unknown weights {weights!r};{did_you_mean(weights, WEIGHTS)} choose one of: "
-                                   f"{', '.join(WEIGHTS)} (CLI: --weights)")
-
-
 def available_memory() -> int | None:
     """Bytes of memory this process could still use (Linux MemAvailable), ``None`` when unknown."""
     try:
@@ -118,7 +110,6 @@ class WeightStream:
         self.covered: set[str] = set()
         #: parameter prefixes exempt from the non-finite check (``non_finite="skip"``)
         self.exempt: tuple[str, ...] = ()
-        self.loaded_bytes = 0
         #: bytes of the final tensors of the modules retired so far (written, or dropped without an output)
         self.final_bytes = 0
         #: per pruned module written, (zeros, weights): the sparsity config is built from these
@@ -162,7 +153,6 @@ class WeightStream:
         value = stored.to(device=device, dtype=tensor.dtype)
         if value.data_ptr() != stored.data_ptr():  # copied (cast, or to the GPU): the file's pages can go
             self.checkpoint.release(stored)
-        self.loaded_bytes += value.numel() * value.element_size()
         return value
 
     def release(self, tensor: torch.Tensor) -> None:
