@@ -122,12 +122,15 @@ def weight_min_max(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tens
     if args.strategy == "tensor":
         low, high = torch.aminmax(w)
         return low.reshape(1), high.reshape(1)
+    # amin and amax apart, not aminmax(dim=...): on the CPU the fused kernel with a dim is 5-6x slower
+    # (12 ms against 2 ms over MiniLM's Linears); without a dim it is the faster one
     if args.strategy == "channel":
-        return torch.aminmax(w, dim=1, keepdim=True)
+        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
     if args.strategy == "block":
         tiles = _tiles(w, args.block_structure)
         return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
-    return torch.aminmax(w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size), dim=-1)
+    groups = w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size)
+    return groups.amin(dim=-1), groups.amax(dim=-1)
 
 
 def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | Any = None) -> tuple[Tensor, Tensor]:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from layerwise.mapped_pages import release_mapped_pages
+
 from .args import QuantizationArgs
 from .qmath import fake_quantize_activation, fake_quantize_weight
 
@@ -66,8 +68,7 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale
     scale = scale.to(target.dtype)
     fq = fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args, g_idx)
-    fq = fq.to(target.dtype)
-    target.data.copy_(fq.t() if is_transposed(module) else fq)
+    replace_data(target, fq.to(target.dtype).t().contiguous() if is_transposed(module) else fq.to(target.dtype))
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point.to(scale.dtype))
     if g_idx is not None:
@@ -75,6 +76,21 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     elif "weight_g_idx" in module._buffers:
         del module._buffers["weight_g_idx"]
     module.quantization_args = args
+
+
+def replace_data(target: Tensor, values: Tensor) -> None:
+    """Give ``target`` (a parameter, kept as the same object) the storage of ``values``.
+
+    Swapping storage instead of copying into it matters: a weight loaded from safetensors views a
+    copy-on-write file map, and writing into it faults every page in, copying it from the file
+    first (measured: 0.09 s for MiniLM's 42 MB of Linears, 30x the copy itself). Holders of the
+    parameter object (tied modules, traced ``get_attr``) see the new values.
+    """
+    if values.data_ptr() == target.data_ptr():
+        return
+    old = target.data
+    target.data = values.detach() if values.dtype == target.dtype else values.detach().to(target.dtype)
+    release_mapped_pages(old)  # else the file's pages of the old values stay resident beside the new ones
 
 
 def _set_buffer(module: nn.Module, name: str, value: Tensor) -> None:

@@ -23,7 +23,7 @@ from layerwise.distributed import Reducer, check, spread, world_size
 from layerwise.errors import RecipeError
 from layerwise.matching import find_modules
 from layerwise.modifier import Modifier
-from layerwise.quantization.storage import is_transposed, linear_weight
+from layerwise.quantization.storage import is_transposed, linear_weight, replace_data
 from layerwise.sparsity.masks import (
     MaskStructure,
     check_sparsity,
@@ -235,7 +235,8 @@ def _summed_over_ranks(norms: dict[str, torch.Tensor], layers: dict[str, torch.n
 
 @torch.no_grad()
 def write_pruned(module: torch.nn.Module, pruned: torch.Tensor) -> None:
-    """Copy a pruned ``(out, in)`` weight into the module (its layout and dtype)."""
+    """Give the module a pruned ``(out, in)`` weight (its layout and dtype; storage swapped, see
+    :func:`~layerwise.quantization.storage.replace_data`)."""
     target = module.weight
     values = pruned.to(device=target.device, dtype=target.dtype)
-    target.data.copy_(values.t() if is_transposed(module) else values)
+    replace_data(target, values.t().contiguous() if is_transposed(module) else values)
