@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 _FILE_PAGE = 1 << 61  # /proc/self/pagemap: the page is a (clean) file page or shared memory
-_PRESENT = 1 << 63
+_PRESENT = -(1 << 63)  # bit 63, as a signed 64-bit value
 
 
 def release_mapped_pages(tensor: torch.Tensor) -> int:
@@ -43,20 +43,19 @@ def release_mapped_pages(tensor: torch.Tensor) -> int:
     flags = _page_flags(first, last - first)
     if flags is None:
         return 0
-    released, run = 0, None
-    for index, value in enumerate(flags + [0]):
-        droppable = value & _PRESENT and value & _FILE_PAGE
-        if droppable and run is None:
-            run = index
-        elif not droppable and run is not None:
-            if _madvise()((first + run) * page, (index - run) * page, mmap.MADV_DONTNEED) == 0:
-                released += (index - run) * page
-            run = None
+    droppable = ((flags & _PRESENT) != 0) & ((flags & _FILE_PAGE) != 0)
+    # runs of droppable pages: where the mask turns on and off (usually one run, the whole storage)
+    edges = torch.diff(droppable.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8)).nonzero().flatten().tolist()
+    released = 0
+    for begin, end in zip(edges[::2], edges[1::2]):
+        if _madvise()((first + begin) * page, (end - begin) * page, mmap.MADV_DONTNEED) == 0:
+            released += (end - begin) * page
     return released
 
 
-def _page_flags(first_page: int, count: int) -> list[int] | None:
-    """The pagemap entries of ``count`` pages from page number ``first_page`` (None: unreadable)."""
+def _page_flags(first_page: int, count: int) -> torch.Tensor | None:
+    """The pagemap entries (int64) of ``count`` pages from page number ``first_page`` (None: unreadable)."""
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
@@ -69,7 +68,7 @@ def _page_flags(first_page: int, count: int) -> list[int] | None:
         os.close(fd)
     if len(raw) != 8 * count:
         return None
-    return memoryview(raw).cast("Q").tolist()
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64)
 
 
 @functools.cache
