@@ -1,9 +1,11 @@
 """Where ``sequential`` cuts the model: before the layers modifiers read, or after each block.
 
-Both cuts are traced (one trace per kind of batch, :mod:`layerwise.tracing.retrace`); the
-layer cut is used only where it is exact: the model traces that finely, every modifier reads
-nothing but layer inputs, and the first batch replayed through the layer pieces equals its
-replay through the block pieces. The choice and its reason are recorded on the run's state.
+The layer cut is traced first (one trace per kind of batch, :mod:`layerwise.tracing.retrace`)
+and used only where it is exact: the model traces that finely, every modifier reads nothing but
+layer inputs, and the first batch replayed through the layer pieces equals the model's own
+output. The block cut is traced only when the layer cut is not used (or, for a model whose
+weights are streamed or offloaded, to compare against). The choice and its reason are recorded
+on the run's state.
 """
 
 from __future__ import annotations
@@ -64,12 +66,16 @@ def traces_for_batches(model: torch.nn.Module, batches: Sequence[dict[str, Any]]
         raise
     except Exception as exc:  # a guard no re-trace could satisfy, or differently cut traces
         raise PipelineFailed(f"tracing failed: {type(exc).__name__}: {exc}") from exc
-    skipped = traces.traces[0].skipped_targets
-    if skipped and layers is None:  # e.g. a vision tower calibrated on text only
-        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-        warn_user(f"sequential: {len(skipped)} target(s) not run by the calibration inputs ({shown}); "
-                  f"modifiers get no samples for them")
     return traces, assignment
+
+
+def _warn_skipped(traces: TracesByGuards, kind: str) -> None:
+    """Targets the calibration inputs never run (e.g. a vision tower calibrated on text only)."""
+    skipped = traces.traces[0].skipped_targets
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        warn_user(f"sequential: {len(skipped)} {kind}(s) not run by the calibration inputs ({shown}); "
+                  f"modifiers get no samples for them")
 
 
 def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> tuple[list[str], str]:
@@ -104,36 +110,64 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     """Traces cut before the layers modifiers read where that is exact, else after the blocks.
 
     Exact means: the model traces with those layers as targets, every batch fits a trace, and
-    the first batch replayed through the layer pieces gives what it gives through the block
-    pieces (tracing inside blocks meets code the block trace never sees). Returns the traces,
-    the batch assignment and whether the cut is at layers; the choice and its reason go to
-    ``state.pieces``, and the chosen traces' re-traces to ``state.guards_retraced``.
+    the first batch replayed through the layer pieces gives what the model gives (its plain
+    forward when its weights rest on the execution device, else the block pieces' replay:
+    tracing inside blocks meets code the block trace never sees). The block cut is traced only
+    when it is needed. Returns the traces, the batch assignment and whether the cut is at
+    layers; the choice and its reason go to ``state.pieces``, and the chosen traces' re-traces
+    to ``state.guards_retraced``.
     """
-    blocks, assignment = traces_for_batches(model, batches, options, lifecycle)
     layers, why_not = layers_read(model, lifecycle, options)
     if not layers and options.pieces == "layers":
         raise InvalidArgumentError(f"pieces='layers' cannot be used: {why_not}. Use pieces='auto' or 'blocks'")
+    blocks: tuple[TracesByGuards, list[int]] | None = None
     if layers:
         try:
             fine, fine_assignment = traces_for_batches(model, batches, options, lifecycle, layers)
-            difference = _first_batch_difference(model, fine, blocks, batches[0], device, options.stream)
+            if _resident(model, device, options):
+                difference = _difference_from_model(model, fine, batches[0], device)
+            else:
+                blocks = traces_for_batches(model, batches, options, lifecycle)
+                difference = _first_batch_difference(model, fine, blocks[0], batches[0], device, options.stream)
         except PipelineFailed as exc:
             why_not = f"cutting before the layers failed ({exc})"
         else:
             if difference <= SAME_OUTPUT_TOLERANCE:
+                _warn_skipped(fine, "layer")
                 count = len(fine.traces[0].subgraphs)
                 _record(lifecycle, fine, f"layers: {count} pieces cut before the layers modifiers read, "
                                          f"one forward each")
                 return fine, fine_assignment, True
-            why_not = (f"the layer pieces replay the first batch {difference:.2g} (relative) away from the "
-                       f"block pieces")
+            why_not = (f"the layer pieces replay the first batch {difference:.2g} (relative) away from "
+                       f"{'the model' if blocks is None else 'the block pieces'}")
         if options.pieces == "layers":
             raise InvalidArgumentError(f"pieces='layers' cannot be used for this model: {why_not}. Use "
                                        f"pieces='auto' (blocks where layers fail) or 'blocks'")
-    count = len(blocks.traces[0].subgraphs)
+    traces, assignment = blocks if blocks is not None else traces_for_batches(model, batches, options, lifecycle)
+    _warn_skipped(traces, "target")
+    count = len(traces.traces[0].subgraphs)
     runs = "once" if not options.propagate_error else "twice (observed, then compressed)"
-    _record(lifecycle, blocks, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
-    return blocks, assignment, False
+    _record(lifecycle, traces, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
+    return traces, assignment, False
+
+
+def _resident(model: torch.nn.Module, device: torch.device, options: PipelineOptions) -> bool:
+    """Does every weight of ``model`` already rest on the execution device (a plain forward moves nothing)?"""
+    return options.stream is None and ModuleOffloader(model, device).is_noop()
+
+
+def _difference_from_model(model: torch.nn.Module, fine: TracesByGuards, batch: dict[str, Any],
+                           device: torch.device) -> float:
+    """Relative difference between the first batch replayed through the layer pieces and the model's forward."""
+    result = fine.traces[0]
+    try:
+        inputs = move_to(dict(batch), device)
+        expected = model(**inputs, **result.concrete_args)
+        return output_difference(expected, result.replay(inputs, guards_checked=True), relative=True)
+    except FATAL_ERRORS:
+        raise
+    except Exception as exc:
+        raise PipelineFailed(f"replaying the first batch failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,

@@ -202,14 +202,40 @@ def test_without_error_propagation_blocks_run_once():
     assert state.pieces.startswith("blocks: ") and "runs once" in state.pieces and "propagate_error" in state.pieces
 
 
-def test_layers_whose_replay_differs_from_the_blocks_are_not_used(monkeypatch):
+def test_layers_whose_replay_differs_from_the_model_are_not_used(monkeypatch):
     from layerwise.plugins.pipelines import pieces
 
-    monkeypatch.setattr(pieces, "_first_batch_difference", lambda *a: 0.25)
+    monkeypatch.setattr(pieces, "_difference_from_model", lambda *a: 0.25)
     state = run(build_tiny_llama(), gptq(ignore=["lm_head"]))
-    assert state.pieces.startswith("blocks: ") and "0.25 (relative) away" in state.pieces
+    assert state.pieces.startswith("blocks: ") and "0.25 (relative) away from the model" in state.pieces
     with pytest.raises(InvalidArgumentError, match="pieces='layers' cannot be used for this model"):
         run(build_tiny_llama(), gptq(ignore=["lm_head"]), pieces="layers")
+
+
+def test_weights_elsewhere_compare_the_layers_with_the_blocks(monkeypatch):
+    """A plain forward would load every weight at once: a streamed or offloaded model compares the two cuts."""
+    from layerwise.plugins.pipelines import pieces
+
+    monkeypatch.setattr(pieces, "_resident", lambda *a: False)
+    monkeypatch.setattr(pieces, "_first_batch_difference", lambda *a: 0.25)
+    state = run(build_tiny_llama(), gptq(ignore=["lm_head"]))
+    assert state.pieces.startswith("blocks: ") and "0.25 (relative) away from the block pieces" in state.pieces
+
+
+def test_a_resident_model_cut_at_layers_is_traced_once(monkeypatch):
+    """The block cut is traced only when it is needed: not when the layer cut matches the model."""
+    from layerwise.plugins.pipelines import pieces
+
+    cuts = []
+    traced = pieces.trace_for_pipeline
+
+    def counted(model, sample, options, lifecycle, layers=None):
+        cuts.append("blocks" if layers is None else "layers")
+        return traced(model, sample, options, lifecycle, layers)
+
+    monkeypatch.setattr(pieces, "trace_for_pipeline", counted)
+    state = run(build_tiny_llama(), gptq(ignore=["lm_head"]))
+    assert state.pieces.startswith("layers: ") and cuts == ["layers"]
 
 
 def test_asking_for_layers_where_they_cannot_be_used_is_an_error():
