@@ -90,6 +90,23 @@ class GPTQResult:
     loss: float
     #: the dampening fraction finally used (larger than asked after a failed factorisation)
     dampening_frac: float
+    #: ``loss`` per output row (float64): what :meth:`split` divides
+    row_loss: Tensor | None = None
+
+    def split(self, rows: list[int]) -> list[GPTQResult]:
+        """The results of layers whose weights were solved stacked (rows in ``rows`` order, one Hessian).
+
+        GPTQ treats every output row on its own given the Hessian (its qparams come from its own
+        weights, its errors move along its own row), so solving layers that read one input as one
+        taller weight gives each the result it would get alone, in one pass over the columns.
+        """
+        if sum(rows) != self.weight.shape[0] or self.row_loss is None:
+            raise ValueError(f"cannot split {self.weight.shape[0]} rows into {rows}")
+        parts = zip(self.weight.split(rows), self.scale.split(rows), self.zero_point.split(rows),
+                    self.row_loss.split(rows))
+        return [GPTQResult(weight=w.contiguous(), scale=sc.contiguous(), zero_point=z.contiguous(), g_idx=self.g_idx,
+                           loss=float(loss.sum()), dampening_frac=self.dampening_frac, row_loss=loss)
+                for w, sc, z, loss in parts]
 
 
 # -- the solver ----------------------------------------------------------------------------
@@ -176,7 +193,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
 
     qmin, qmax = qrange(args)
     symmetric = args.symmetric
-    loss = torch.zeros((), dtype=torch.float64, device=Wt.device)
+    row_loss = torch.zeros(rows, dtype=torch.float64, device=Wt.device)
     if not group:  # one scale (and zero point) row for every column
         s_row = scale.reshape(-1).expand(rows).contiguous()
         z_row = zero_point.reshape(-1).expand(rows).contiguous()
@@ -233,7 +250,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
                     W1[j2:].addmm_(V1[j1:j2, j2:].t(), E1[j1:j2], alpha=-1.0)
         E1.div_(d)
         W1.copy_(Q1)
-        loss += E1.square().sum(dtype=torch.float64) / 2
+        row_loss += E1.square().sum(dim=0, dtype=torch.float64) / 2
         if i2 < columns:  # lazy update of every later column with this block's errors
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
 
@@ -245,8 +262,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
             g_idx = torch.div(inverse, gs, rounding_mode="floor").to(torch.int32)
     else:
         Q = Wt.t().contiguous()
-    return GPTQResult(weight=Q, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=float(loss),
-                      dampening_frac=used_frac)
+    return GPTQResult(weight=Q, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=float(row_loss.sum()),
+                      dampening_frac=used_frac, row_loss=row_loss)
 
 
 def _stored(scale: Tensor, dtype: torch.dtype | None) -> Tensor:

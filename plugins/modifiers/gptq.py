@@ -142,8 +142,10 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         """Quantize layers ``names`` (:meth:`quantize_module` each); with several ranks each rank solves its
         share and every rank applies them all."""
         if world_size() == 1:
-            for name in names:
-                self.quantize_module(name, self._modules[name], state)
+            for group in self._stackable_runs(names):
+                solved = self._solve_stacked(group) if len(group) > 1 else [self._solve(group[0])]
+                for name, one in zip(group, solved):
+                    self._apply(name, self._modules[name], one, state)
             return
         for name, solved in spread(names, self._solve, skip=self._take_hessian):
             self._apply(name, self._modules[name], solved, state)
@@ -153,12 +155,64 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         """GPTQ with the layer's Hessian (round-to-nearest when there is none or it is unusable)."""
         self._apply(name, module, self._solve(name, module), state)
 
+    def _stackable_runs(self, names: list[str]) -> list[list[str]]:
+        """``names`` in runs of consecutive layers reading one input (one shared Gram matrix, e.g. q/k/v),
+        which one solve can take together (:meth:`GPTQResult.split`); per-tensor scales span a whole
+        weight, so those layers stay apart."""
+        runs: list[list[str]] = []
+        stackable = self.args.strategy in ("channel", "group")
+        for name in names:
+            if runs and stackable and self._shares_input(runs[-1][-1], name):
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        return runs
+
+    def _shares_input(self, first: str, second: str) -> bool:
+        gram = self._grams.get(first)
+        a, b = linear_weight(self._modules[first]), linear_weight(self._modules[second])
+        return (gram is not None and gram is self._grams.get(second) and a.shape[1] == b.shape[1]
+                and a.dtype == b.dtype and a.device == b.device)
+
     @torch.no_grad()
-    def _solve(self, name: str, module: torch.nn.Module | None = None) -> _Solved:
-        """The layer's GPTQ (or round-to-nearest) result, with what its record needs; changes no module."""
+    def _solve_stacked(self, names: list[str]) -> list[_Solved]:
+        """Layers reading one input, solved as one taller weight (each gets what it would alone); apart
+        when their Hessians turn out to differ or the solve fails."""
+        taken = [self._take_hessian(name) for name in names]
+        hessian, samples, _ = taken[0]
+        if hessian is None or samples == 0 or any(h is None or n != samples or not torch.equal(h, hessian)
+                                                  for h, n, _ in taken[1:]):
+            return [self._solve(name, taken=one) for name, one in zip(names, taken)]
+        start = time.perf_counter()
+        modules = [self._modules[name] for name in names]
+        weights = [linear_weight(module) for module in modules]
+        for name, weight in zip(names, weights):
+            _check_finite_weight(name, weight)
+        masks = [pruned_mask(module) for module in modules]
+        pruned = None if all(m is None for m in masks) else torch.cat(
+            [torch.zeros(w.shape, dtype=torch.bool, device=w.device) if m is None else m for m, w in zip(masks, weights)])
+        stacked = torch.cat(weights)
+        try:
+            with self._accounting.timed(SOLVE_PHASE, gptq_solve_flops(*stacked.shape)):
+                result = gptq_quantize(stacked, hessian, self.args, observer=self._observer, block_size=self.block_size,
+                                       dampening_frac=self.dampening_frac, scale_dtype=modules[0].weight.dtype,
+                                       pruned=pruned)
+        except GPTQError:  # each layer then says why it is rounded to nearest
+            return [self._solve(name, taken=one) for name, one in zip(names, taken)]
+        dropped = [one[2] for one in taken]
+        del taken, hessian
+        seconds = (time.perf_counter() - start) / len(names)
+        parts = result.split([weight.shape[0] for weight in weights])
+        return [_Solved(part, None, samples, lost, seconds) for part, lost in zip(parts, dropped)]
+
+    @torch.no_grad()
+    def _solve(self, name: str, module: torch.nn.Module | None = None,
+               taken: tuple[torch.Tensor | None, int, int] | None = None) -> _Solved:
+        """The layer's GPTQ (or round-to-nearest) result, with what its record needs; changes no module.
+        ``taken``: its Hessian, token count and dropped inputs when already taken from the bank."""
         module = self._modules[name] if module is None else module
         start = time.perf_counter()
-        hessian, samples, dropped = self._take_hessian(name)
+        hessian, samples, dropped = self._take_hessian(name) if taken is None else taken
         weight = linear_weight(module)
         _check_finite_weight(name, weight)
         dtype = module.weight.dtype

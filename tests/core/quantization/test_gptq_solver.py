@@ -297,3 +297,32 @@ def test_a_pruning_mask_keeps_every_pruned_weight_at_zero_and_the_rest_compensat
     assert (kept[pruned] == 0).all()
     revived = gptq_quantize(sparse, hessian, args).weight  # without the mask GPTQ fills the zeros in
     assert (revived[pruned] != 0).any()
+
+
+# -- layers reading one input, solved stacked ----------------------------------------------------------
+@pytest.mark.parametrize("name", ["int4 group 32", "int4 group 32 asym", "int4 channel", "int8 channel"])
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+def test_stacked_layers_get_what_each_gets_alone(name, actorder):
+    """GPTQ's rows are independent given the Hessian: q/k/v solved as one taller weight and split
+    equal their own solves (the lazy updates' products may round differently: equal grids, close losses)."""
+    if actorder == "group" and SCHEMES[name].strategy != "group":
+        pytest.skip("group actorder needs groups")
+    args = SCHEMES[name].replace(actorder=actorder)
+    q, _, h = problem(out=48)
+    k, v = torch.randn(16, 128) * 0.3, torch.randn(32, 128) * 0.05  # other magnitudes, other heights
+    together = gptq_quantize(torch.cat([q, k, v]), h, args).split([48, 16, 32])
+    for weight, part in zip((q, k, v), together):
+        alone = gptq_quantize(weight, h, args)
+        assert part.weight.shape == weight.shape and part.scale.shape == alone.scale.shape
+        assert (part.weight == alone.weight).float().mean() > 0.995
+        torch.testing.assert_close(part.scale, alone.scale)
+        assert part.loss == pytest.approx(alone.loss, rel=1e-3)
+        assert (part.g_idx is None) == (alone.g_idx is None)
+        if alone.g_idx is not None:
+            assert torch.equal(part.g_idx, alone.g_idx)
+
+
+def test_a_split_must_cover_every_row():
+    w, _, h = problem(out=8)
+    with pytest.raises(ValueError, match="cannot split 8 rows"):
+        gptq_quantize(w, h, SCHEMES["int4 channel"]).split([4, 3])
