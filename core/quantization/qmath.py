@@ -35,6 +35,7 @@ computed from each input, static ones calibrated once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -80,10 +81,29 @@ def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Quantiza
     qmin, qmax = qrange(args)
     scaled = x / scale  # a fresh tensor: the steps below work in place (one pass each, no copies)
     if args.type == "float":
-        return scaled.clamp_(qmin, qmax).to(torch.float8_e4m3fn).to(scaled.dtype)
+        return float8_grid(scaled.clamp_(qmin, qmax))
     if zero_point is not None and not args.symmetric:  # a symmetric zero point is 0
         scaled.add_(zero_point.to(scaled.dtype))
     return scaled.round_().clamp_(qmin, qmax)
+
+
+def float8_grid(x: Tensor) -> Tensor:
+    """``x`` (within +-448) rounded to float8 e4m3 values (nearest, ties to even), in ``x``'s dtype.
+
+    On the CPU torch converts float8 back one element at a time (6 ms for 3.5 M values on 2
+    cores); looking each code's value up in a 256-entry table gives the same values in 2.5 ms.
+    """
+    codes = x.to(torch.float8_e4m3fn)
+    if x.device.type != "cpu":
+        return codes.to(x.dtype)
+    index = codes.view(torch.uint8).reshape(-1).to(torch.int32)
+    return _float8_values(x.dtype).index_select(0, index).view(x.shape)
+
+
+@functools.cache
+def _float8_values(dtype: torch.dtype) -> Tensor:
+    """The value of every float8 e4m3 code (the index is the code's bits), in ``dtype``."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:

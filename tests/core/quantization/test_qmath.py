@@ -179,3 +179,22 @@ def test_indivisible_group_is_an_error():
 def test_invalid_args_name_the_valid_values(fields, message):
     with pytest.raises(RecipeError, match=message):
         QuantizationArgs(**fields)
+
+
+def test_float8_grid_equals_torchs_float8_round_trip():
+    """The table lookup gives exactly what casting to float8 e4m3 and back gives: every code, the
+    midpoints between neighbours (ties to even), values around the subnormals, NaN; in each dtype."""
+    from layerwise.quantization.qmath import float8_grid
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    finite = codes[torch.isfinite(codes)].sort().values
+    x = torch.cat([torch.tensor([float("nan")]), finite, (finite[1:] + finite[:-1]) / 2, torch.randn(4096) * 100,
+                   torch.randn(512) * 1e-3]).clamp(-448, 448)
+    x = x[:x.numel() // 4 * 4].reshape(4, -1)  # 2-D, as weights are
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        values = x.to(dtype)
+        expected = values.to(torch.float8_e4m3fn).to(dtype)
+        got = float8_grid(values)
+        assert got.dtype == dtype and got.shape == values.shape
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+        assert bool(got.isnan().any()) == bool(values.isnan().any())
