@@ -35,6 +35,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,13 +369,40 @@ def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ,
                               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         timing = _result_line(proc, f"llm-compressor on {case}")
+        timing["seconds_runs"] = [timing["seconds"]]
         os.environ["LAYERWISE_BENCH_LLMC_DIR"] = out
         try:
             result = run_in_subprocess(case, LLMC, quick, threads)
         finally:
             del os.environ["LAYERWISE_BENCH_LLMC_DIR"]
-    result.update(seconds=timing["seconds"], samples=timing["samples"], peak_rss_gb=timing["peak_rss_gb"])
+    result.update(seconds=timing["seconds"], samples=timing["samples"], peak_rss_gb=timing["peak_rss_gb"],
+                  seconds_runs=timing["seconds_runs"])
     return result
+
+
+def repeated(results: dict[str, dict], again: dict[str, Callable[[], dict]], runs: int) -> None:
+    """``runs - 1`` more timed runs of each entry of ``again`` (fresh processes, the tools taking turns, so a
+    slow spell of the shared machine hits both); each result's ``seconds`` becomes the median of its runs,
+    all of them kept in ``seconds_runs``."""
+    import statistics
+
+    for _ in range(runs - 1):
+        for name, run in again.items():
+            results[name].setdefault("seconds_runs", [results[name]["seconds"]]).append(run()["seconds"])
+    for name in again:
+        results[name]["seconds"] = statistics.median(results[name]["seconds_runs"])
+
+
+def run_llmcompressor_timing(case: str, quick: bool, threads: int | None) -> dict:
+    """Only llm-compressor's timed oneshot (its output discarded): a repeat for the median."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="llmc-") as out:
+        cmd = [os.environ["LLMCOMPRESSOR_PYTHON"], __file__, "--llmc-child", case, case_model_path(case), out]
+        cmd += (["--quick"] if quick else []) + (["--threads", str(threads)] if threads else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ,
+                              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        return _result_line(proc, f"llm-compressor on {case}")
 
 
 def _result_line(proc: subprocess.CompletedProcess, what: str) -> dict:
@@ -461,8 +489,13 @@ def _versus_llmcompressor(g: dict, llmc: dict | None, ref: dict, tgt: dict, case
     if llmc:
         ratio = g["seconds"] / llmc["seconds"]
         target = TIME_RATIO_TARGET[case]
+        runs = ""
+        if len(g.get("seconds_runs", ())) > 1:
+            runs = (f" (medians of {len(g['seconds_runs'])} runs each: layerwise "
+                    f"{', '.join(f'{t:.2f}' for t in g['seconds_runs'])} s; llm-compressor "
+                    f"{', '.join(f'{t:.2f}' for t in llmc.get('seconds_runs', ()))} s)")
         return (f"- vs llm-compressor measured in this run: time {g['seconds']:.2f} s / {llmc['seconds']:.2f} s = "
-                f"{ratio:.2f}x (target <= {target}x: {_ok(ratio <= target)}), peak RSS "
+                f"{ratio:.2f}x{runs} (target <= {target}x: {_ok(ratio <= target)}), peak RSS "
                 f"{g['peak_rss_gb']:.2f} / {llmc['peak_rss_gb']:.2f} GB (target: no higher: "
                 f"{_ok(g['peak_rss_gb'] <= llmc['peak_rss_gb'])})")
     line = (f"- vs llm-compressor reference constants (not run here; pass --llmcompressor for a same-run ratio): "
@@ -553,6 +586,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
     parser.add_argument("--write", metavar="MD", default=None,
                         help="also write the markdown to this file (then paste it into BENCHMARKS.md)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="time every compressing run N times (fresh processes, tools taking turns) and "
+                             "report the median: short runs on a shared machine vary by tens of percent")
     parser.add_argument("--llmcompressor", action="store_true",
                         help="also run llm-compressor's GPTQ W4A16 with the Python in $LLMCOMPRESSOR_PYTHON")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
@@ -583,6 +619,13 @@ def main() -> None:
         if args.llmcompressor:
             print(f"[bench] {case} / {LLMC} ...", file=sys.stderr, flush=True)
             results[LLMC] = run_llmcompressor(case, args.quick, args.threads)
+        if args.repeat > 1:
+            print(f"[bench] {case}: {args.repeat - 1} more timed run(s) of each ...", file=sys.stderr, flush=True)
+            again = {c: (lambda c=c, case=case: run_in_subprocess(case, c, args.quick, args.threads))
+                     for c in configs if c != "fp32"}
+            if args.llmcompressor:
+                again[LLMC] = lambda case=case: run_llmcompressor_timing(case, args.quick, args.threads)
+            repeated(results, again, args.repeat)
         lines += (report_minilm if case == "minilm" else report_tiny_llama)(results) + [""]
         for name, r in results.items():
             if r.get("accounting"):
