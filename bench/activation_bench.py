@@ -113,6 +113,7 @@ from sparsity_bench import (
     _f,
     _ok,
     finish,
+    medians_note,
     run_cases,
     saved_format,
     side_by_side_parser,
@@ -482,7 +483,7 @@ def _targets(case: str, config: str, lw: dict | None, llmc: dict | None) -> list
                   f"{_ok(ratio <= PPL_FACTOR)})"]
     time_ratio, rss_ratio = lw["seconds"] / llmc["seconds"], lw["peak_rss_gb"] / llmc["peak_rss_gb"]
     checks.append(f"time {lw['seconds']:.2f} / {llmc['seconds']:.2f} s = {time_ratio:.2f}x "
-                  f"(<= {TIME_RATIO}x: {_ok(time_ratio <= TIME_RATIO)})")
+                  f"(<= {TIME_RATIO}x: {_ok(time_ratio <= TIME_RATIO)}){medians_note(lw, llmc)}")
     checks.append(f"peak RSS {lw['peak_rss_gb']:.2f} / {llmc['peak_rss_gb']:.2f} GB = {rss_ratio:.2f}x "
                   f"(<= {RSS_RATIO}x: {_ok(rss_ratio <= RSS_RATIO)})")
     return [f"- **{config}**: " + "; ".join(checks)]

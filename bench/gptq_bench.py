@@ -382,15 +382,18 @@ def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
 
 def repeated(results: dict[str, dict], again: dict[str, Callable[[], dict]], runs: int) -> None:
     """``runs - 1`` more timed runs of each entry of ``again`` (fresh processes, the tools taking turns, so a
-    slow spell of the shared machine hits both); each result's ``seconds`` becomes the median of its runs,
-    all of them kept in ``seconds_runs``."""
+    slow spell of the shared machine hits both); each result's ``seconds`` and ``peak_rss_gb`` become the
+    medians of its runs, all of them kept in ``seconds_runs`` / ``peak_rss_runs``."""
     import statistics
 
     for _ in range(runs - 1):
         for name, run in again.items():
-            results[name].setdefault("seconds_runs", [results[name]["seconds"]]).append(run()["seconds"])
+            result, first = run(), results[name]
+            first.setdefault("seconds_runs", [first["seconds"]]).append(result["seconds"])
+            first.setdefault("peak_rss_runs", [first["peak_rss_gb"]]).append(result["peak_rss_gb"])
     for name in again:
         results[name]["seconds"] = statistics.median(results[name]["seconds_runs"])
+        results[name]["peak_rss_gb"] = statistics.median(results[name]["peak_rss_runs"])
 
 
 def run_llmcompressor_timing(case: str, quick: bool, threads: int | None) -> dict:

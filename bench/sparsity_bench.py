@@ -69,6 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from gptq_bench import (
     CALIB,
@@ -339,9 +340,42 @@ def side_by_side_parser(doc: str, configs: list[str], llmc_child: tuple[str, ...
     parser.add_argument("--llmcompressor", action="store_true",
                         help="also run llm-compressor with the Python in $LLMCOMPRESSOR_PYTHON, for the ratios")
     parser.add_argument("--write", metavar="MD", default=None, help="also write the markdown to this file")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every configuration N times in each tool (fresh processes, the tools taking "
+                             "turns) and report the median time and peak RSS: sub-second runs vary by tens of "
+                             "percent on a shared machine")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--llmc-child", nargs=len(llmc_child), metavar=llmc_child, help=argparse.SUPPRESS)
     return parser
+
+
+def take_medians(tools: dict[str, dict], again: dict[str, Any], runs: int) -> None:
+    """``runs - 1`` more runs of each tool in ``again`` (name -> a call returning its result), taking turns so
+    a slow spell of the machine hits both; ``seconds`` and ``peak_rss_gb`` become the medians, every run's
+    kept in ``seconds_runs`` / ``peak_rss_runs``. A failed repeat leaves the first run's numbers."""
+    import statistics
+
+    for _ in range(runs - 1):
+        for tool, run in again.items():
+            result = run()
+            if "error" in result:
+                return
+            first = tools[tool]
+            first.setdefault("seconds_runs", [first["seconds"]]).append(result["seconds"])
+            first.setdefault("peak_rss_runs", [first["peak_rss_gb"]]).append(result["peak_rss_gb"])
+    for tool in again:
+        if "seconds_runs" in tools[tool]:
+            tools[tool]["seconds"] = statistics.median(tools[tool]["seconds_runs"])
+            tools[tool]["peak_rss_gb"] = statistics.median(tools[tool]["peak_rss_runs"])
+
+
+def medians_note(lw: dict, llmc: dict) -> str:
+    """`` (medians of N runs: ...)`` when the runs were repeated, else nothing."""
+    if len(lw.get("seconds_runs", ())) < 2:
+        return ""
+    times = "; ".join(f"{name} " + ", ".join(f"{t:.2f}" for t in r.get("seconds_runs", ())) + " s"
+                      for name, r in ((LW, lw), (LLMC, llmc)))
+    return f" (medians of {len(lw['seconds_runs'])} runs: {times})"
 
 
 def run_cases(cases: list[str], configs: list[str], args: argparse.Namespace, script: str, run_llmcompressor,
@@ -365,6 +399,15 @@ def run_cases(cases: list[str], configs: list[str], args: argparse.Namespace, sc
             if args.llmcompressor:
                 results[config][LLMC] = _attempt(f"{case} / {config} / {LLMC}", lambda case=case, config=config:
                                                  run_llmcompressor(case, config, args.quick, args.threads))
+            if args.repeat > 1 and not any("error" in r for r in results[config].values()):
+                again = {LW: lambda case=case, config=config: _attempt(
+                    f"{case} / {config} / {LW} (repeat)",
+                    lambda: run_in_subprocess(case, config, args.quick, args.threads, script=script))}
+                if args.llmcompressor:
+                    again[LLMC] = lambda case=case, config=config: _attempt(
+                        f"{case} / {config} / {LLMC} (repeat)",
+                        lambda: run_llmcompressor(case, config, args.quick, args.threads))
+                take_medians(results[config], again, args.repeat)
         failed |= "error" in dense or any("error" in r for tools in results.values() for r in tools.values())
         if "error" in dense:
             lines += [f"### {case}: the fp32 reference failed: {dense['error']}", ""]
@@ -475,7 +518,7 @@ def _targets(case: str, config: str, lw: dict | None, llmc: dict | None, dense: 
                           f"(<= {PPL_FACTOR}x: {_ok(lw['ppl'] <= llmc['ppl'] * PPL_FACTOR)})")
         time_ratio, rss_ratio = lw["seconds"] / llmc["seconds"], lw["peak_rss_gb"] / llmc["peak_rss_gb"]
         checks.append(f"time {lw['seconds']:.2f} / {llmc['seconds']:.2f} s = {time_ratio:.2f}x "
-                      f"(<= {TIME_RATIO}x: {_ok(time_ratio <= TIME_RATIO)})")
+                      f"(<= {TIME_RATIO}x: {_ok(time_ratio <= TIME_RATIO)}){medians_note(lw, llmc)}")
         checks.append(f"peak RSS {lw['peak_rss_gb']:.2f} / {llmc['peak_rss_gb']:.2f} GB = {rss_ratio:.2f}x "
                       f"(<= {RSS_RATIO}x: {_ok(rss_ratio <= RSS_RATIO)})")
     if config in SIZE_CONFIGS and dense.get("saved_bytes"):
