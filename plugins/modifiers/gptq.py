@@ -178,10 +178,13 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     def _solve_stacked(self, names: list[str]) -> list[_Solved]:
         """Layers reading one input, solved as one taller weight (each gets what it would alone); apart
         when their Hessians turn out to differ or the solve fails."""
-        taken = [self._take_hessian(name) for name in names]
+        taken = [self._take_hessian(names[0])]
         hessian, samples, _ = taken[0]
-        if hessian is None or samples == 0 or any(h is None or n != samples or not torch.equal(h, hessian)
-                                                  for h, n, _ in taken[1:]):
+        for name in names[1:]:  # one matrix kept for all that equal it (the solver never changes it)
+            other, rows, lost = self._take_hessian(name)
+            same = hessian is not None and other is not None and rows == samples and torch.equal(other, hessian)
+            taken.append((hessian if same else other, rows, lost))
+        if hessian is None or samples == 0 or any(h is not hessian for h, _, _ in taken[1:]):
             return [self._solve(name, taken=one) for name, one in zip(names, taken)]
         start = time.perf_counter()
         modules = [self._modules[name] for name in names]

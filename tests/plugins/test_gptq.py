@@ -456,3 +456,52 @@ def test_long_inputs_of_a_layer_alone_fold_directly_into_the_same_hessian():
         hessian, samples = modifier._hessian("first")
         torch.testing.assert_close(hessian, expected, rtol=1e-5, atol=1e-5)
         assert samples == count == 1100
+
+
+class ThreeReaders(torch.nn.Module):
+    """q/k/v-like: three Linears of different heights reading one input."""
+
+    def __init__(self, columns=64, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.q, self.k, self.v = (torch.nn.Linear(columns, out, bias=False) for out in (32, 16, 48))
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+@pytest.mark.parametrize("fields", [dict(scheme="W4A16", group_size=32), dict(scheme="W4A16", strategy="channel"),
+                                    dict(scheme="W4A16_ASYM", group_size=16, actorder="group")])
+def test_layers_reading_one_input_are_solved_stacked_as_each_alone(fields):
+    """One solve for q/k/v (one Hessian) gives each layer what solving it alone with that Hessian gives."""
+    model, batches = ThreeReaders(), correlated()
+    originals = weights(model)
+    modifier = gptq(targets=["Linear"], ignore=[], **fields)
+    lifecycle = calibrate(model, modifier, batches)
+    h, n = None, 0
+    for x in batches:
+        h, n = accumulate_hessian(h, n, x)
+    assert lifecycle.state.accounting["GPTQ solves"].calls == 1
+    for name in ("q", "k", "v"):
+        alone = gptq_quantize(originals[name], h, modifier.args)
+        torch.testing.assert_close(getattr(model, name).weight, alone.weight, rtol=0, atol=1e-6)
+        torch.testing.assert_close(getattr(model, name).weight_scale, alone.scale, rtol=1e-6, atol=0)
+    records = {r["name"]: r for r in modifier.summary}
+    assert set(records) == {"q", "k", "v"} and all(r["method"] == "gptq" and r["samples"] == 256 for r in records.values())
+    assert records["k"]["loss"] != records["q"]["loss"]  # each layer's own loss, not the stack's
+
+
+def test_layers_whose_hessians_differ_are_solved_apart(monkeypatch):
+    """Stacking needs one Hessian: a member whose matrix differs is solved on its own."""
+    model, batches = ThreeReaders(), correlated()
+    modifier = gptq(targets=["Linear"], ignore=[], scheme="W4A16", group_size=32)
+    take = type(modifier)._take_hessian
+
+    def altered(self, name):
+        hessian, samples, dropped = take(self, name)
+        return (hessian * 2 if name == "k" else hessian), samples, dropped
+
+    monkeypatch.setattr(type(modifier), "_take_hessian", altered)
+    lifecycle = calibrate(model, modifier, batches)
+    assert lifecycle.state.accounting["GPTQ solves"].calls == 3
+    assert [r["method"] for r in modifier.summary] == ["gptq"] * 3
