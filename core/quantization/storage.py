@@ -68,7 +68,7 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale
     scale = scale.to(target.dtype)
     fq = fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args, g_idx)
-    replace_data(target, fq.to(target.dtype).t().contiguous() if is_transposed(module) else fq.to(target.dtype))
+    replace_data(target, fq.t().contiguous() if is_transposed(module) else fq)
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point.to(scale.dtype))
     if g_idx is not None:
@@ -79,7 +79,7 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
 
 
 def replace_data(target: Tensor, values: Tensor) -> None:
-    """Give ``target`` (a parameter, kept as the same object) the storage of ``values``.
+    """Give ``target`` (a parameter, kept as the same object) ``values``, in its dtype, as its storage.
 
     Swapping storage instead of copying into it matters: a weight loaded from safetensors views a
     copy-on-write file map, and writing into it faults every page in, copying it from the file

@@ -114,8 +114,6 @@ class WeightStream:
         self.final_bytes = 0
         #: per pruned module written, (zeros, weights): the sparsity config is built from these
         self.sparsity_counts: dict[str, tuple[int, int]] = {}
-        #: the checkpoint view each loaded parameter (by id) was given, until its pages are released
-        self._views: dict[int, torch.Tensor] = {}
         #: called once every tensor is written, before the folder becomes the output (drops a resume checkpoint)
         self.on_finish: list[Callable[[], None]] = []
 
@@ -155,16 +153,11 @@ class WeightStream:
         value = stored.to(device=device, dtype=tensor.dtype)
         if value.data_ptr() != stored.data_ptr():  # copied (cast, or to the GPU): the file's pages can go
             self.checkpoint.release(stored)
-        else:  # a modifier may swap the parameter's storage (quantized values): the view's pages still count
-            self._views[id(tensor)] = stored
         return value
 
     def release(self, tensor: torch.Tensor) -> None:
-        """Give back the memory pages of a loaded weight about to be unloaded: those of the checkpoint view
-        it was loaded as, and its own when it views the checkpoint still."""
-        view = self._views.pop(id(tensor), None)
-        if view is not None:
-            self.checkpoint.release(view)
+        """Give back the memory pages of a loaded weight about to be unloaded (a view of the checkpoint; a
+        weight a modifier replaced had its view's pages handed back then, :func:`~layerwise.quantization.storage.replace_data`)."""
         self.checkpoint.release(tensor)
 
     def is_retired(self, name: str) -> bool:

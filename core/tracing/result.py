@@ -98,15 +98,16 @@ class TraceResult:
         return values[OUTPUT_NAME]
 
     @torch.no_grad()
-    def verify(self, inputs: Mapping[str, Any]) -> float:
-        """Max abs difference between the replayed subgraphs and ``model(**inputs)``.
+    def verify(self, inputs: Mapping[str, Any], relative: bool = False) -> float:
+        """Max abs difference between the replayed subgraphs and ``model(**inputs)`` (``relative``: over
+        the largest output value).
 
         Every tensor in the model output is compared (logits, last_hidden_state, ...).
         """
         if any(p.is_meta for p in self.model.parameters()):
             raise VerifyError("the model's weights are on the meta device; load or materialise them to verify")
         expected = self.model(**inputs, **self.concrete_args)
-        return output_difference(expected, self.replay(inputs))
+        return output_difference(expected, self.replay(inputs), relative=relative)
 
     # ---- views ----------------------------------------------------------------------
     def subgraph_of(self) -> dict[str, int]:

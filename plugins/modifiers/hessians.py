@@ -94,9 +94,8 @@ class HessianBank:
             x = layer_input(args, kwargs)
             if not isinstance(x, torch.Tensor) or not self.waiting.get(name) or name in self.taken:
                 return
-            last = self.last  # the tensor the previous layer read (q/k/v, gate/up) was found finite already
-            seen = last is not None and last[0] is x and last[1] == x._version
-            if not seen and not is_finite(x):  # one NaN row would make the whole Hessian NaN
+            # the tensor the previous layer read (q/k/v, gate/up) was found finite already
+            if not self._read_last(x) and not is_finite(x):  # one NaN row would make the whole Hessian NaN
                 self.non_finite[name] = self.non_finite.get(name, 0) + 1
                 return
             with self.work(self.phases[name]):
@@ -112,6 +111,11 @@ class HessianBank:
         finally:
             self.accounting.add(phase, time.perf_counter() - start, self.gram_flops.value - flops)
 
+    def _read_last(self, x: torch.Tensor) -> bool:
+        """Is ``x`` the very tensor (unchanged since) the previous hooked layer read?"""
+        last = self.last
+        return last is not None and last[0] is x and last[1] == x._version
+
     @torch.no_grad()
     def _accumulate(self, name: str, x: torch.Tensor) -> None:
         last = self.last
@@ -121,7 +125,7 @@ class HessianBank:
             self.last = None
             gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
             return
-        if last is not None and last[0] is x and last[1] == x._version:
+        if self._read_last(x):
             flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
         else:
             flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)

@@ -238,5 +238,5 @@ def write_pruned(module: torch.nn.Module, pruned: torch.Tensor) -> None:
     """Give the module a pruned ``(out, in)`` weight (its layout and dtype; storage swapped, see
     :func:`~layerwise.quantization.storage.replace_data`)."""
     target = module.weight
-    values = pruned.to(device=target.device, dtype=target.dtype)
+    values = pruned.to(device=target.device)
     replace_data(target, values.t().contiguous() if is_transposed(module) else values)

@@ -10,7 +10,7 @@ on the run's state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -159,15 +159,7 @@ def _resident(model: torch.nn.Module, device: torch.device, options: PipelineOpt
 def _difference_from_model(model: torch.nn.Module, fine: TracesByGuards, batch: dict[str, Any],
                            device: torch.device) -> float:
     """Relative difference between the first batch replayed through the layer pieces and the model's forward."""
-    result = fine.traces[0]
-    try:
-        inputs = move_to(dict(batch), device)
-        expected = model(**inputs, **result.concrete_args)
-        return output_difference(expected, result.replay(inputs, guards_checked=True), relative=True)
-    except FATAL_ERRORS:
-        raise
-    except Exception as exc:
-        raise PipelineFailed(f"replaying the first batch failed: {type(exc).__name__}: {exc}") from exc
+    return _replay_or_fail(lambda: fine.traces[0].verify(move_to(dict(batch), device), relative=True))
 
 
 def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,
@@ -175,11 +167,20 @@ def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks
     """Relative difference of the model output replayed through both cuts (the first batch's trace of each)."""
     targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
     offloader = ModuleOffloader(model, device, protected=targets, source=stream)
-    try:
+
+    def compare() -> float:
         inputs = move_to(dict(batch), offloader.execution_device)  # its guards held: it was assigned to both
         expected = blocks.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
         got = fine.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
         return output_difference(expected, got, relative=True)
+
+    return _replay_or_fail(compare)
+
+
+def _replay_or_fail(compare: Callable[[], float]) -> float:
+    """``compare()``; any failure but a fatal one means the layer cut cannot be used (:class:`PipelineFailed`)."""
+    try:
+        return compare()
     except FATAL_ERRORS:
         raise
     except Exception as exc:
