@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .heap import FreedBytes
+
 __all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes"]
 
 _DEVICE_KINDS = ("cpu", "disk")
@@ -102,11 +104,13 @@ def move_to(value: Any, device: torch.device | str | None) -> Any:
     return _map_tensors(value, lambda t: t if t.device == device else t.to(device))
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes held by the distinct tensor storages inside ``value``."""
+def tensor_bytes(value: Any, device_type: str | None = None) -> int:
+    """Bytes held by the distinct tensor storages inside ``value`` (only those on ``device_type``, if given)."""
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in _tensors(value):
+        if device_type is not None and t.device.type != device_type:
+            continue
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key in seen and storage.data_ptr() != 0:
@@ -144,6 +148,7 @@ class IntermediatesCache:
                 raise ValueError(f"offload must be 'cpu', 'disk' or a torch device, got {offload!r}") from None
         self.execution_device = torch.device(execution_device) if execution_device is not None else None
         self._values: dict[int, dict[str, Any]] = {}
+        self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
         self._dir: str | None = None
         self._counter = 0
         if self.disk:
@@ -228,12 +233,15 @@ class IntermediatesCache:
                 os.remove(stored.path)
             except FileNotFoundError:
                 pass
+        elif stored is not None:
+            self._freed.add(tensor_bytes(stored, device_type="cpu"))
 
     def clear(self) -> None:
         for batch, values in list(self._values.items()):
             for name in list(values):
                 self._drop(batch, name)
         self._values.clear()
+        self._freed.flush()
 
     def close(self) -> None:
         """Drop everything and remove the disk folder."""
