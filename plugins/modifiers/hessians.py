@@ -360,15 +360,18 @@ def layer_input(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
 
 
-def _warn_dropped(label: str, name: str, dropped: int, none_left: bool) -> None:
-    """Non-finite calibration inputs of one layer: a warning, or an error when no finite one was left."""
+def _warn_dropped(label: str, name: str, dropped: int, none_left: bool, statistic: str = "Hessian") -> None:
+    """Non-finite calibration inputs of one layer: a warning, or an error when no finite one was left.
+
+    ``statistic``: what the inputs were left out of (GPTQ's Hessian, Wanda's input norms).
+    """
     if none_left:
         raise NonFiniteError(f"{label}: every calibration input of layer {name!r} ({dropped}) held NaN or inf, so "
                              f"there is no data to calibrate it with; the model's forward is not finite on this "
                              f"data (a non-finite weight upstream, or float16 overflow: load it in bfloat16 or "
                              f"float32)")
     message = (f"{label}: layer {name!r}: {dropped} calibration input(s) held NaN or inf and were left out of its "
-               f"Hessian")
+               f"{statistic}")
     warn_user(message, NonFiniteSampleWarning)
 
 

@@ -309,3 +309,22 @@ def test_sparsegpt_then_gptq_share_one_gram_per_input(monkeypatch):
     sparsegpt, gptq = ({r["name"]: r["samples"] for r in m.summary} for m in recipe)
     assert sparsegpt == gptq and len(sparsegpt) == 14
     assert "GPTQ Hessians" not in model.layerwise_report.accounting  # timed once, under SparseGPT's
+
+
+@pytest.mark.parametrize("poison", [torch.nan, torch.inf, 1e20])  # 1e20 is finite, but its square overflows
+def test_wanda_leaves_out_an_input_that_is_not_finite_or_whose_square_overflows(poison):
+    from layerwise.finite import NonFiniteSampleWarning
+    from tests.plugins.test_gptq import TwoLinears, calibrate
+
+    g = torch.Generator().manual_seed(3)
+    good = [torch.randn(1, 32, 64, generator=g) for _ in range(3)]
+    bad = good[1].clone()
+    bad[0, 5, 7] = poison
+    reference, model = TwoLinears(), TwoLinears()
+    calibrate(reference, modifier("WandaModifier", ignore=[]), [good[0], good[2]], pieces=[["first", "second"]])
+    wanda = modifier("WandaModifier", ignore=[])
+    with pytest.warns(NonFiniteSampleWarning, match=r"layer 'first': 1 calibration input\(s\) held NaN or inf and were left out "
+                                                       r"of its input norms"):
+        calibrate(model, wanda, [good[0], bad, good[2]], pieces=[["first", "second"]])
+    assert torch.equal(model.first.weight, reference.first.weight)  # as if the bad sample had not been there
+    assert [r.get("non_finite_inputs") for r in wanda.summary if r["name"] == "first"] == [1]
