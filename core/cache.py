@@ -149,6 +149,7 @@ class IntermediatesCache:
         self.execution_device = torch.device(execution_device) if execution_device is not None else None
         self._values: dict[int, dict[str, Any]] = {}
         self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
+        self._held = 0  # bytes of the values held in memory (for the trim's step)
         self._dir: str | None = None
         self._counter = 0
         if self.disk:
@@ -171,6 +172,7 @@ class IntermediatesCache:
             stored: Any = _OnDisk(path, os.path.getsize(path))
         else:
             stored = move_to(value, self.offload_device)
+            self._held += tensor_bytes(stored, device_type="cpu")
         self._values.setdefault(batch, {})[name] = stored
 
     def update(self, batch: int, values: Mapping[str, Any]) -> None:
@@ -234,7 +236,9 @@ class IntermediatesCache:
             except FileNotFoundError:
                 pass
         elif stored is not None:
-            self._freed.add(tensor_bytes(stored, device_type="cpu"))
+            freed = tensor_bytes(stored, device_type="cpu")
+            self._held = max(0, self._held - freed)
+            self._freed.add(freed, self._held)
 
     def clear(self) -> None:
         for batch, values in list(self._values.items()):

@@ -67,3 +67,27 @@ def test_the_cache_trims_as_it_frees(monkeypatch):
     cache.update(0, {"hidden": torch.zeros(1024)})
     cache.close()  # what is left is trimmed when the cache closes
     assert len(trims) == 3
+
+
+def test_a_heap_with_little_free_is_not_trimmed(monkeypatch):
+    trims = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: 50)
+    freed = heap.FreedBytes(every=100)
+    freed.add(120)
+    assert not trims and freed.pending == 0  # looked, found too little free: the count starts over
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: 500)
+    freed.add(120)
+    assert len(trims) == 1
+
+
+def test_the_step_grows_with_what_the_cache_holds(monkeypatch):
+    trims = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: 10**9)
+    freed = heap.FreedBytes(every=100)
+    for _ in range(4):
+        freed.add(60, held=1000)  # step: 1000 / 4 = 250
+    assert not trims and freed.pending == 240
+    freed.add(60, held=1000)
+    assert len(trims) == 1
