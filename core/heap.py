@@ -66,20 +66,20 @@ class FreedBytes:
         self.pending = 0
 
 
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else ctypes.CDLL(None)
-
-
 @functools.cache
-def _malloc_trim() -> Any:
+def _libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """The C library's function ``name`` with its signature set, or None where the library lacks it."""
+    library = ctypes.util.find_library("c")
     try:
-        trim = _libc().malloc_trim
+        function = getattr(ctypes.CDLL(library) if library else ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+def _malloc_trim() -> Any:
+    return _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -88,11 +88,5 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-@functools.cache
 def _mallinfo2() -> Any:
-    try:
-        info = _libc().mallinfo2
-    except (OSError, AttributeError):
-        return None
-    info.restype = _MallInfo2
-    return info
+    return _libc_function("mallinfo2", (), _MallInfo2)
