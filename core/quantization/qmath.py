@@ -88,16 +88,22 @@ def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Quantiza
 
 
 def float8_grid(x: Tensor) -> Tensor:
-    """``x`` (within +-448) rounded to float8 e4m3 values (nearest, ties to even), in ``x``'s dtype.
+    """``x`` (within +-448) rounded in place to float8 e4m3 values (nearest, ties to even); returns ``x``.
 
     On the CPU torch converts float8 back one element at a time (6 ms for 3.5 M values on 2
     cores); looking each code's value up in a 256-entry table gives the same values in 2.5 ms.
+    The lookup writes into ``x`` itself: a fresh output of a weight's size would cost as much
+    again in page faults as the lookup (MiniLM's Linears: 17 ms in place, 34 ms into a new tensor).
     """
     codes = x.to(torch.float8_e4m3fn)
     if x.device.type != "cpu":
-        return codes.to(x.dtype)
+        return x.copy_(codes)
     index = codes.view(torch.uint8).reshape(-1).to(torch.int32)
-    return _float8_values(x.dtype).index_select(0, index).view(x.shape)
+    table = _float8_values(x.dtype)
+    if x.is_contiguous():
+        torch.index_select(table, 0, index, out=x.view(-1))
+        return x
+    return x.copy_(table.index_select(0, index).view(x.shape))
 
 
 @functools.cache

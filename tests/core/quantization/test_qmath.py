@@ -183,7 +183,8 @@ def test_invalid_args_name_the_valid_values(fields, message):
 
 def test_float8_grid_equals_torchs_float8_round_trip():
     """The table lookup gives exactly what casting to float8 e4m3 and back gives: every code, the
-    midpoints between neighbours (ties to even), values around the subnormals, NaN; in each dtype."""
+    midpoints between neighbours (ties to even), values around the subnormals, NaN; in each dtype,
+    in place, contiguous or not."""
     from layerwise.quantization.qmath import float8_grid
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
@@ -194,7 +195,11 @@ def test_float8_grid_equals_torchs_float8_round_trip():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         values = x.to(dtype)
         expected = values.to(torch.float8_e4m3fn).to(dtype)
-        got = float8_grid(values)
+        got = float8_grid(values.clone())
         assert got.dtype == dtype and got.shape == values.shape
+        in_place = values.clone()
+        assert float8_grid(in_place).data_ptr() == in_place.data_ptr()
+        transposed = values.t().clone().t()  # not contiguous: rounded in place all the same
+        assert torch.equal(float8_grid(transposed).nan_to_num(7.0), expected.nan_to_num(7.0))
         assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
         assert bool(got.isnan().any()) == bool(values.isnan().any())
