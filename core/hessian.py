@@ -72,7 +72,11 @@ def add_gram(gram: Tensor, x: Tensor) -> Tensor:
 def gram_to_hessian(gram: Tensor, num_samples: int) -> Tensor:
     """``H = 2/n X^T X`` (a new, full, symmetric matrix) from the upper triangle of a Gram matrix."""
     upper = torch.triu(gram)
-    hessian = upper + torch.triu(gram, diagonal=1).t()
+    # the mirror image through a contiguous transposed copy, then one aligned add: reading a transposed
+    # view inside the add strides across the matrix (1536 inputs: 4 ms this way, 10-13 ms that way)
+    hessian = upper.t().contiguous()
+    hessian.add_(upper)
+    hessian.diagonal().copy_(upper.diagonal())  # the add counted it twice
     return hessian.mul_(2.0 / max(num_samples, 1))
 
 
