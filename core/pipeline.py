@@ -7,8 +7,10 @@ subgraphs), never *what* is compressed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -68,6 +70,29 @@ class Pipeline(ABC):
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
             options: PipelineOptions) -> None:
         """Calibrate: fire ``calibration_start``, ``sequential_epoch_end`` per piece, ``calibration_end``."""
+
+
+_INPUTS_HELD = contextvars.ContextVar("layerwise_inputs_held", default=False)
+
+
+@contextlib.contextmanager
+def inputs_held_unchanged() -> Iterator[None]:
+    """Layers called inside see inputs the pipeline holds unchanged until their modifiers compressed them.
+
+    ``sequential`` at layers shows each piece's entry layers their cached inputs (no forward runs
+    until ``sequential_epoch_end`` is over), so a hook may keep a reference to an input instead of a
+    copy (the Hessian hooks keep inputs until enough rows are waiting for one large product).
+    """
+    token = _INPUTS_HELD.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_HELD.reset(token)
+
+
+def inputs_are_held() -> bool:
+    """Inside :func:`inputs_held_unchanged`: an input seen now stays as it is until compression."""
+    return _INPUTS_HELD.get()
 
 
 class PipelineFailed(LayerwiseError, RuntimeError):

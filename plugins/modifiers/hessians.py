@@ -28,6 +28,7 @@ from layerwise.accounting import Accounting, gram_flops
 from layerwise.errors import NonFiniteError, RecipeError
 from layerwise.finite import NonFiniteSampleWarning, is_finite
 from layerwise.hessian import GRAM_STRIP, add_gram, gram_to_hessian
+from layerwise.pipeline import inputs_are_held
 from layerwise.user_warnings import warn_user
 
 
@@ -128,7 +129,9 @@ class HessianBank:
         if self._read_last(x):
             flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
         else:
-            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            # a copy, unless the pipeline holds ``x`` unchanged until the Hessian is taken: the model may
+            # write into its activations in place after this hook, before the input is folded
+            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=not inputs_are_held())
             flat = flat.reshape(-1, flat.shape[-1])
         if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
             gram = last[3]  # first input, and the same one another layer just started with: share

@@ -42,7 +42,7 @@ from layerwise.cache import IntermediatesCache
 from layerwise.finite import drop_if_non_finite
 from layerwise.lifecycle import Lifecycle
 from layerwise.offload import ModuleOffloader
-from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
+from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions, inputs_held_unchanged
 
 from ._common import (
     FATAL_ERRORS,
@@ -256,21 +256,26 @@ class _Runner:
         # registered after the modifiers' hooks, so it runs last and ends the call before the forward
         stops = [m.register_forward_pre_hook(_stop_before_forward) for m in modules.values()]
         try:
-            for i in range(self.num_batches):
-                if i in self.dropped:
-                    continue
-                sub = piece.subgraph(i)
-                values = self.cache.fetch(i, [n for e in sub.entries for n in e.input_names])
-                for entry in sub.entries:
-                    args, kwargs = entry.bind(values)
-                    try:
-                        modules[entry.module](*args, **kwargs)
-                    except _StopPiece:
-                        pass
+            with inputs_held_unchanged():  # cached values, left alone until this piece's modules are compressed
+                self._show_entries(piece, modules)
         finally:
             for handle in stops:
                 handle.remove()
         return True
+
+    def _show_entries(self, piece: Piece, modules: dict[str, torch.nn.Module]) -> None:
+        """Call each entry layer with each live batch's cached inputs (the stop hook ends every call)."""
+        for i in range(self.num_batches):
+            if i in self.dropped:
+                continue
+            sub = piece.subgraph(i)
+            values = self.cache.fetch(i, [n for e in sub.entries for n in e.input_names])
+            for entry in sub.entries:
+                args, kwargs = entry.bind(values)
+                try:
+                    modules[entry.module](*args, **kwargs)
+                except _StopPiece:
+                    pass
 
 
 def _finished_after(pieces: list[Piece]) -> list[list[str]]:

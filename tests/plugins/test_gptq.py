@@ -181,6 +181,38 @@ def test_a_member_whose_inputs_diverge_keeps_its_own_exact_history():
             assert samples == 2200
 
 
+def test_inputs_wait_for_their_fold_as_copies_unless_the_pipeline_holds_them():
+    """A short input waits for more rows before its Gram product. The model may still write into it
+    after the hook, so it waits as a copy; inside ``inputs_held_unchanged`` (sequential at layers,
+    which shows entry layers their cached inputs) it waits as it is. Both give the input's Hessian."""
+    from layerwise.pipeline import inputs_are_held, inputs_held_unchanged
+
+    x = correlated(tokens=10)[0]
+    expected = accumulate_hessian(None, 0, x)[0]
+    assert not inputs_are_held()
+    for held in (False, True):
+        model = TwoLinears()
+        modifier = gptq(targets=["first"], ignore=[], scheme="W8A16")
+        lifecycle = Lifecycle(CompressionState(model, [modifier]))
+        lifecycle.initialize()
+        seen = x.clone()
+        with torch.no_grad(), lifecycle.calibrating():
+            if held:
+                with inputs_held_unchanged():
+                    assert inputs_are_held()
+                    model.first(seen)
+            else:
+                model.first(seen)
+                seen.mul_(3.0)  # written in place after the hook, before any fold
+            waiting = modifier._grams["first"].pending[0]
+            shares = waiting.untyped_storage().data_ptr() == seen.untyped_storage().data_ptr()
+            assert shares == held
+            hessian, samples = modifier._hessian("first")
+        torch.testing.assert_close(hessian, expected, rtol=1e-5, atol=1e-6)
+        assert samples == 10
+    assert not inputs_are_held()
+
+
 # -- activation order -----------------------------------------------------------------------------
 def test_static_actorder_stores_no_group_index_and_saves(tmp_path):
     model = build_tiny_llama()
