@@ -46,12 +46,15 @@ def linear_weight(module: nn.Module) -> Tensor:
 
 @torch.no_grad()
 def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: Tensor,
-                         zero_point: Tensor | None, args: QuantizationArgs, g_idx: Tensor | None = None) -> None:
+                         zero_point: Tensor | None, args: QuantizationArgs, g_idx: Tensor | None = None,
+                         on_grid: bool = False) -> None:
     """Store the fake-quantized weight and its qparams on ``module`` (what the saver reads).
 
     ``weight_dequantized`` is in the Linear layout ``(out, in)``; it is fake-quantized
     again with ``scale``/``zero_point`` (a no-op for values already on the grid) so the
-    stored weight is exactly what the packed checkpoint decodes to.
+    stored weight is exactly what the packed checkpoint decodes to. ``on_grid=True`` says the
+    caller computed it as ``(q - zero_point) * scale`` with these very qparams, scale already in
+    the weight's dtype (GPTQ and round-to-nearest results): the second pass is skipped.
     """
     if zero_point is None:
         zero_point = torch.zeros_like(scale)
@@ -67,7 +70,8 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
                          f"is {expected}")
     # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale
     scale = scale.to(target.dtype)
-    fq = fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args, g_idx)
+    fq = weight if on_grid else fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32),
+                                                     args, g_idx)
     replace_data(target, fq.t().contiguous() if is_transposed(module) else fq)
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point.to(scale.dtype))

@@ -246,7 +246,8 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         if solved.fallback is not None:
             message = f"GPTQ: layer {name!r} is rounded to nearest instead: {solved.fallback}"
             warn_user(message, GPTQFallbackWarning)
-        set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx)
+        set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx,
+                             on_grid=True)
         self.quantize_inputs(name, module)
         self._done.add(name)
         samples, dropped = solved.samples, solved.dropped

@@ -198,6 +198,22 @@ def test_dead_columns_become_zero_and_the_rest_is_still_solved():
     assert output_error(w, result.weight, x) < output_error(w, rtn(w, args)[0], x)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_results_are_on_their_own_grid(name, actorder, scale_dtype):
+    """What lets the modifier store a result without quantizing it again (``set_quantized_weight(on_grid=
+    True)``): fake-quantizing the result with its own qparams gives it back bit for bit."""
+    args = SCHEMES[name]
+    if actorder == "group" and args.strategy != "group":
+        pytest.skip("group actorder needs groups")
+    args = args.replace(actorder=actorder)
+    w, _, h = problem()
+    result = gptq_quantize(w, h, args, scale_dtype=scale_dtype)
+    again = fake_quantize_weight(result.weight, result.scale, result.zero_point, args, result.g_idx)
+    assert torch.equal(again, result.weight)
+
+
 def test_non_finite_hessian_is_an_error():
     w, _, h = problem()
     h[3, 4] = float("nan")
@@ -223,6 +239,27 @@ def test_failed_cholesky_retries_with_more_dampening_then_gives_up(monkeypatch):
                         lambda matrix, upper=False, out=None: (matrix, torch.tensor(1)))
     with pytest.raises(GPTQError, match="not positive definite"):
         gptq_quantize(w, h, SCHEMES["int4 channel"])
+
+
+def test_wide_hessians_are_factored_in_blocks_as_lapack_factors_them():
+    """Above CHOLESKY_BLOCKED_ABOVE inputs the Cholesky factor is computed in blocks: it equals LAPACK's
+    (float rounding aside), reads only the lower triangle, and a matrix that is not positive definite
+    in a late block is refused (the caller then dampens more)."""
+    from layerwise.hessian import CHOLESKY_BLOCK, CHOLESKY_BLOCKED_ABOVE, _cholesky_in_place
+
+    n = CHOLESKY_BLOCKED_ABOVE + CHOLESKY_BLOCK // 2 + 3  # a last block narrower than the others
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * n, n, generator=g, dtype=torch.float64)
+    h = x.t() @ x / (2 * n) + 0.01 * torch.eye(n, dtype=torch.float64)
+    scrambled_upper = h.clone()
+    scrambled_upper.triu_(1).add_(torch.randn(n, n, generator=g, dtype=torch.float64).triu(1))
+    scrambled_upper += h.tril()
+    lower, ok = _cholesky_in_place(scrambled_upper)
+    assert ok and lower.data_ptr() == scrambled_upper.data_ptr()
+    torch.testing.assert_close(lower, torch.linalg.cholesky(h), rtol=1e-10, atol=1e-10)
+    broken = h.clone()
+    broken[n - 2, n - 2] = -1.0  # the failure is only met in the last block
+    assert not _cholesky_in_place(broken)[1]
 
 
 def test_indefinite_hessian_without_dampening_fails_cleanly():
