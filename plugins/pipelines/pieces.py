@@ -124,7 +124,7 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     if layers:
         try:
             fine, fine_assignment = traces_for_batches(model, batches, options, lifecycle, layers)
-            if _resident(model, device, options):
+            if resident(model, device, options):
                 difference = _difference_from_model(model, fine, batches[0], device)
             else:
                 blocks = traces_for_batches(model, batches, options, lifecycle)
@@ -151,7 +151,7 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     return traces, assignment, False
 
 
-def _resident(model: torch.nn.Module, device: torch.device, options: PipelineOptions) -> bool:
+def resident(model: torch.nn.Module, device: torch.device, options: PipelineOptions) -> bool:
     """Does every weight of ``model`` already rest on the execution device (a plain forward moves nothing)?"""
     return options.stream is None and ModuleOffloader(model, device).is_noop()
 

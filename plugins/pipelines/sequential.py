@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,7 +51,8 @@ from ._common import (
     execution_device,
     progress,
 )
-from .pieces import choose_pieces
+from .pieces import choose_pieces, resident
+from .token_batches import TokenBatcher, token_wise_pieces
 
 
 @dataclass
@@ -110,7 +111,9 @@ class SequentialPipeline(Pipeline):
             cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
             accounting = getattr(lifecycle.state, "accounting", None)
             run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
-                          accounting if accounting is not None else Accounting())
+                          accounting if accounting is not None else Accounting(),
+                          batcher=TokenBatcher(_token_wise(model, traces, assignment, batches, options, device)
+                                               if at_layers else set()))
             try:
                 wanted = set().union(*(p.input_names for p in pieces))
                 for index, batch in enumerate(batches):
@@ -135,6 +138,8 @@ class _Runner:
     num_batches: int
     accounting: Accounting
     compressed: bool = False  # has any modifier changed a weight yet? (then no other pipeline may take over)
+    #: joins short samples in the forwards of pieces found token-wise (none: every sample alone)
+    batcher: TokenBatcher = field(default_factory=TokenBatcher)
 
     def __post_init__(self) -> None:
         self.dropped: set[int] = set()  # batches whose activations became non-finite
@@ -216,33 +221,58 @@ class _Runner:
         """Run every live batch through ``piece``; cache the outputs when ``keep``.
 
         An observed forward whose outputs are not kept may end once every input the
-        modifiers read was seen (:class:`_EarlyStop`).
+        modifiers read was seen (:class:`_EarlyStop`). A forward that feeds the next piece
+        and is not observed runs short samples joined along the token axis where the piece
+        was found token-wise (:mod:`.token_batches`).
         """
         stop = _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle) if observed and not keep else None
+        live = [i for i in range(self.num_batches) if i not in self.dropped]
         try:
             with self.accounting.timed("forward"):
-                for i in range(self.num_batches):
-                    if i in self.dropped:
-                        continue
+                if keep and not observed:
+                    self._forward_grouped(piece, live)
+                    return
+                for i in live:
                     try:
                         with stop.batch() if stop is not None else contextlib.nullcontext():
-                            outputs = piece.run(i, self.cache)
+                            outputs = self._run(piece, piece.run, i, self.cache)
                     except _StopPiece:
                         continue
-                    except FATAL_ERRORS:
-                        raise
-                    except Exception as exc:
-                        if self.compressed:
-                            raise
-                        # nothing compressed yet: another pipeline can still take over
-                        raise PipelineFailed(f"{_where(piece)} failed to run: {type(exc).__name__}: {exc}") from exc
-                    if keep and not drop_if_non_finite(i, outputs, _where(piece), self.dropped, self.num_batches):
-                        self.cache.update(i, outputs)
-                    if keep:  # the piece's last run: this batch's inputs that end here go now, not after all
-                        self.cache.free(piece.subgraph(i).consumed_names, batch=i)
+                    if keep:
+                        self._keep(piece, i, outputs)
         finally:
             if stop is not None:
                 stop.close()
+
+    def _forward_grouped(self, piece: Piece, batches: list[int]) -> None:
+        """Every batch through ``piece`` and into the cache, in the batcher's groups (most are of one)."""
+        def fetch(i: int) -> dict[str, Any]:
+            return self.cache.fetch(i, piece.subgraph(i).input_names)
+
+        for group, values in self.batcher.groups(batches, piece.subgraph, fetch):
+            sub = piece.subgraph(group[0])
+            for i, outputs in zip(group, self._run(piece, self.batcher.run, sub, values)):
+                self._keep(piece, i, outputs)
+
+    def _run(self, piece: Piece, call: Any, *args: Any) -> Any:
+        """``call(*args)``, a run of ``piece``; a failure before anything was compressed lets another pipeline
+        take over."""
+        try:
+            return call(*args)
+        except (_StopPiece, *FATAL_ERRORS):
+            raise
+        except Exception as exc:
+            if self.compressed:
+                raise
+            # nothing compressed yet: another pipeline can still take over
+            raise PipelineFailed(f"{_where(piece)} failed to run: {type(exc).__name__}: {exc}") from exc
+
+    def _keep(self, piece: Piece, batch: int, outputs: dict[str, Any]) -> None:
+        """Cache a batch's outputs (unless non-finite: the batch is dropped), then free its inputs that end
+        here (its last run of this piece)."""
+        if not drop_if_non_finite(batch, outputs, _where(piece), self.dropped, self.num_batches):
+            self.cache.update(batch, outputs)
+        self.cache.free(piece.subgraph(batch).consumed_names, batch=batch)
 
     def _observe_entries(self, piece: Piece) -> bool:
         """Show each entry layer its cached inputs: its pre-hooks (the modifiers') run, its forward does not.
@@ -276,6 +306,20 @@ class _Runner:
                     modules[entry.module](*args, **kwargs)
                 except _StopPiece:
                     pass
+
+
+def _token_wise(model: torch.nn.Module, traces: Any, assignment: list[int], batches: Sequence[dict[str, Any]],
+                options: PipelineOptions, device: torch.device) -> set[int]:
+    """The pieces that may run short samples joined: checked on the first two batches, before calibration,
+    when both are served by the first trace and the weights already rest on the execution device."""
+    if len(batches) < 2 or assignment[0] != 0 or assignment[1] != 0 or not resident(model, device, options):
+        return set()
+    try:
+        return token_wise_pieces(traces.traces[0].subgraphs, batches[0], batches[1], device)
+    except FATAL_ERRORS:
+        raise
+    except Exception:  # noqa: BLE001 - a piece that cannot run joined (or at all, here) is simply not joined
+        return set()
 
 
 def _finished_after(pieces: list[Piece]) -> list[list[str]]:

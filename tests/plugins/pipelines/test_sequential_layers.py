@@ -218,7 +218,7 @@ def test_weights_elsewhere_compare_the_layers_with_the_blocks(monkeypatch):
     """A plain forward would load every weight at once: a streamed or offloaded model compares the two cuts."""
     from layerwise.plugins.pipelines import pieces
 
-    monkeypatch.setattr(pieces, "_resident", lambda *a: False)
+    monkeypatch.setattr(pieces, "resident", lambda *a: False)
     monkeypatch.setattr(pieces, "_first_batch_difference", lambda *a: 0.25)
     state = run(build_tiny_llama(), gptq(ignore=["lm_head"]))
     assert state.pieces.startswith("blocks: ") and "0.25 (relative) away from the block pieces" in state.pieces
