@@ -195,10 +195,12 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
     qmin, qmax = qrange(args)
     symmetric = args.symmetric
     row_loss = torch.zeros(rows, dtype=torch.float64, device=Wt.device)
-    if not group:  # one scale (and zero point) row for every column
+    # each column reads a row of scales (and zero points): a few views, and a list of which one per column
+    if not group:  # one row for every column
         s_row = scale.reshape(-1).expand(rows).contiguous()
-        z_row = zero_point.reshape(-1).expand(rows).contiguous()
-    elif upfront:  # each column reads its group's row: a few views, and a list of which one per column
+        scale_rows, zero_rows = (s_row,), (zero_point.reshape(-1).expand(rows).contiguous(),)
+        groups_in_order = [0] * columns
+    elif upfront:
         scale_rows, zero_rows = scale.t().contiguous().unbind(0), zero_point.t().contiguous().unbind(0)
         groups_in_order = column_group.tolist()
     width = min(block_size, columns)
@@ -237,8 +239,6 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
                             scale[:, g:g + 1] = _stored(s, scale_dtype)
                             zero_point[:, g:g + 1] = z
                             s_col, z_col = scale[:, g].contiguous(), zero_point[:, g].contiguous()
-                    elif not group:
-                        s_col, z_col = s_row, z_row
                     else:
                         g = groups_in_order[i1 + i]
                         s_col, z_col = scale_rows[g], zero_rows[g]

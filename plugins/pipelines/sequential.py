@@ -226,7 +226,7 @@ class _Runner:
         was found token-wise (:mod:`.token_batches`).
         """
         stop = _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle) if observed and not keep else None
-        live = [i for i in range(self.num_batches) if i not in self.dropped]
+        live = self._live()
         try:
             with self.accounting.timed("forward"):
                 if keep and not observed:
@@ -253,6 +253,10 @@ class _Runner:
             sub = piece.subgraph(group[0])
             for i, outputs in zip(group, self._run(piece, self.batcher.run, sub, values)):
                 self._keep(piece, i, outputs)
+
+    def _live(self) -> list[int]:
+        """The batches not dropped (their activations stayed finite), in order."""
+        return [i for i in range(self.num_batches) if i not in self.dropped]
 
     def _run(self, piece: Piece, call: Any, *args: Any) -> Any:
         """``call(*args)``, a run of ``piece``; a failure before anything was compressed lets another pipeline
@@ -295,9 +299,7 @@ class _Runner:
 
     def _show_entries(self, piece: Piece, modules: dict[str, torch.nn.Module]) -> None:
         """Call each entry layer with each live batch's cached inputs (the stop hook ends every call)."""
-        for i in range(self.num_batches):
-            if i in self.dropped:
-                continue
+        for i in self._live():
             sub = piece.subgraph(i)
             values = self.cache.fetch(i, [n for e in sub.entries for n in e.input_names])
             for entry in sub.entries:

@@ -71,6 +71,13 @@ def split(outputs: Mapping[str, Any], counts: list[int]) -> list[dict[str, Any]]
     return [{name: chunks[k].clone() for name, chunks in parts.items()} for k in range(len(counts))]
 
 
+def run_joined(sub: Any, samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """Each sample's outputs from one call of ``sub`` on the samples joined; ``None`` when the outputs are
+    not all per token."""
+    counts = [token_count(s) for s in samples]
+    return split(sub.run(join(samples)), counts)  # type: ignore[arg-type]
+
+
 @torch.no_grad()
 def token_wise_pieces(subgraphs: Sequence[Any], first: Mapping[str, Any], second: Mapping[str, Any],
                       device: torch.device | None) -> set[int]:
@@ -87,11 +94,10 @@ def token_wise_pieces(subgraphs: Sequence[Any], first: Mapping[str, Any], second
     found = set()
     for sub in subgraphs[:-1]:
         inputs = [{name: v[name] for name in sub.input_names} for v in values]
-        counts = [token_count(one) for one in inputs]
         joined = None
-        if None not in counts and _same_constants(*inputs):
-            joined = split(sub.run(join(inputs)), counts)  # before the one-by-one runs: a piece may write into
-        alone = [sub.run(one) for one in inputs]             # its inputs, and joining copied them
+        if None not in map(token_count, inputs) and _same_constants(*inputs):
+            joined = run_joined(sub, inputs)       # before the one-by-one runs: a piece may write into
+        alone = [sub.run(one) for one in inputs]   # its inputs, and joining copied them
         if joined is not None and all(set(j) == set(a) and output_difference(a, j, relative=True) <= SAME_OUTPUTS
                                       for j, a in zip(joined, alone)):
             found.add(sub.index)
@@ -140,8 +146,7 @@ class TokenBatcher:
         """Each sample's outputs: one call for a group of several, the plain call for one."""
         if len(samples) == 1:
             return [sub.run(samples[0])]
-        counts = [token_count(s) for s in samples]
-        outputs = split(sub.run(join(samples)), counts)  # type: ignore[arg-type]
+        outputs = run_joined(sub, samples)
         if outputs is None:  # checked on two samples; this group's outputs came out otherwise
             raise RuntimeError(f"subgraph {sub.index} joined {len(samples)} samples but its outputs are "
                                f"not per token")
