@@ -91,3 +91,73 @@ def test_the_step_grows_with_what_the_cache_holds(monkeypatch):
     assert not trims and freed.pending == 240
     freed.add(60, held=1000)
     assert len(trims) == 1
+
+
+_TEMPORARIES_SCRIPT = textwrap.dedent("""
+    import ctypes, resource
+    import torch
+    from layerwise import heap
+
+    def forward():  # a layer's temporaries: six 2 MB blocks, freed together at its end
+        temps = [torch.ones(512 * 1024) for _ in range(6)]
+        del temps
+
+    def faults():
+        forward()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(50):
+            forward()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    # glibc's starting thresholds, held (its own adjusting of them depends on the process's history)
+    ctypes.CDLL(None).mallopt(-3, 128 * 1024)
+    default = faults()
+    assert heap.keep_temporaries_in_heap()
+    print(default, faults())
+""")
+
+
+@glibc_only
+def test_kept_temporaries_are_not_faulted_in_again_on_every_forward():
+    # at glibc's starting thresholds each 2 MB block is mapped afresh (all 3,072 pages of a call fault
+    # in again); with the thresholds raised they stay in the heap for the next call
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", _TEMPORARIES_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    default, kept = map(int, done.stdout.split())
+    assert default > 50 * 1500, f"glibc's thresholds faulted only {default} pages: the case no longer shows it"
+    assert kept < default / 10, f"{kept} page faults with the temporaries kept, {default} without"
+
+
+def test_a_users_malloc_settings_are_kept(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap, "_libc_function", lambda *a: lambda *args: calls.append(args) or 1)
+    for name, value in [("MALLOC_TRIM_THRESHOLD_", "1000000"), ("GLIBC_TUNABLES", "glibc.malloc.top_pad=0")]:
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            heap.keep_temporaries_in_heap.cache_clear()
+            assert heap.keep_temporaries_in_heap() is False
+    assert not calls
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in heap._USER_MALLOC_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    heap.keep_temporaries_in_heap.cache_clear()
+    try:
+        assert heap.keep_temporaries_in_heap() is True
+        assert heap.keep_temporaries_in_heap() is True and len(calls) == 2  # once per process
+        assert calls == [(heap._M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD_BYTES),
+                         (heap._M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD_BYTES)]
+    finally:
+        heap.keep_temporaries_in_heap.cache_clear()
+
+
+def test_no_mallopt_changes_nothing(monkeypatch):
+    monkeypatch.setattr(heap, "_libc_function", lambda *a: None)
+    for name in heap._USER_MALLOC_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    heap.keep_temporaries_in_heap.cache_clear()
+    try:
+        assert heap.keep_temporaries_in_heap() is False
+    finally:
+        heap.keep_temporaries_in_heap.cache_clear()
