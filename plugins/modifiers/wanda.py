@@ -56,6 +56,8 @@ class WandaModifier(PruningModifier):
         #: per layer: the sum over tokens of each input column's square, and the token count
         self._norms: dict[str, tuple[torch.Tensor, int]] = {}
         self._non_finite: dict[str, int] = {}
+        #: the input the last hooked layer read (unchanged since: its version), with its column sums
+        self._last_input: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
 
     def on_initialize(self, state: CompressionState) -> None:
         super().on_initialize(state)
@@ -70,6 +72,7 @@ class WandaModifier(PruningModifier):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self._norms.clear()
+        self._last_input = None
 
     def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
         """The input columns' sums of squares, their token counts and the non-finite counts add up over the ranks."""
@@ -102,17 +105,30 @@ class WandaModifier(PruningModifier):
             x = layer_input(args, kwargs)
             if not isinstance(x, torch.Tensor) or name in self._done:
                 return
-            flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-            # a plain sum over rows: 3.5-5.7x faster on the CPU than vector_norm(dim=0) (strided)
-            squares = flat.square().sum(0)
-            # NaN/inf in the input (or a square overflowing float32) shows in the column sums: checking
-            # them is as strict as checking the input, on a vector instead of a matrix
-            if not is_finite(squares):
+            squares = self._column_squares(x)
+            if squares is None:
                 self._non_finite[name] = self._non_finite.get(name, 0) + 1
                 return
             total, count = self._norms.get(name, (None, 0))
-            self._norms[name] = (squares if total is None else total.add_(squares), count + flat.shape[0])
+            # a copy to start from: the same sums may serve the next layer reading this input
+            self._norms[name] = (squares.clone() if total is None else total.add_(squares),
+                                 count + x.numel() // x.shape[-1])
         return hook
+
+    def _column_squares(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each input column's sum of squares over the rows of ``x`` (``None`` when not finite), computed
+        once for layers reading the same tensor one after another (q/k/v, gate/up)."""
+        last = self._last_input
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+        # a plain sum over rows: 3.5-5.7x faster on the CPU than vector_norm(dim=0) (strided)
+        squares = flat.square().sum(0)
+        # NaN/inf in the input (or a square overflowing float32) shows in the column sums: checking
+        # them is as strict as checking the input, on a vector instead of a matrix
+        result = squares if is_finite(squares) else None
+        self._last_input = (x, x._version, result)
+        return result
 
     def solve(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
         total, samples = self._norms.pop(name, (None, 0))

@@ -143,6 +143,44 @@ def test_wanda_keeps_the_weights_with_the_largest_magnitude_times_input_norm():
         assert torch.equal(getattr(model, name).weight == 0, expected), name
 
 
+
+class SharedInput(torch.nn.Module):
+    """q/k/v-like layers reading one tensor, which is then written in place before a fourth reads it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.q, self.k, self.v, self.after = (torch.nn.Linear(32, 8, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        h = x * 1.0
+        out = self.q(h) + self.k(h) + self.v(h)
+        h.mul_(torch.linspace(3, 0.1, 32))  # same tensor, new contents: its sums must be taken again
+        return out.sum() + self.after(h)
+
+
+def test_wanda_sums_an_input_once_for_the_layers_reading_it_and_again_after_an_in_place_write(monkeypatch):
+    from layerwise.plugins.modifiers import wanda as wanda_module
+
+    sums = []
+    monkeypatch.setattr(wanda_module, "is_finite", lambda t: sums.append(t.shape) or bool(torch.isfinite(t).all()))
+    model, reference = SharedInput(), SharedInput()
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(1, 12, 32, generator=g) * torch.linspace(0.1, 4, 32) for _ in range(2)]
+    wanda = modifier("WandaModifier", sparsity=0.5, ignore=[])
+    lifecycle = Lifecycle(CompressionState(model, [wanda]))
+    lifecycle.initialize()
+    with torch.no_grad(), lifecycle.calibrating():
+        for x in batches:
+            model(x)
+    assert len(sums) == 2 * len(batches)  # per batch: q/k/v's input once, the written one once
+    x = torch.cat(batches, 1).reshape(-1, 32)
+    written = x * torch.linspace(3, 0.1, 32)
+    for name, inputs in [("q", x), ("k", x), ("v", x), ("after", written)]:
+        w = getattr(reference, name).weight.detach()
+        expected = score_mask(w.abs() * inputs.norm(dim=0), MaskStructure(0, 0), 0.5)
+        assert torch.equal(getattr(model, name).weight == 0, expected), name
+
 # -- sparse, then quantized ---------------------------------------------------------------------
 @pytest.mark.parametrize("pieces", ["layers", "blocks"])
 def test_gptq_after_sparsegpt_keeps_every_pruned_weight_at_zero(monkeypatch, pieces):
