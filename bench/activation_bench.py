@@ -518,11 +518,12 @@ def _notes(results: dict[str, dict[str, dict]]) -> list[str]:
 def _time_split(config: str, r: dict) -> str:
     """compress()'s phases (the run's own accounting, with the rate where it counts FLOPs) and the rest."""
     phases = {phase: work for phase, work in r["accounting"].items() if work.get("seconds")}
-    other = r["seconds"] - sum(work["seconds"] for work in phases.values())
+    total = r.get("split_seconds", r["seconds"])  # the run the split comes from (nearest the median)
+    other = total - sum(work["seconds"] for work in phases.values())
     parts = [f"{phase} {work['seconds']:.2f} s" + (f" ({work['gflops_per_second']:.0f} GFLOP/s)"
                                                    if work.get("gflops_per_second") else "")
              for phase, work in phases.items()] + [f"other {other:.2f} s"]
-    return f"- {config} ({r.get('pieces') or r.get('pipeline', '?')}): {', '.join(parts)} (compress() {r['seconds']:.2f} s)"
+    return f"- {config} ({r.get('pieces') or r.get('pipeline', '?')}): {', '.join(parts)} (compress() {total:.2f} s)"
 
 
 def main() -> None:

@@ -233,7 +233,7 @@ def accounting_lines(name: str, r: dict) -> list[str]:
     phases = [("forwards (one per sample)" if r.get("pieces", "").startswith("layers") else "forwards",
                forward["seconds"], r["forward_flops"] if r.get("pieces", "").startswith("layers") else None)]
     phases += [(phase, work["seconds"], work["flops"] or None) for phase, work in acc.items() if phase != "forward"]
-    other = r["seconds"] - sum(seconds for _, seconds, _ in phases)
+    other = r.get("split_seconds", r["seconds"]) - sum(seconds for _, seconds, _ in phases)
     lines = [f"#### Where the time goes: {name} ({r.get('pieces', '').split(' (')[0]})", "",
              f"matmul peak measured in the same process: {peak:.0f} GFLOP/s (float32, 2048 x 2048)", "",
              "| phase | seconds | GFLOP | GFLOP/s | of matmul peak |", "|---|---:|---:|---:|---:|"]
@@ -380,29 +380,37 @@ def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
     return result
 
 
+#: a run's time split: copied, with that run's own time, from the run nearest the median
+SPLIT_KEYS = ("accounting", "matmul_peak_gflops", "forward_flops", "phases", "save_seconds")
+
+
 def repeated(results: dict[str, dict], again: dict[str, Callable[[], dict]], runs: int) -> None:
     """``runs - 1`` more timed runs of each entry of ``again`` (fresh processes, the tools taking turns, so a
     slow spell of the shared machine hits both); each result's ``seconds`` and ``peak_rss_gb`` become the
     medians of its runs, all of them kept in ``seconds_runs`` / ``peak_rss_runs``, and its time split
-    (``accounting``, with that process's matmul peak) is the one of the run nearest the median time, so the
-    split adds up to the time shown."""
+    (:data:`SPLIT_KEYS`) is the one of the run nearest the median time, whose own time is kept in
+    ``split_seconds`` so that the split adds up. A failed repeat leaves the first run's numbers."""
     import statistics
 
     splits: dict[str, list[dict]] = {}
     for _ in range(runs - 1):
         for name, run in again.items():
             result, first = run(), results[name]
+            if "error" in result:
+                return
             splits.setdefault(name, [dict(first)]).append(result)
             first.setdefault("seconds_runs", [first["seconds"]]).append(result["seconds"])
             first.setdefault("peak_rss_runs", [first["peak_rss_gb"]]).append(result["peak_rss_gb"])
     for name in again:
+        if "seconds_runs" not in results[name]:
+            continue
         median = statistics.median(results[name]["seconds_runs"])
         results[name]["seconds"] = median
         results[name]["peak_rss_gb"] = statistics.median(results[name]["peak_rss_runs"])
         nearest = min(splits.get(name, []), key=lambda run: abs(run["seconds"] - median), default=None)
-        for key in ("accounting", "matmul_peak_gflops", "forward_flops"):
-            if nearest is not None and key in nearest:
-                results[name][key] = nearest[key]
+        if nearest is not None:
+            results[name]["split_seconds"] = nearest["seconds"]
+            results[name].update({key: nearest[key] for key in SPLIT_KEYS if key in nearest})
 
 
 def run_llmcompressor_timing(case: str, quick: bool, threads: int | None) -> dict:

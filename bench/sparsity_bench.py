@@ -69,7 +69,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from gptq_bench import (
     CALIB,
@@ -88,6 +87,7 @@ from gptq_bench import (
     llmcompressor_inputs,
     minilm_calibration,
     perplexity,
+    repeated,
     run_in_subprocess,
 )
 
@@ -349,26 +349,6 @@ def side_by_side_parser(doc: str, configs: list[str], llmc_child: tuple[str, ...
     return parser
 
 
-def take_medians(tools: dict[str, dict], again: dict[str, Any], runs: int) -> None:
-    """``runs - 1`` more runs of each tool in ``again`` (name -> a call returning its result), taking turns so
-    a slow spell of the machine hits both; ``seconds`` and ``peak_rss_gb`` become the medians, every run's
-    kept in ``seconds_runs`` / ``peak_rss_runs``. A failed repeat leaves the first run's numbers."""
-    import statistics
-
-    for _ in range(runs - 1):
-        for tool, run in again.items():
-            result = run()
-            if "error" in result:
-                return
-            first = tools[tool]
-            first.setdefault("seconds_runs", [first["seconds"]]).append(result["seconds"])
-            first.setdefault("peak_rss_runs", [first["peak_rss_gb"]]).append(result["peak_rss_gb"])
-    for tool in again:
-        if "seconds_runs" in tools[tool]:
-            tools[tool]["seconds"] = statistics.median(tools[tool]["seconds_runs"])
-            tools[tool]["peak_rss_gb"] = statistics.median(tools[tool]["peak_rss_runs"])
-
-
 def medians_note(lw: dict, llmc: dict) -> str:
     """`` (medians of N runs: ...)`` when the runs were repeated, else nothing."""
     if len(lw.get("seconds_runs", ())) < 2:
@@ -407,7 +387,7 @@ def run_cases(cases: list[str], configs: list[str], args: argparse.Namespace, sc
                     again[LLMC] = lambda case=case, config=config: _attempt(
                         f"{case} / {config} / {LLMC} (repeat)",
                         lambda: run_llmcompressor(case, config, args.quick, args.threads))
-                take_medians(results[config], again, args.repeat)
+                repeated(results[config], again, args.repeat)
         failed |= "error" in dense or any("error" in r for tools in results.values() for r in tools.values())
         if "error" in dense:
             lines += [f"### {case}: the fp32 reference failed: {dense['error']}", ""]
@@ -543,10 +523,11 @@ def _targets(case: str, config: str, lw: dict | None, llmc: dict | None, dense: 
 def _time_split(config: str, r: dict) -> str:
     """compress()'s phases (the run's own accounting), the rest, and the save timed apart."""
     phases = {phase: seconds for phase, seconds in r["phases"].items() if seconds}
-    other = r["seconds"] - sum(phases.values())
-    parts = [f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()] + [f"other {other:.2f} s"]
+    total = r.get("split_seconds", r["seconds"])  # the run the split comes from (nearest the median)
+    parts = [f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()]
+    parts.append(f"other {total - sum(phases.values()):.2f} s")
     save = f"; save {r['save_seconds']:.2f} s" if "save_seconds" in r else ""
-    return f"- {config} ({r.get('pieces', '?')}): {', '.join(parts)} (compress() {r['seconds']:.2f} s){save}"
+    return f"- {config} ({r.get('pieces', '?')}): {', '.join(parts)} (compress() {total:.2f} s){save}"
 
 
 def main() -> None:
