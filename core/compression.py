@@ -17,7 +17,6 @@ from .data import batches_from_records, load_records
 from .devices import out_of_memory_error, resolve_device
 from .errors import DatasetError, check_choice, require_positive
 from .finite import check_mode, check_weights
-from .heap import keep_temporaries_in_heap
 from .lifecycle import Lifecycle
 from .loading import check_model_path, load_model, load_tokenizer
 from .model_patch import ModelPatch, use_patch
@@ -166,7 +165,6 @@ def compress(
     check_choice(weights, WEIGHTS, "weights", "--weights")
     check_choice(offload, OFFLOADS, "offload", "--offload")
     execution_device = resolve_device(device)
-    keep_temporaries_in_heap()  # forwards stop faulting their temporaries in afresh (see layerwise.heap)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
     if resume:

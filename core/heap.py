@@ -49,10 +49,11 @@ _USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MA
 def keep_temporaries_in_heap() -> bool:
     """Let freed blocks up to 32 MB stay in glibc's heap for the next forward; whether the thresholds were set.
 
-    Measured on tiny-llama-doc (2 cores): a Wanda run 14.4-15.8 s -> 12.2 s, 1.9 M -> 50 k page faults,
-    peak RSS 0.70 -> 0.62 GB (the cache's trims return what it frees); GPTQ unchanged or faster at the
-    same peak. Process-wide and kept: setting a threshold ends glibc's own adjusting of them, which no
-    call can bring back, and glibc's fixed defaults (128 kB) would map every larger tensor afresh.
+    Measured on tiny-llama-doc (2 cores): a Wanda run (blocks) 14.4-15.8 s -> 12.2 s, 1.9 M -> 50 k page
+    faults, peak RSS 0.70 -> 0.62 GB (the cache's trims return what it frees); GPTQ (layers) no faster,
+    its peak 1.00 -> 1.03-1.10 GB, so only the blocks cut calls this. Process-wide and kept: setting a
+    threshold ends glibc's own adjusting of them, which no call can bring back, and glibc's fixed
+    defaults (128 kB) would map every larger tensor afresh.
     Left alone when the user tuned malloc (``MALLOC_*_`` or ``GLIBC_TUNABLES``) or the C library has
     no ``mallopt``.
     """

@@ -199,6 +199,18 @@ def test_a_modifier_needing_whole_forwards_keeps_blocks_and_says_why():
     assert state.pieces.startswith("blocks: ") and "RoundingModifier needs whole forwards" in state.pieces
 
 
+
+@pytest.mark.parametrize("pieces, kept", [("blocks", True), ("layers", False)])
+def test_only_the_blocks_cut_keeps_forward_temporaries_in_the_heap(monkeypatch, pieces, kept):
+    # blocks run twice per batch: their temporaries stay in the C heap (layerwise.heap); the layer cut
+    # gained nothing from it, so glibc's own thresholds stay there
+    from layerwise.plugins.pipelines import sequential
+
+    calls = []
+    monkeypatch.setattr(sequential, "keep_temporaries_in_heap", lambda: calls.append(1) or True)
+    state = run(build_tiny_llama(), gptq(ignore=["lm_head"]), pieces=pieces)
+    assert state.pieces.startswith(pieces) and bool(calls) is kept
+
 def test_without_error_propagation_blocks_run_once():
     state = run(build_tiny_llama(), gptq(ignore=["lm_head"]), propagate_error=False)
     assert state.pieces.startswith("blocks: ") and "runs once" in state.pieces and "propagate_error" in state.pieces
