@@ -11,7 +11,7 @@ The other way round, glibc by default gives back too much: a block's temporaries
 each) are mapped fresh or trimmed off the heap's top as soon as they are freed, so every
 forward faults them in again, zeroed, page by page (1,300 faults a call on a tiny-llama-doc
 decoder layer, a sixth of its time). :func:`keep_temporaries_in_heap` raises the two
-thresholds once per process, leaving the returning to the cache's trims.
+thresholds once per process when a run is cut at blocks, leaving the returning to the cache's trims.
 """
 
 from __future__ import annotations
