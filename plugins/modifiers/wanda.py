@@ -5,9 +5,10 @@ over every calibration token; each output row keeps its most important weights
 (``mask_structure`` ``"0:0"``: exactly ``round(sparsity * in)`` pruned per row; ``N:M``:
 N per run of M). Data-light: a pre-hook keeps one float32 sum of squares per input
 column (summed once for layers reading one tensor), nothing else, and nothing is updated
-after pruning. A layer that saw no data is magnitude-pruned with a warning. Each block's layers are scored on the block's unpruned
-inputs (:attr:`needs_uncompressed_block`: the blocks cut, observe, prune, run again), as in the
-Wanda paper; it still reads only its layers' inputs (:meth:`calibration_inputs`).
+after pruning. A layer that saw no data is magnitude-pruned with a warning. Each block's
+layers are scored on the block's unpruned inputs (:attr:`needs_uncompressed_block`: the blocks
+cut, observe, prune, run again), as in the Wanda paper; it still reads only its layers' inputs
+(:meth:`calibration_inputs`).
 """
 
 from __future__ import annotations
