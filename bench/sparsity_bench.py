@@ -46,6 +46,10 @@ Measured per configuration and tool, each in a fresh process (so each peak RSS i
   ``2:4 + W4A16`` as plain ``pack-quantized`` (no 2:4 format); its GPTQ does not keep SparseGPT's
   zeros either (the 2:4 check below says how many runs survive).
 
+Both tools get the calibration samples in the same order (llm-compressor's random sampler is turned
+off: unseeded, it drew a new order each run, and SparseGPT's MiniLM cosine moved by up to 0.002 with
+it); ``bench/quality_spread.py`` compares the tools over several shuffled orders.
+
 Targets, as ratios to llm-compressor measured in the same run: perplexity <= its x 1.002
 (tiny-llama), cosine >= its - 0.002 (minilm), time <= 0.7x, peak RSS <= 1.0x; and, for
 ``SparseGPT 50%`` and ``Wanda 50%``, layerwise's saved size < 0.7x the dense checkpoint.
@@ -123,15 +127,31 @@ TIME_RATIO, RSS_RATIO = 0.7, 1.0
 SIZE_RATIO, SIZE_CONFIGS = 0.7, ("SparseGPT 50%", "Wanda 50%")
 
 
+#: set to a seed, both tools get the calibration samples in that seed's shuffled order (bench/quality_spread.py)
+ORDER_ENV = "LAYERWISE_BENCH_ORDER"
+
+
+def in_calibration_order(samples: list) -> list:
+    """``samples`` in the order :data:`ORDER_ENV` asks for (unchanged when it is not set)."""
+    seed = os.environ.get(ORDER_ENV)
+    if seed is None:
+        return samples
+    import random
+
+    shuffled = list(samples)
+    random.Random(int(seed)).shuffle(shuffled)
+    return shuffled
+
+
 # -- one configuration, in its own process (layerwise's Python) -----------------------------------
 def _calibration(case: str, tokenizer, quick: bool) -> tuple[list, int]:
     """The case's calibration samples as layerwise gets them (as in gptq_bench), and the tokens per sample."""
     if case == "minilm":
-        return minilm_calibration(32 if quick else 128), 128
+        return in_calibration_order(minilm_calibration(32 if quick else 128)), 128
     import torch
 
     windows = _windows(tokenizer, CALIB, 16 if quick else 128, 512)
-    return [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in windows], 512
+    return in_calibration_order([{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in windows]), 512
 
 
 def run_layerwise(case: str, config: str, quick: bool) -> dict:
@@ -282,8 +302,10 @@ def llmcompressor_child(case: str, config: str, model_path: str, out_dir: str, q
     model, _, rows, layers, ignore, length = llmcompressor_inputs(case, model_path, quick)
     recipe = llmcompressor_recipe(CONFIGS[config], layers, ignore)
     start = time.perf_counter()
-    oneshot(model=model, dataset=Dataset.from_list(rows), recipe=recipe, max_seq_length=length,
-            num_calibration_samples=len(rows), sequential_targets=layers)
+    # the samples in layerwise's order, not re-drawn at random by its sampler (unseeded: each run differs)
+    oneshot(model=model, dataset=Dataset.from_list(in_calibration_order(rows)), recipe=recipe,
+            max_seq_length=length, num_calibration_samples=len(rows), sequential_targets=layers,
+            shuffle_calibration_samples=False)
     seconds = time.perf_counter() - start
     peak = _peak_rss_gb()  # as for layerwise: what compressing needed, not saving
     start = time.perf_counter()
