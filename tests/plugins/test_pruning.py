@@ -127,21 +127,29 @@ class TwoLinears(torch.nn.Module):
 
 def test_wanda_keeps_the_weights_with_the_largest_magnitude_times_input_norm():
     model, reference = TwoLinears(), TwoLinears()
-    g = torch.Generator().manual_seed(2)
-    batches = [torch.randn(1, 20, 32, generator=g) * torch.linspace(0.1, 4, 32) for _ in range(3)]
-    wanda = modifier("WandaModifier", sparsity=0.5, ignore=[])
-    lifecycle = Lifecycle(CompressionState(model, [wanda]))
+    batches = wanda_on_plain_forwards(model, seed=2, count=3, tokens=20)
+    x = torch.cat(batches, 1).reshape(-1, 32)
+    assert_wanda_masks(model, reference, {"first": x, "second": torch.relu(reference.first(x))})
+
+
+def wanda_on_plain_forwards(model, seed, count, tokens):
+    """Wanda at 50 % on ``model`` through plain forwards (every layer sees the dense inputs); the batches."""
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(1, tokens, 32, generator=g) * torch.linspace(0.1, 4, 32) for _ in range(count)]
+    lifecycle = Lifecycle(CompressionState(model, [modifier("WandaModifier", sparsity=0.5, ignore=[])]))
     lifecycle.initialize()
-    with torch.no_grad(), lifecycle.calibrating():  # a plain forward: every layer sees the dense inputs
+    with torch.no_grad(), lifecycle.calibrating():
         for x in batches:
             model(x)
-    x = torch.cat(batches, 1).reshape(-1, 32)
-    inputs = {"first": x, "second": torch.relu(reference.first(x))}
-    for name in ("first", "second"):
-        w = getattr(reference, name).weight.detach()
-        expected = score_mask(w.abs() * inputs[name].norm(dim=0), MaskStructure(0, 0), 0.5)
-        assert torch.equal(getattr(model, name).weight == 0, expected), name
+    return batches
 
+
+def assert_wanda_masks(model, reference, inputs):
+    """Each layer's zeros are the lowest ``|W| * ||X||`` of its row, ``X`` its calibration inputs."""
+    for name, x in inputs.items():
+        w = getattr(reference, name).weight.detach()
+        expected = score_mask(w.abs() * x.norm(dim=0), MaskStructure(0, 0), 0.5)
+        assert torch.equal(getattr(model, name).weight == 0, expected), name
 
 
 class SharedInput(torch.nn.Module):
@@ -165,21 +173,10 @@ def test_wanda_sums_an_input_once_for_the_layers_reading_it_and_again_after_an_i
     sums = []
     monkeypatch.setattr(wanda_module, "is_finite", lambda t: sums.append(t.shape) or bool(torch.isfinite(t).all()))
     model, reference = SharedInput(), SharedInput()
-    g = torch.Generator().manual_seed(5)
-    batches = [torch.randn(1, 12, 32, generator=g) * torch.linspace(0.1, 4, 32) for _ in range(2)]
-    wanda = modifier("WandaModifier", sparsity=0.5, ignore=[])
-    lifecycle = Lifecycle(CompressionState(model, [wanda]))
-    lifecycle.initialize()
-    with torch.no_grad(), lifecycle.calibrating():
-        for x in batches:
-            model(x)
+    batches = wanda_on_plain_forwards(model, seed=5, count=2, tokens=12)
     assert len(sums) == 2 * len(batches)  # per batch: q/k/v's input once, the written one once
     x = torch.cat(batches, 1).reshape(-1, 32)
-    written = x * torch.linspace(3, 0.1, 32)
-    for name, inputs in [("q", x), ("k", x), ("v", x), ("after", written)]:
-        w = getattr(reference, name).weight.detach()
-        expected = score_mask(w.abs() * inputs.norm(dim=0), MaskStructure(0, 0), 0.5)
-        assert torch.equal(getattr(model, name).weight == 0, expected), name
+    assert_wanda_masks(model, reference, {"q": x, "k": x, "v": x, "after": x * torch.linspace(3, 0.1, 32)})
 
 # -- sparse, then quantized ---------------------------------------------------------------------
 @pytest.mark.parametrize("pieces", ["layers", "blocks"])
