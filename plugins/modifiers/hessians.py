@@ -114,8 +114,7 @@ class HessianBank:
 
     def _read_last(self, x: torch.Tensor) -> bool:
         """Is ``x`` the very tensor (unchanged since) the previous hooked layer read?"""
-        last = self.last
-        return last is not None and last[0] is x and last[1] == x._version
+        return read_last(self.last, x)
 
     @torch.no_grad()
     def _accumulate(self, name: str, x: torch.Tensor) -> None:
@@ -355,6 +354,15 @@ class HessianHooks:
         """Forget this modifier's matrices: a fresh bank of its own (the run's is joined at calibration start)."""
         self._bank.clear()
         self._bank = HessianBank()
+
+
+def read_last(last: tuple | None, x: torch.Tensor) -> bool:
+    """Is ``x`` the tensor a hook recorded as ``last = (tensor, its version, ...)``, not written to since?
+
+    Layers reading one value one after another (q/k/v, gate/up) get the very same tensor: what was
+    computed from it for the first can serve the others, unless something wrote into it in between.
+    """
+    return last is not None and last[0] is x and last[1] == x._version
 
 
 def layer_input(args: tuple, kwargs: dict) -> Any:

@@ -25,7 +25,7 @@ from layerwise.quantization.storage import linear_weight
 from layerwise.sparsity.masks import score_mask
 from layerwise.state import CompressionState
 
-from .hessians import _warn_dropped, layer_input
+from .hessians import _warn_dropped, layer_input, read_last
 from .pruning import PruningModifier
 from .quantization import _in_piece
 
@@ -119,9 +119,8 @@ class WandaModifier(PruningModifier):
     def _column_squares(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each input column's sum of squares over the rows of ``x`` (``None`` when not finite), computed
         once for layers reading the same tensor one after another (q/k/v, gate/up)."""
-        last = self._last_input
-        if last is not None and last[0] is x and last[1] == x._version:
-            return last[2]
+        if read_last(self._last_input, x):
+            return self._last_input[2]  # type: ignore[index]
         flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
         # a plain sum over rows: 3.5-5.7x faster on the CPU than vector_norm(dim=0) (strided)
         squares = flat.square().sum(0)
