@@ -105,8 +105,11 @@ from gptq_bench import (
     eval_sentences,
     llmcompressor_inputs,
     perplexity,
+    split_total,
 )
 from sparsity_bench import (
+    LLMC,
+    LW,
     RSS_RATIO,
     TIME_RATIO,
     _calibration,
@@ -129,7 +132,6 @@ CONFIGS: dict[str, dict | None] = {
     "AWQ W4A16_ASYM": {"recipe": "AWQ_W4A16_ASYM", "data": True},
     "AWQ 3-bit g128": {"recipe": {"AWQModifier": {"scheme": {"preset": "W4A16_ASYM", "num_bits": 3}}}, "data": True},
 }
-LW, LLMC = "layerwise", "llm-compressor"
 #: the fp32 run writes the MiniLM reference embeddings here (a file in the run's temporary folder)
 REFERENCE_ENV = "LAYERWISE_BENCH_REFERENCE"
 #: the smoothing mappings of layerwise's model patch (JSON), read by the fp32 run, given to llm-compressor
@@ -518,7 +520,7 @@ def _notes(results: dict[str, dict[str, dict]]) -> list[str]:
 def _time_split(config: str, r: dict) -> str:
     """compress()'s phases (the run's own accounting, with the rate where it counts FLOPs) and the rest."""
     phases = {phase: work for phase, work in r["accounting"].items() if work.get("seconds")}
-    total = r.get("split_seconds", r["seconds"])  # the run the split comes from (nearest the median)
+    total = split_total(r)  # the run the split comes from (nearest the median)
     other = total - sum(work["seconds"] for work in phases.values())
     parts = [f"{phase} {work['seconds']:.2f} s" + (f" ({work['gflops_per_second']:.0f} GFLOP/s)"
                                                    if work.get("gflops_per_second") else "")

@@ -233,7 +233,7 @@ def accounting_lines(name: str, r: dict) -> list[str]:
     phases = [("forwards (one per sample)" if r.get("pieces", "").startswith("layers") else "forwards",
                forward["seconds"], r["forward_flops"] if r.get("pieces", "").startswith("layers") else None)]
     phases += [(phase, work["seconds"], work["flops"] or None) for phase, work in acc.items() if phase != "forward"]
-    other = r.get("split_seconds", r["seconds"]) - sum(seconds for _, seconds, _ in phases)
+    other = split_total(r) - sum(seconds for _, seconds, _ in phases)
     lines = [f"#### Where the time goes: {name} ({r.get('pieces', '').split(' (')[0]})", "",
              f"matmul peak measured in the same process: {peak:.0f} GFLOP/s (float32, 2048 x 2048)", "",
              "| phase | seconds | GFLOP | GFLOP/s | of matmul peak |", "|---|---:|---:|---:|---:|"]
@@ -382,6 +382,11 @@ def run_llmcompressor(case: str, quick: bool, threads: int | None) -> dict:
 
 #: a run's time split: copied, with that run's own time, from the run nearest the median
 SPLIT_KEYS = ("accounting", "matmul_peak_gflops", "forward_flops", "phases", "save_seconds")
+
+
+def split_total(result: dict) -> float:
+    """The time a result's shown split adds up to: that of the run it comes from (:func:`repeated`)."""
+    return result.get("split_seconds", result["seconds"])
 
 
 def repeated(results: dict[str, dict], again: dict[str, Callable[[], dict]], runs: int) -> None:
@@ -588,8 +593,9 @@ def _ok(flag: bool) -> str:
 
 
 def checked_configs(parser: argparse.ArgumentParser, args: argparse.Namespace, valid: list[str]) -> list[str]:
-    """The configurations ``--configs`` names, each one of ``valid``; ``--llmcompressor`` needs its Python."""
-    if args.llmcompressor and not os.environ.get("LLMCOMPRESSOR_PYTHON"):
+    """The configurations ``--configs`` names, each one of ``valid``; ``--llmcompressor`` (where the script has
+    it) needs its Python."""
+    if getattr(args, "llmcompressor", False) and not os.environ.get("LLMCOMPRESSOR_PYTHON"):
         parser.error("--llmcompressor needs LLMCOMPRESSOR_PYTHON: a Python with llm-compressor installed")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in valid]

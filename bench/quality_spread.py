@@ -22,10 +22,8 @@ import statistics
 import sys
 
 import sparsity_bench
-from gptq_bench import COSINE_MARGIN, PPL_FACTOR, run_in_subprocess
-from sparsity_bench import CONFIGS, ORDER_ENV, _attempt, run_llmcompressor
-
-LW, LLMC = "layerwise", "llm-compressor"
+from gptq_bench import COSINE_MARGIN, PPL_FACTOR, checked_configs, run_in_subprocess
+from sparsity_bench import CONFIGS, LLMC, LW, ORDER_ENV, _attempt, run_llmcompressor
 
 
 def quality(case: str, result: dict) -> float:
@@ -62,10 +60,7 @@ def main() -> None:
     parser.add_argument("--orders", type=int, default=5, metavar="N", help="seeded calibration orders per tool")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS or c == "fp32"]
-    if unknown:
-        parser.error(f"unknown configuration(s) {unknown}; choose from {[c for c in CONFIGS if c != 'fp32']}")
+    configs = checked_configs(parser, args, [c for c in CONFIGS if c != "fp32"])
     if args.orders < 2:
         parser.error("--orders must be at least 2 (a spread needs several runs)")
     if "LLMCOMPRESSOR_PYTHON" not in os.environ:

@@ -93,6 +93,7 @@ from gptq_bench import (
     perplexity,
     repeated,
     run_in_subprocess,
+    split_total,
 )
 
 #: SparseGPT's solver settings, written into both tools' recipes
@@ -545,7 +546,7 @@ def _targets(case: str, config: str, lw: dict | None, llmc: dict | None, dense: 
 def _time_split(config: str, r: dict) -> str:
     """compress()'s phases (the run's own accounting), the rest, and the save timed apart."""
     phases = {phase: seconds for phase, seconds in r["phases"].items() if seconds}
-    total = r.get("split_seconds", r["seconds"])  # the run the split comes from (nearest the median)
+    total = split_total(r)  # the run the split comes from (nearest the median)
     parts = [f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()]
     parts.append(f"other {total - sum(phases.values()):.2f} s")
     save = f"; save {r['save_seconds']:.2f} s" if "save_seconds" in r else ""
