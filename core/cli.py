@@ -68,7 +68,10 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                         "and written to the output as each piece is done (stream), or auto: stream when the "
                         "model would not fit in memory (default)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output folder that layerwise wrote (it holds layerwise_summary.json)")
+    p.add_argument("--overwrite-any", action="store_true",
+                   help="replace an existing output folder whatever it holds (never one holding the run's inputs)")
     p.add_argument("--resume", action="store_true",
                    help="continue a run on the same --output-dir that was interrupted, after its last finished "
                         "piece (weights are streamed from the model folder; a checkpoint is kept after each piece)")
@@ -127,7 +130,7 @@ def _run_compress(args: argparse.Namespace) -> int:
         output_dir = None if args.no_save else args.output_dir or str(demo_output_dir(_slug(args.recipe)))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
-        model, agreement = run_demo(args.recipe, output_dir, overwrite=args.overwrite or not args.output_dir,
+        model, agreement = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
                                     show_progress=not args.quiet)
         _print_summary(model)
         print(f"sentence-embedding cosine to fp32: {agreement.mean_cosine:.4f} "
@@ -157,7 +160,7 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
                      targets_per_subgraph=args.targets_per_subgraph,
                      output_dir=args.output_dir, pipeline=args.pipeline,
                      propagate_error=not args.no_propagate_error, pieces=args.pieces, offload=args.offload,
-                     overwrite=args.overwrite, show_progress=show_progress,
+                     overwrite=_overwrite(args), show_progress=show_progress,
                      non_finite="skip" if args.skip_non_finite else "error",
                      trust_remote_code=args.trust_remote_code, weights=args.weights,
                      resume=args.resume, device=args.device)
@@ -166,6 +169,11 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
         _print_summary(model)
     return 0
+
+
+def _overwrite(args: argparse.Namespace) -> bool | str:
+    """``--overwrite-any`` -> ``"any"``, ``--overwrite`` -> ``True`` (a layerwise output only), else ``False``."""
+    return "any" if args.overwrite_any else args.overwrite
 
 
 def build_parser() -> argparse.ArgumentParser:

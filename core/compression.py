@@ -24,7 +24,7 @@ from .pipeline import PipelineOptions, check_pieces
 from .plugin_manager import registry
 from .quantization.storage import linear_weight
 from .recipe import RecipeLike, parse_recipe, recipe_to_yaml
-from .saving import check_output_dir, reserve_output
+from .saving import Overwrite, check_not_an_input, check_output_dir, reserve_output, run_inputs
 from .sparsity.bitmask import BITMASK, SPARSE_24, encoded_bytes
 from .sparsity.masks import MaskStructure
 from .sparsity.storage import SPARSITY_ATTR
@@ -118,7 +118,7 @@ def compress(
     pieces: str = "auto",
     offload: str = "auto",
     targets_per_subgraph: int = 1,
-    overwrite: bool = False,
+    overwrite: Overwrite = False,
     save_format: str = "compressed-tensors",
     show_progress: bool = True,
     non_finite: str = "error",
@@ -130,7 +130,10 @@ def compress(
     """Compress ``model`` with ``recipe``, calibrating on ``dataset``; returns the model.
 
     ``model`` is a folder, a hub id or an ``nn.Module`` (compressed in place). With
-    ``output_dir`` the result is written there atomically in ``save_format``.
+    ``output_dir`` the result is written there atomically in ``save_format``; an output folder
+    that is, holds or lies inside the model's folder, or holds the dataset or recipe file, is
+    refused. An existing non-empty one is replaced with ``overwrite=True`` only when layerwise
+    wrote it (it holds ``layerwise_summary.json``); ``overwrite="any"`` replaces any folder.
     ``max_seq_length`` (tokens per calibration sample) defaults to 2048, or to the
     model's context length when that is shorter.
     The run's summary is ``model.layerwise_report``.
@@ -173,6 +176,7 @@ def compress(
     streamed, weights_note = _streamed(model, weights)
     warn_if_untested()
     if output_dir is not None and distributed.is_main():  # refuse an existing folder before an hour of calibration
+        check_not_an_input(output_dir, run_inputs(model, dataset, recipe))
         check_output_dir(output_dir, overwrite)
     # what the user typed is checked before the model loads: a typo costs a second, not minutes
     modifiers = parse_recipe(recipe)

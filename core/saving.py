@@ -11,6 +11,15 @@ the model): an existing folder without ``overwrite``, or a location that cannot 
 written, fails in seconds, not after an hour of calibration. :func:`reserve_output`
 claims the output for the whole run (a lock with our PID, see ``output_lock``), so a
 second run aiming at it fails at once and a killed run's debris is removed.
+
+Two rules keep a user's data safe, whatever the flags:
+
+* **an output never destroys an input** (:func:`check_not_an_input`): an output folder that
+  is, holds or lies inside the model's folder, or is or holds the dataset or recipe file, is
+  refused, ``overwrite`` or not;
+* **overwrite replaces only what layerwise wrote**: ``overwrite=True`` replaces a folder that
+  holds :data:`OWNER_MARK` (every ``compress`` output does); any other non-empty folder needs
+  ``overwrite="any"`` (CLI: ``--overwrite-any``).
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 from .errors import LayerwiseError
 from .output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
@@ -34,16 +44,108 @@ class OutputNotWritableError(LayerwiseError, OSError):
     """The output folder cannot be created where it was asked for (read-only, no permission, a file)."""
 
 
-def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """The target as a Path; raises when it cannot (or may not) be written."""
+class OutputIsInputError(LayerwiseError, ValueError):
+    """The output folder is, holds or lies inside one of the run's inputs: writing it could destroy them."""
+
+
+#: ``False``: refuse a non-empty folder; ``True``: replace one layerwise wrote; ``"any"``: replace any folder
+Overwrite = bool | Literal["any"]
+
+#: the file that marks a folder as a layerwise output (``compress`` writes its run summary into every one)
+OWNER_MARK = "layerwise_summary.json"
+
+
+def written_by_layerwise(folder: Path) -> bool:
+    """Whether ``folder`` is a layerwise output (it holds :data:`OWNER_MARK`)."""
+    return (folder / OWNER_MARK).is_file()
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: Overwrite = False,
+                     owned: Callable[[Path], bool] = written_by_layerwise) -> Path:
+    """The target as a Path; raises when it cannot (or may not) be written.
+
+    ``owned`` says whether an existing folder is one ``overwrite=True`` may replace.
+    """
+    if overwrite not in (False, True, "any"):
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"overwrite={overwrite!r}: use False, True (replace a folder layerwise wrote) "
+                                   f"or 'any' (replace any folder)")
     target = Path(path).expanduser().absolute()
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"output path '{target}' exists and is not a folder; choose another output_dir")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise OutputExistsError(f"output folder '{target}' already exists and is not empty; pass overwrite=True "
-                                f"(CLI: --overwrite) to replace it, or choose another output_dir")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"output folder '{target}' already exists and is not empty; pass overwrite=True "
+                                    f"(CLI: --overwrite) to replace it, or choose another output_dir")
+        if overwrite is True and not owned(target):
+            raise OutputExistsError(
+                f"output folder '{target}' was not written by layerwise (it holds {_some_entries(target)} and no "
+                f"{OWNER_MARK}): --overwrite replaces only a layerwise output. Choose another output_dir, or pass "
+                f"overwrite='any' (CLI: --overwrite-any) to delete what it holds and write the model there")
     _check_writable(target)
     return target
+
+
+def _some_entries(folder: Path, shown: int = 3) -> str:
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(name) for name in names[:shown]) + more
+
+
+def check_not_an_input(path: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike]]) -> None:
+    """Refuse an output folder that would write over one of the run's inputs, ``overwrite`` or not.
+
+    ``inputs`` are ``(what, path)`` pairs such as ``("model folder", "llama")`` or ``("dataset file",
+    "calib.txt")``. The output may not be an input, hold one (replacing it would delete the input), or
+    lie inside an input folder (it would write into the model). Paths are compared after symlinks are
+    followed. An output beside an input file is fine: writing it touches nothing else.
+    """
+    target = _real(path)
+    for what, where in inputs:
+        source = _real(where)
+        if target == source:
+            problem = f"is the {what}"
+        elif source.is_relative_to(target):
+            problem = f"holds the {what} '{where}'"
+        elif source.is_dir() and target.is_relative_to(source):
+            problem = f"lies inside the {what} '{where}'"
+        else:
+            continue
+        raise OutputIsInputError(f"output folder '{path}' {problem}: writing it would destroy the run's input "
+                                 f"(overwrite or not). Choose an output_dir outside it, e.g. '{_sibling(source)}'")
+
+
+def run_inputs(model: Any, dataset: Any, recipe: Any) -> list[tuple[str, str]]:
+    """The files and folders a run reads that exist on this machine: its output must not touch them.
+
+    A loaded module counts its source folder (``config._name_or_path``) when that is a local folder.
+    """
+    found = []
+    if not isinstance(model, (str, os.PathLike)):
+        model = getattr(getattr(model, "config", None), "_name_or_path", None)
+        found.append(("model's source folder", model))
+    else:
+        found.append(("model folder", model))
+    found += [("dataset file", dataset), ("recipe file", recipe)]
+    return [(what, str(where)) for what, where in found
+            if isinstance(where, (str, os.PathLike)) and str(where) and _exists(where)]
+
+
+def _exists(where: str | os.PathLike) -> bool:
+    try:  # a recipe's YAML text is no path; a very long one makes the file system refuse the name
+        return Path(where).expanduser().exists()
+    except OSError:
+        return False
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _sibling(source: Path) -> Path:
+    """A suggested output folder next to ``source``."""
+    return source.parent / f"{source.stem or source.name}-compressed"
 
 
 def _check_writable(target: Path) -> None:
@@ -74,7 +176,7 @@ _RESERVED: dict[Path, Path] = {}
 
 
 @contextlib.contextmanager
-def reserve_output(path: str | os.PathLike, overwrite: bool = False, resume: bool = False) -> Iterator[Path]:
+def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume: bool = False) -> Iterator[Path]:
     """Claim ``path`` for this run: yield its locked temporary sibling, removed on exit.
 
     ``compress()`` claims the output before loading the model, so a second run aiming at
@@ -122,11 +224,12 @@ def _keep_checkpoint(tmp: Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> Iterator[Path]:
     """Yield a temporary folder; on success it becomes ``path`` in one rename.
 
-    An existing non-empty ``path`` is refused unless ``overwrite=True``, in which
-    case it is replaced only after everything was written. The output gets the
+    An existing non-empty ``path`` is refused unless ``overwrite`` allows it (``True``: a
+    layerwise output; ``"any"``: any folder), in which case it is replaced only after
+    everything was written. The output gets the
     user's default folder mode (umask), not the 0700 of a temporary folder.
     """
     with reserve_output(path, overwrite) as tmp:
@@ -146,7 +249,7 @@ def _remove_empty_parents(folder: Path, stop: Path) -> None:
         folder = folder.parent
 
 
-def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
     check_output_dir(target, overwrite)  # something may have appeared while we wrote
     if not target.exists():
         os.rename(tmp, target)

@@ -42,12 +42,12 @@ class Generated:
 
 
 def generate(architecture: str, output_dir: str | os.PathLike | None = None, *, name: str | None = None,
-             overwrite: bool = False) -> Generated:
+             overwrite: bool | str = False) -> Generated:
     """Write the package for ``architecture`` into ``output_dir`` (default ``./layerwise-<slug>``).
 
     Raises :class:`ScaffoldError` for an architecture it cannot generate (naming why and the
     fix) and :class:`~layerwise.saving.OutputExistsError` for an existing folder without
-    ``overwrite``; nothing is written then.
+    ``overwrite`` (``True`` replaces a plugin package, ``"any"`` any folder); nothing is written then.
     """
     from transformers import __version__ as transformers_version
 

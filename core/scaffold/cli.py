@@ -31,14 +31,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where to write the package (default: ./layerwise-<name>)")
     parser.add_argument("--name", help="the patch's name (default: the config's model_type); the package is "
                                        "layerwise-<name>, its module layerwise_<name>")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output folder holding a layerwise plugin package")
+    parser.add_argument("--overwrite-any", action="store_true",
+                        help="replace an existing output folder whatever it holds")
     parser.add_argument("--no-check", action="store_true", help="write the package without running the plugin kit")
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    generated = generate(args.architecture, args.output_dir, name=args.name, overwrite=args.overwrite)
+    generated = generate(args.architecture, args.output_dir, name=args.name, overwrite="any" if args.overwrite_any else args.overwrite)
     plan = generated.plan
     print(f"{plan.architecture} ({plan.config_class}, model_type {plan.model_type!r}): tiny model with {', '.join(plan.blocks)}")
     for line in _notes(generated):

@@ -2,7 +2,9 @@
 
 The files go into a temporary sibling of the output folder that becomes it in one
 rename (:func:`layerwise.saving.atomic_output_dir`), so an error half way leaves no
-half package behind, and an existing folder is replaced only with ``overwrite``.
+half package behind. An existing folder is replaced with ``overwrite=True`` only when it is a
+plugin package (its ``pyproject.toml`` registers ``layerwise`` entry points); ``"any"`` replaces
+any folder.
 """
 
 from __future__ import annotations
@@ -11,17 +13,30 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..saving import atomic_output_dir, check_output_dir
+from ..saving import Overwrite, atomic_output_dir, check_output_dir
+
+#: the table a generated package's pyproject.toml registers its patch under
+ENTRY_POINTS = "[project.entry-points.layerwise]"
 
 
-def check_target(output_dir: str | os.PathLike, overwrite: bool) -> Path:
+def is_plugin_package(folder: Path) -> bool:
+    """Whether ``folder`` holds a layerwise plugin package (what ``overwrite=True`` may replace)."""
+    try:
+        return ENTRY_POINTS in (folder / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def check_target(output_dir: str | os.PathLike, overwrite: Overwrite) -> Path:
     """The output folder as an absolute Path; an error before any work when it may not be written."""
-    return check_output_dir(output_dir, overwrite)
+    return check_output_dir(output_dir, overwrite, owned=is_plugin_package)
 
 
-def write_package(files: Mapping[str, str], output_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+def write_package(files: Mapping[str, str], output_dir: str | os.PathLike, overwrite: Overwrite = False) -> Path:
     """Write ``files`` (relative path -> text) as the folder ``output_dir``; returns its absolute path."""
-    with atomic_output_dir(output_dir, overwrite) as tmp:
+    check_target(output_dir, overwrite)
+    # checked above against this kind of folder; the swap below must not ask for a run summary
+    with atomic_output_dir(output_dir, "any" if overwrite else False) as tmp:
         for relative, text in files.items():
             path = tmp / relative
             path.parent.mkdir(parents=True, exist_ok=True)

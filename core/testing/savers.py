@@ -5,7 +5,7 @@ on a model layerwise compressed (here: a seeded tiny Llama, W4A16 round to neare
 
 1. **registered**: the callable is in the savers registry (``compress(save_format=...)`` names it);
 2. **writes**: the folder appears, with every extra file (the run summary, modifiers' files) at its
-   relative path and content;
+   relative path and content (the run summary marks it as a layerwise output);
 3. **refuses**: an existing non-empty folder without ``overwrite`` raises and is left untouched;
 4. **overwrites**: with ``overwrite=True`` the old content is gone and the new one is there;
 5. **all or nothing**: a failure while writing (an extra file that cannot be written) raises and
@@ -25,7 +25,9 @@ from .errors import PluginCheckError
 from .modifiers import tiny_llama
 
 CHECK = "check_saver"
-EXTRA = {"kit/notes.txt": "written by layerwise.testing.check_saver\n", "kit/blob.bin": b"\x00\x01layerwise"}
+#: what ``compress`` passes: the run summary (it marks the folder as one ``overwrite=True`` may replace) and more
+EXTRA = {"layerwise_summary.json": "{}\n", "kit/notes.txt": "written by layerwise.testing.check_saver\n",
+         "kit/blob.bin": b"\x00\x01layerwise"}
 
 
 def check_saver(saver: Callable[..., Any] | str, *,

@@ -41,7 +41,13 @@ from layerwise.finite import check_saved, skipped_prefixes
 from layerwise.quantization.args import QuantizationArgs
 from layerwise.quantization.qmath import default_g_idx, quantize_weight
 from layerwise.quantization.storage import is_transposed, linear_weight, quantized_modules
-from layerwise.saving import atomic_output_dir, check_output_dir
+from layerwise.saving import (
+    Overwrite,
+    atomic_output_dir,
+    check_not_an_input,
+    check_output_dir,
+    run_inputs,
+)
 from layerwise.sparsity.storage import sparse_modules
 
 from .errors import SaveError
@@ -61,8 +67,12 @@ FORMAT = "pack-quantized"
 
 def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None,
                     recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
-                    overwrite: bool = False) -> Path:
-    """Write ``model`` (quantized and/or pruned in place by layerwise) to ``output_dir``; returns the folder."""
+                    overwrite: Overwrite = False) -> Path:
+    """Write ``model`` (quantized and/or pruned in place by layerwise) to ``output_dir``; returns the folder.
+
+    ``overwrite=True`` replaces a folder layerwise wrote, ``"any"`` any folder; never the model's own.
+    """
+    check_not_an_input(output_dir, run_inputs(model, None, None))
     check_output_dir(output_dir, overwrite)  # fail before any work
     modules, pruned = quantized_modules(model), sparse_modules(model)
     if not modules and not pruned:
@@ -88,7 +98,7 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
 
 def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any = None,
                   recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
-                  overwrite: bool = False) -> Path:
+                  overwrite: Overwrite = False) -> Path:
     """Finish a run whose weights streamed from disk (:class:`~layerwise.streaming.WeightStream`): its
     pieces' tensors are in the output's temporary folder already; copy the rest, write the config."""
     modules, pruned = quantized_modules(model), sparse_modules(model)

@@ -1,9 +1,12 @@
 import pytest
 
 from layerwise.saving import (
+    OWNER_MARK,
     OutputExistsError,
+    OutputIsInputError,
     OutputNotWritableError,
     atomic_output_dir,
+    check_not_an_input,
     check_output_dir,
 )
 
@@ -30,10 +33,11 @@ def test_error_keeps_the_previous_folder_when_overwriting(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("old")
+    (target / OWNER_MARK).write_text("{}")  # a layerwise output: overwrite=True may replace it
     with pytest.raises(RuntimeError), atomic_output_dir(target, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
         raise RuntimeError
-    assert [p.name for p in target.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [OWNER_MARK, "old.txt"]
     with atomic_output_dir(target, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
     assert [p.name for p in target.iterdir()] == ["new.txt"]
@@ -127,3 +131,50 @@ def test_the_output_folder_gets_the_users_default_mode(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
+
+
+@pytest.mark.parametrize(("output", "problem"), [
+    ("proj/model", "is the model folder"),
+    ("proj", "holds the model folder"),
+    ("proj/model/w4a16", "lies inside the model folder"),
+    ("proj/data", "holds the dataset file"),
+    ("proj/data/calib.txt", "is the dataset file"),
+])
+def test_an_output_that_would_touch_an_input_is_refused(tmp_path, output, problem):
+    (tmp_path / "proj" / "model").mkdir(parents=True)
+    (tmp_path / "proj" / "data").mkdir()
+    (tmp_path / "proj" / "data" / "calib.txt").write_text("hello")
+    inputs = [("model folder", tmp_path / "proj" / "model"), ("dataset file", tmp_path / "proj" / "data" / "calib.txt")]
+    with pytest.raises(OutputIsInputError, match=problem):
+        check_not_an_input(tmp_path / output, inputs)
+
+
+def test_outputs_beside_the_inputs_are_fine(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "calib.txt").write_text("hello")
+    inputs = [("model folder", tmp_path / "model"), ("dataset file", tmp_path / "calib.txt")]
+    for output in ("model-w4a16", "out/model", "modelx"):
+        check_not_an_input(tmp_path / output, inputs)
+
+
+def test_a_symlink_to_the_model_folder_is_the_model_folder(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    with pytest.raises(OutputIsInputError, match="is the model folder"):
+        check_not_an_input(tmp_path / "link", [("model folder", tmp_path / "model")])
+
+
+def test_overwrite_true_replaces_only_a_folder_layerwise_wrote(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="not written by layerwise.*'notes.txt'.*--overwrite-any"):
+        check_output_dir(target, overwrite=True)
+    assert check_output_dir(target, overwrite="any") == target
+    (target / OWNER_MARK).write_text("{}")
+    assert check_output_dir(target, overwrite=True) == target
+
+
+def test_an_unknown_overwrite_value_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="overwrite='yes'"):
+        check_output_dir(tmp_path / "out", overwrite="yes")

@@ -144,8 +144,13 @@ def test_an_existing_folder_is_kept_without_overwrite(tmp_path, capsys):
     code, _, err = new_patch(capsys, "Qwen2ForCausalLM", "--output-dir", folder, "--no-check")
     assert code == 2 and "already exists" in err and "--overwrite" in err
     assert [p.name for p in folder.iterdir()] == ["mine.txt"] and (folder / "mine.txt").read_text() == "keep me"
-    assert new_patch(capsys, "Qwen2ForCausalLM", "--output-dir", folder, "--no-check", "--overwrite")[0] == 0
+    code, _, err = new_patch(capsys, "Qwen2ForCausalLM", "--output-dir", folder, "--no-check", "--overwrite")
+    assert code == 2 and "was not written by layerwise" in err and "--overwrite-any" in err
+    assert (folder / "mine.txt").read_text() == "keep me"
+    assert new_patch(capsys, "Qwen2ForCausalLM", "--output-dir", folder, "--no-check", "--overwrite-any")[0] == 0
     assert not (folder / "mine.txt").exists() and (folder / "pyproject.toml").is_file()
+    # a package it generated is its own to replace with --overwrite
+    assert new_patch(capsys, "Qwen2ForCausalLM", "--output-dir", folder, "--no-check", "--overwrite")[0] == 0
 
 
 def test_default_folder_and_name_come_from_the_model_type(tmp_path, capsys, monkeypatch):

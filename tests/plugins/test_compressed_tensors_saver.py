@@ -138,7 +138,10 @@ def test_existing_folder_needs_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match=r"'.*out'.*overwrite=True"):
         save(model, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    save(model, out, overwrite=True)
+    with pytest.raises(FileExistsError, match=r"not written by layerwise.*'keep.txt'.*overwrite='any'"):
+        save(model, out, overwrite=True)  # a folder layerwise did not write needs the explicit "any"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    save(model, out, overwrite="any")
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -61,7 +61,7 @@ def broken():
 
 
 @pytest.mark.parametrize("saver,message", [
-    (forget_extras, r"check_saver\(kit-forget_extras\): writes: extra files missing or changed: \['kit/notes.txt'"),
+    (forget_extras, r"check_saver\(kit-forget_extras\): writes: extra files missing or changed: \['layerwise_summary.json', 'kit/notes.txt'"),
     (write_over, r"check_saver\(kit-write_over\): refuses: an existing non-empty folder was written over"),
     (leave_half, r"check_saver\(kit-leave_half\): all or nothing: a save that failed midway left .* behind"),
 ])
