@@ -57,7 +57,7 @@ Measured per configuration and tool, each in a fresh process (so each peak RSS i
   llm-compressor's model as ``oneshot`` returns it, its compressed-tensors forward (status frozen)
   fake-quantizing inputs and weights. The table shows how many Linear layers quantize their inputs;
   the evaluation runs in each tool's own Python (MiniLM embeddings through
-  ``core/embedding_eval.py``, which imports only torch, loaded by path under llm-compressor), against
+  ``core/reports/embedding_eval.py``, which imports only torch, loaded by path under llm-compressor), against
   one fp32 reference;
 * layerwise only: the run's own accounting (where compress() time goes), and a correctness line:
   the checkpoint ``save_compressed`` writes, reloaded with ``layerwise.load_compressed``, against the
@@ -178,7 +178,7 @@ def eval_inputs(case: str, tokenizer, quick: bool):
 
 
 def _embedding_eval():
-    """``core/embedding_eval.py`` (torch only), loaded by path: the same code under either Python."""
+    """``core/reports/embedding_eval.py`` (torch only), loaded by path: the same code under either Python."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_bench_embedding_eval", ROOT / "core" / "embedding_eval.py")
@@ -228,7 +228,7 @@ def calibration_digest(case: str, tokenizer, dataset) -> str:
 def run_layerwise(case: str, config: str, quick: bool) -> dict:
     """layerwise's compress() timed on its own; then saved, reloaded and compared; then measured."""
     from layerwise import compress
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = case_model_path(case)
     tokenizer, model = load_tokenizer(path), load_model(path)
@@ -311,7 +311,7 @@ def _input_quantized_reloaded(model) -> int:
 
 def run_dense(case: str, quick: bool) -> dict:
     """The fp32 model: its quality (and, for MiniLM, the reference embeddings written for every other run)."""
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = case_model_path(case)
     tokenizer, model = load_tokenizer(path), load_model(path)

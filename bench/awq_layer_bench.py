@@ -29,8 +29,8 @@ from gptq_bench import CALIB, EVAL, TINY_LLAMA, _windows
 def compressed(algorithm: str, bits: int, calib: list) -> tuple[torch.nn.Module, object]:
     """tiny-llama-doc compressed by ``algorithm`` (the modifier class's name), and the modifier."""
     import layerwise
-    from layerwise.loading import load_model
-    from layerwise.plugin_manager import registry
+    from layerwise.host.plugin_manager import registry
+    from layerwise.model_io.loading import load_model
 
     modifier = registry("modifiers").get(algorithm)(scheme="W4A16_ASYM", num_bits=bits, ignore=["lm_head"])
     model = layerwise.compress(load_model(TINY_LLAMA), [modifier], dataset=calib, show_progress=False)
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(3, 4))
     parser.add_argument("--quick", action="store_true", help="16 calibration and 8 eval windows")
     args = parser.parse_args()
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(TINY_LLAMA)
     n_calib, n_eval = (16, 8) if args.quick else (128, 32)

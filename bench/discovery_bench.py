@@ -29,7 +29,7 @@ import torch
 
 
 def _held_out(path):
-    from layerwise.loading import load_model
+    from layerwise.model_io.loading import load_model
 
     model = load_model(path, patch=False)
     model._no_split_modules = []  # what a class that declares none looks like
@@ -41,9 +41,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 calibration samples instead of 512")
     args = parser.parse_args()
     import layerwise
-    from layerwise.demo import demo_model_path, demo_sentences, evaluate_against
-    from layerwise.loading import load_model, load_tokenizer
-    from layerwise.pipeline_selection import PipelineFallbackWarning
+    from layerwise.host.pipeline_selection import PipelineFallbackWarning
+    from layerwise.model_io.loading import load_model, load_tokenizer
+    from layerwise.verbs.demo import demo_model_path, demo_sentences, evaluate_against
 
     torch.manual_seed(0)
     path = demo_model_path()

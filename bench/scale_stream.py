@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from scale_bench import SHAPES
+from scale_shapes import SHAPES
 
 RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
 
 RUN = """
 import json, sys, time, torch, layerwise
-from layerwise.lifecycle import Lifecycle
+from layerwise.host.lifecycle import Lifecycle
 folder, out, weights, samples, seq_len, recipe, resume = sys.argv[1:8]
 epochs = []
 original = Lifecycle.sequential_epoch_end

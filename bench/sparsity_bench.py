@@ -159,7 +159,7 @@ def run_layerwise(case: str, config: str, quick: bool) -> dict:
     """layerwise's compress() timed on its own, then save_compressed timed apart; then measured."""
     from layerwise import compress
     from layerwise.errors import LayerwiseError
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.plugins.savers.compressed_tensors import save_compressed
 
     path = case_model_path(case)
@@ -187,7 +187,7 @@ def run_layerwise(case: str, config: str, quick: bool) -> dict:
 
 def run_dense(case: str, quick: bool) -> dict:
     """The unpruned model: the dense checkpoint's size, the peak RSS of loading it, its quality."""
-    from layerwise.loading import load_model
+    from layerwise.model_io.loading import load_model
 
     model = load_model(case_model_path(case))
     with tempfile.TemporaryDirectory(prefix="dense-") as tmp:
@@ -200,14 +200,14 @@ def measure(case: str, model, quick: bool) -> dict:
     """Quality against fp32 and the sparsity of the targeted layers."""
     import torch
 
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = case_model_path(case)
     tokenizer = load_tokenizer(path)
     result = sparsity_stats(model, LAYER_CLASS[case])
     with torch.no_grad():
         if case == "minilm":
-            from layerwise.embedding_eval import embedding_agreement, sentence_embeddings
+            from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
 
             sentences = eval_sentences(100 if quick else 500)
             reference = sentence_embeddings(load_model(path), tokenizer, sentences)

@@ -5,30 +5,35 @@ The public API is small::
     import layerwise
     model = layerwise.compress("path/to/model", "W4A16", dataset="calib.txt", output_dir="out")
 
-Plugins implement the hooks in :mod:`layerwise.hookspecs`, marked with :data:`hookimpl`.
+Plugins implement the hooks in :mod:`layerwise.host.hookspecs`, marked with :data:`hookimpl`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .hookspecs import hookimpl
-from .model_patch import ModelPatch
-from .modifier import Modifier
+from layerwise.common import moved_modules
+from layerwise.host.hookspecs import hookimpl
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.modifier import Modifier
 
 __version__ = "0.1.0"
+
+moved_modules.install()  # scripts importing a module by its old path keep working, warned
 
 __all__ = ["ModelPatch", "Modifier", "__version__", "compress", "hookimpl", "load_compressed", "load_model", "trace"]
 
 # compress/trace/load_model/load_compressed pull in transformers; import them on first use so
 # that `import layerwise` (and plugin discovery) stays cheap.
-_LAZY = {"compress": ".compression", "load_compressed": ".compressed_loading", "load_model": ".loading",
+_LAZY = {"compress": ".verbs.compression", "load_compressed": ".model_io.compressed_loading",
+         "load_model": ".model_io.loading",
          "trace": ".tracing"}
 
 if TYPE_CHECKING:
-    from .compressed_loading import load_compressed
-    from .compression import compress
-    from .loading import load_model
+    from layerwise.model_io.compressed_loading import load_compressed
+    from layerwise.model_io.loading import load_model
+    from layerwise.verbs.compression import compress
+
     from .tracing import trace
 
 

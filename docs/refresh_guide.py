@@ -63,7 +63,7 @@ def run_block(name: str, where: Path) -> str:
 
 def run_cli(*argv: str, cwd: Path) -> tuple[int, str]:
     """``layerwise <argv>`` in-process, in ``cwd``: exit status and stdout."""
-    from layerwise.cli import main
+    from layerwise.cli.app import main
 
     before, buffer = Path.cwd(), io.StringIO()
     os.chdir(cwd)
@@ -110,8 +110,8 @@ def example_plugin_listing() -> str:
 
     Where the example is not installed, its module is registered as its entry point would be.
     """
-    from layerwise.plugin_manager import PluginHost
-    from layerwise.plugins_cli import collect, format_report
+    from layerwise.cli.plugins import collect, format_report
+    from layerwise.host.plugin_manager import PluginHost
 
     host = PluginHost(strict=False)
     if "starcoder2" not in host.plugins:
@@ -130,7 +130,7 @@ def example_plugin_listing() -> str:
 
 def support_matrix() -> str:
     """``layerwise plugins --check layerwise`` without the times: the kit on every zoo patch's tiny models."""
-    from layerwise.support_matrix import check_patches, format_matrix
+    from layerwise.testing.support_matrix import check_patches, format_matrix
 
     return format_matrix(check_patches(["layerwise"]), times=False)
 

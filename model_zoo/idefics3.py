@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
-from layerwise.tracing import opaque
-from layerwise.versions import TESTED_TRANSFORMERS
+from layerwise.plugin import TESTED_TRANSFORMERS, opaque
 
 from . import _inputs, _tiny
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
-from layerwise.versions import TESTED_TRANSFORMERS
+from layerwise.plugin import TESTED_TRANSFORMERS
 
 from . import _inputs, _tiny
 

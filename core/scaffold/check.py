@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ..model_patch import ModelPatch
-from ..quiet import without_progress_bars
+from layerwise.common.quiet import without_progress_bars
+from layerwise.host.model_patch import ModelPatch
 
 
 @dataclass(frozen=True)

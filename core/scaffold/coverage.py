@@ -36,7 +36,7 @@ class InstalledPatch:
 
 def installed_patches(model: torch.nn.Module) -> list[InstalledPatch]:
     """Every registered patch with its owner and its match score for ``model`` (best first)."""
-    from ..plugin_manager import get_host, registry
+    from layerwise.host.plugin_manager import get_host, registry
 
     patches = registry("model_patches")
     owners = {name: (info.distribution, info.version) for info in get_host().plugins.values()
@@ -69,6 +69,6 @@ def check_name_free(model: torch.nn.Module, name: str, distribution: str) -> Non
 
 
 def _same(left: str, right: str) -> bool:
-    from ..plugin_manager import normalize_distribution
+    from layerwise.host.plugin_manager import normalize_distribution
 
     return normalize_distribution(left) == normalize_distribution(right)

@@ -129,8 +129,7 @@ layerwise): ignore entries, targets, trace and exact replay, GPTQ, save and relo
 import pytest
 
 import $module
-from layerwise.model_patch import find_patch
-from layerwise.plugin_manager import get_host
+from layerwise.plugin import find_patch, get_host
 from $module import $constant
 
 

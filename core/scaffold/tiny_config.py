@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quiet import quiet_transformers
+from layerwise.common.quiet import quiet_transformers
+
 from .errors import ScaffoldError
 
 #: the tiny size of each field, under every name transformers' configs give it

@@ -1,7 +1,7 @@
 """Writing the generated package: every file appears at once, or none does.
 
 The files go into a temporary sibling of the output folder that becomes it in one
-rename (:func:`layerwise.saving.atomic_output_dir`), so an error half way leaves no
+rename (:func:`layerwise.model_io.saving.atomic_output_dir`), so an error half way leaves no
 half package behind. An existing folder is replaced with ``overwrite=True`` only when it is a
 plugin package (its ``pyproject.toml`` registers ``layerwise`` entry points); ``"any"`` replaces
 any folder.
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..saving import Overwrite, atomic_output_dir, check_output_dir
+from layerwise.model_io.saving import Overwrite, atomic_output_dir, check_output_dir
 
 #: the table a generated package's pyproject.toml registers its patch under
 ENTRY_POINTS = "[project.entry-points.layerwise]"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from layerwise.errors import RecipeError
-from layerwise.modifier import Modifier
+from layerwise.host.modifier import Modifier
 
 from .errors import PluginCheckError
 
@@ -79,7 +79,7 @@ def _fail(name: str, step: str, problem: str, fix: str = "") -> PluginCheckError
 
 
 def _registered_name(cls: type) -> str:
-    from layerwise.plugin_manager import registry
+    from layerwise.host.plugin_manager import registry
 
     names = [n for n, obj in registry("modifiers").items() if obj is cls]
     if not names:
@@ -96,7 +96,7 @@ def _check_dataclass(cls: type, name: str) -> None:
 
 
 def _check_unknown_field(cls: type, name: str, fields: dict[str, Any]) -> None:
-    from layerwise.recipe import parse_recipe
+    from layerwise.host.recipe import parse_recipe
 
     try:
         parse_recipe({name: {**fields, "no_such_field_kit": 1}})
@@ -114,7 +114,7 @@ def _public_fields(modifier: Modifier) -> dict[str, Any]:
 
 
 def _check_round_trip(cls: type, name: str, fields: dict[str, Any]) -> None:
-    from layerwise.recipe import parse_recipe, recipe_to_yaml
+    from layerwise.host.recipe import parse_recipe, recipe_to_yaml
 
     original = cls(**fields)
     text = recipe_to_yaml([original])
@@ -171,8 +171,8 @@ def _check_events_and_hooks(cls: type, name: str, fields: dict[str, Any], model_
 
 
 def _check_calibration_inputs(cls: type, name: str, fields: dict[str, Any], model_factory) -> None:
-    from layerwise.lifecycle import Lifecycle
-    from layerwise.state import CompressionState
+    from layerwise.host.lifecycle import Lifecycle
+    from layerwise.host.state import CompressionState
 
     model = model_factory()
     modifier = cls(**fields)

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from layerwise.matching import find_modules, unmatched
-from layerwise.model_patch import ModelPatch, apply_patch
-from layerwise.quantization.storage import linear_weight
-from layerwise.quiet import without_progress_bars
+from layerwise.algorithms.quantization.storage import linear_weight
+from layerwise.common.matching import find_modules, unmatched
+from layerwise.common.quiet import without_progress_bars
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.patch_selection import apply_patch
 
 from .errors import PluginCheckError
 
@@ -195,8 +196,8 @@ def _check_mappings(patch: ModelPatch, model: torch.nn.Module) -> None:
 
 
 def _check_mappings_exact(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any]) -> None:
-    from layerwise.quantization.mappings import resolve_mappings
-    from layerwise.quantization.smoothing import apply_smoothing
+    from layerwise.algorithms.quantization.mappings import resolve_mappings
+    from layerwise.algorithms.quantization.smoothing import apply_smoothing
 
     with torch.no_grad(), patch.calibrating(model):
         expected = _first_tensor(model(**inputs))
@@ -280,15 +281,16 @@ def _check_calibration(patch: ModelPatch, model: torch.nn.Module, modality: str,
     """Compress a copy (GPTQ through ``sequential``, RTN data-free); any fallback (pipeline or algorithm)
     is a failure, and so is an ignored Linear that got quantized."""
     import layerwise
-    from layerwise.pipeline_selection import PipelineFallbackWarning
-    from layerwise.plugins.modifiers.gptq import GPTQFallbackWarning, GPTQModifier
-    from layerwise.plugins.modifiers.quantization import QuantizationModifier
-    from layerwise.quantization.storage import quantized_modules
+    from layerwise.algorithms.quantization.storage import quantized_modules
+    from layerwise.common.user_warnings import AlgorithmFallbackWarning
+    from layerwise.host.pipeline_selection import PipelineFallbackWarning
+    from layerwise.host.plugin_manager import registry
 
     work = copy.deepcopy(model)
     step = f"GPTQ ({modality})" if gptq else "RTN"
-    modifier = (GPTQModifier(scheme="W4A16", strategy="channel", block_size=16) if gptq
-                else QuantizationModifier(scheme="W4A16", strategy="channel"))
+    modifiers = registry("modifiers")
+    modifier = (modifiers.get("GPTQModifier")(scheme="W4A16", strategy="channel", block_size=16) if gptq
+                else modifiers.get("QuantizationModifier")(scheme="W4A16", strategy="channel"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -300,7 +302,7 @@ def _check_calibration(patch: ModelPatch, model: torch.nn.Module, modality: str,
     if report.pipeline != ("sequential" if gptq else "datafree") or report.fallbacks:
         raise _fail(patch, step, f"calibrated by {report.pipeline!r} after fallbacks: {report.fallbacks}",
                     "every target must trace into its own piece (see the trace step)")
-    fallbacks = [str(w.message) for w in caught if issubclass(w.category, (PipelineFallbackWarning, GPTQFallbackWarning))]
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, (PipelineFallbackWarning, AlgorithmFallbackWarning))]
     if fallbacks:
         raise _fail(patch, step, f"a fallback warning: {fallbacks[0]}",
                     "every targeted Linear must receive calibration data (a calibration_context for "
@@ -315,7 +317,9 @@ def _check_calibration(patch: ModelPatch, model: torch.nn.Module, modality: str,
 
 def _check_reload(patch: ModelPatch, work: torch.nn.Module, inputs: dict[str, Any]) -> None:
     import layerwise
-    from layerwise.plugins.savers.compressed_tensors import save_compressed
+    from layerwise.host.plugin_manager import registry
+
+    save_compressed = registry("savers").get("compressed-tensors")
 
     with tempfile.TemporaryDirectory(prefix="layerwise-check-") as folder:
         try:

@@ -3,7 +3,7 @@
 A recording modifier (it reads every Linear's inputs and changes nothing) is calibrated through
 the pipeline, asked for by name, on a seeded tiny Llama:
 
-1. **registered**: the class is in the pipelines registry, a :class:`~layerwise.pipeline.Pipeline`;
+1. **registered**: the class is in the pipelines registry, a :class:`~layerwise.host.pipeline.Pipeline`;
 2. **events**: initialize, calibration_start, one or more sequential_epoch_end (each naming
    modules of the model), calibration_end, finalize, in that order;
 3. **every sample**: each Linear's inputs reach the modifier for every calibration sample;
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from layerwise.matching import find_modules
-from layerwise.modifier import Modifier
-from layerwise.pipeline import Pipeline
+from layerwise.common.matching import find_modules
+from layerwise.host.modifier import Modifier
+from layerwise.host.pipeline import Pipeline
 
 from .errors import PluginCheckError
 from .modifiers import count_hooks, tiny_llama, token_batches
@@ -79,7 +79,7 @@ def _fail(name: str, step: str, problem: str, fix: str = "") -> PluginCheckError
 
 
 def _registered(pipeline: type[Pipeline] | str) -> tuple[str, type[Pipeline]]:
-    from layerwise.plugin_manager import registry
+    from layerwise.host.plugin_manager import registry
 
     found = dict(registry("pipelines").items())
     if isinstance(pipeline, str):
@@ -92,7 +92,7 @@ def _registered(pipeline: type[Pipeline] | str) -> tuple[str, type[Pipeline]]:
         raise _fail(label, "registered", "the class is not in the pipelines registry, so compress() cannot pick it",
                     "register it from a layerwise_register_pipelines hookimpl (GUIDE.md section 7)")
     if not (isinstance(pipeline, type) and issubclass(pipeline, Pipeline)):
-        raise _fail(names[0], "registered", "a pipeline must subclass layerwise.pipeline.Pipeline")
+        raise _fail(names[0], "registered", "a pipeline must subclass layerwise.host.pipeline.Pipeline")
     return names[0], pipeline
 
 

@@ -37,9 +37,10 @@ def check_saver(saver: Callable[..., Any] | str, *,
 
     name, save = _registered(saver)
     model = model_factory()
-    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+    from layerwise.host.plugin_manager import registry
 
-    layerwise.compress(model, QuantizationModifier(scheme="W4A16", strategy="channel"), show_progress=False)
+    quantize = registry("modifiers").get("QuantizationModifier")(scheme="W4A16", strategy="channel")
+    layerwise.compress(model, quantize, show_progress=False)
     with tempfile.TemporaryDirectory(prefix="layerwise-check-saver-") as root:
         folder = Path(root) / "out"
         _call(name, "writes", save, model, folder, extra_files=EXTRA)
@@ -60,7 +61,7 @@ def _fail(name: str, step: str, problem: str, fix: str = "") -> PluginCheckError
 
 
 def _registered(saver: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
-    from layerwise.plugin_manager import registry
+    from layerwise.host.plugin_manager import registry
 
     found = dict(registry("savers").items())
     if isinstance(saver, str):
@@ -104,7 +105,7 @@ def _check_refuses(name: str, save: Callable[..., Any], model: torch.nn.Module, 
         pass
     else:
         raise _fail(name, "refuses", "an existing non-empty folder was written over without overwrite=True",
-                    "refuse it (layerwise.saving.check_output_dir) unless overwrite is set")
+                    "refuse it (layerwise.model_io.saving.check_output_dir) unless overwrite is set")
     if _snapshot(folder) != before:
         raise _fail(name, "refuses", "the refused save changed the existing folder", "check before writing")
 
@@ -119,4 +120,4 @@ def _check_all_or_nothing(name: str, save: Callable[..., Any], model: torch.nn.M
         return  # a saver may stringify anything it is given; nothing failed, nothing to clean up
     if folder.exists():
         raise _fail(name, "all or nothing", f"a save that failed midway left {folder} behind",
-                    "write into a temporary folder and rename it at the end (layerwise.saving.atomic_output_dir)")
+                    "write into a temporary folder and rename it at the end (layerwise.model_io.saving.atomic_output_dir)")

@@ -11,9 +11,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..model_patch import ModelPatch, use_patch
-from ..versions import warn_if_untested
-from . import kinds
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.patch_selection import use_patch
+from layerwise.host.versions import warn_if_untested
+from layerwise.tracing import kinds
+
 from .autowrap import ForwardRewriter, WrappedStatement
 from .guards import Guard, GuardedCall, GuardProgram
 from .meta import to_meta

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..matching import is_linear_like
+from layerwise.common.matching import is_linear_like
 
 #: modules that hold others; ModuleList/ModuleDict have no forward, so they are never blocks
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)

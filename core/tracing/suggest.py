@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..matching import is_linear_like
+from layerwise.common.matching import is_linear_like
+
 from .targets import resolve_modules
 
 
@@ -49,7 +50,7 @@ def suggest_patch(model: torch.nn.Module, target_names: Sequence[str]) -> str:
         f"# model_zoo/{slug}.py -- a starting point: check the targets and the ignore list, add",
         "# sample_inputs and a test (GUIDE.md, section 5, \"Writing a model patch\").",
         "from layerwise import ModelPatch, hookimpl",
-        "from layerwise.versions import TESTED_TRANSFORMERS",
+        "from layerwise.host.versions import TESTED_TRANSFORMERS",
         "",
         f"{slug.upper()} = ModelPatch(",
         f"    name={_str(slug)},",

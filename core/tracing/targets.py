@@ -2,7 +2,7 @@
 
 Entries are module class names (``LlamaDecoderLayer``), exact qualified names, or
 ``re:<regex>`` matched in full against qualified names (the syntax of
-:mod:`layerwise.matching`).
+:mod:`layerwise.common.matching`).
 
 Where targets come from, first that gives any wins (:func:`choose_targets`):
 
@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from layerwise.common.matching import matches, unmatched
+from layerwise.common.user_warnings import warn_user
+
 from ..errors import LayerwiseError
-from ..matching import matches, unmatched
-from ..user_warnings import warn_user
 from .discovery import discover_blocks
 
 if TYPE_CHECKING:
-    from ..model_patch import ModelPatch
+    from layerwise.host.model_patch import ModelPatch
 
 
 class TargetError(LayerwiseError, ValueError):

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from layerwise import hookimpl
-from layerwise.data import MODEL_INPUT_KEYS, TEXT_KEYS, DatasetLoader
-from layerwise.errors import DatasetError
+from layerwise.plugin import DatasetError
+from layerwise.plugin.data import MODEL_INPUT_KEYS, TEXT_KEYS, DatasetLoader
 
 
 def _is_path(source: Any, suffixes: tuple[str, ...]) -> bool:

@@ -1,6 +1,6 @@
 """Built-in modifiers (compression algorithms), registered by name for recipes."""
 
-from layerwise.hookspecs import hookimpl
+from layerwise.plugin import hookimpl
 
 from .awq import AWQModifier
 from .gptq import GPTQModifier

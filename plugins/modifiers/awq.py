@@ -4,9 +4,9 @@ Per smoothing mapping (a norm or Linear and the balance layers reading its outpu
 patch's ``smoothing_mappings``, or the recipe's ``mappings``), one forward pre-hook on the first
 balance layer gathers what the search needs: the mean ``|x|`` of every input channel over all
 calibration tokens, and at most ``search_tokens`` input rows, evenly spaced over those tokens.
-When the piece holding the mapping was calibrated, :func:`~layerwise.quantization.awq.search_scales`
+When the piece holding the mapping was calibrated, :func:`~layerwise.algorithms.quantization.awq.search_scales`
 picks the scales (never worse than round-to-nearest on those rows), they are folded into the
-model (:func:`~layerwise.quantization.smoothing.apply_smoothing`: the function is unchanged), and
+model (:func:`~layerwise.algorithms.quantization.smoothing.apply_smoothing`: the function is unchanged), and
 every targeted layer of the piece is rounded to nearest with the scheme, mapped or not, so AWQ
 alone yields a fully quantized model.
 
@@ -30,22 +30,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.accounting import Accounting
-from layerwise.distributed import Reducer
-from layerwise.errors import RecipeError
-from layerwise.finite import NonFiniteSampleWarning, is_finite
-from layerwise.quantization.awq import search_flops, search_scales
-from layerwise.quantization.mappings import (
+from layerwise.plugin import AlgorithmFallbackWarning, CompressionState, RecipeError, warn_user
+from layerwise.plugin.calibration import Accounting, NonFiniteSampleWarning, Reducer, is_finite
+from layerwise.plugin.quantization import (
     MappingError,
     ResolvedMapping,
+    apply_smoothing,
+    linear_weight,
     mappings_for_run,
     recipe_mappings,
+    search_flops,
+    search_scales,
     split_by_piece,
 )
-from layerwise.quantization.smoothing import apply_smoothing
-from layerwise.quantization.storage import linear_weight
-from layerwise.state import CompressionState
-from layerwise.user_warnings import warn_user
 
 from .hessians import layer_input
 from .quantization import QuantizationModifier, _in_piece
@@ -53,11 +50,11 @@ from .quantization import QuantizationModifier, _in_piece
 log = logging.getLogger("layerwise")
 
 SUMMARY_FILE = "awq_summary.json"
-#: accounting phase of the scale searches (see layerwise.accounting)
+#: accounting phase of the scale searches (see layerwise.runtime.accounting)
 SEARCH_PHASE = "AWQ search"
 
 
-class AWQFallbackWarning(RuntimeWarning):
+class AWQFallbackWarning(AlgorithmFallbackWarning):
     """A mapping was not smoothed; its layers were rounded to nearest as they are (the message says why)."""
 
 

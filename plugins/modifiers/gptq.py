@@ -6,7 +6,7 @@ in float32 as the upper triangle of ``sum x x^T``, folded in every 256 tokens an
 scaled at the end. Layers that read the very same tensor (q/k/v projections,
 gate/up) share one such matrix. When the pipeline reports that a piece of the model
 was calibrated (``sequential_epoch_end``), the piece's layers are quantized with the
-GPTQ solver (:mod:`layerwise.quantization.gptq`), their hooks removed and their
+GPTQ solver (:mod:`layerwise.algorithms.quantization.gptq`), their hooks removed and their
 matrices freed; ``calibration_end`` quantizes whatever is left (with the ``basic``
 pipeline, every layer). :meth:`GPTQModifier.calibration_inputs` tells pipelines
 that only these inputs matter, so they may skip or shorten forwards whose outputs
@@ -33,16 +33,25 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.accounting import gptq_solve_flops
-from layerwise.distributed import Reducer, spread, world_size
-from layerwise.errors import NonFiniteError, RecipeError
-from layerwise.finite import is_finite
-from layerwise.quantization.args import ACTORDERS, QuantizationArgs
-from layerwise.quantization.gptq import GPTQError, GPTQResult, gptq_quantize, rtn_quantize
-from layerwise.quantization.storage import linear_weight, set_quantized_weight
-from layerwise.sparsity.storage import pruned_mask
-from layerwise.state import CompressionState
-from layerwise.user_warnings import warn_user
+from layerwise.plugin import (
+    AlgorithmFallbackWarning,
+    CompressionState,
+    NonFiniteError,
+    RecipeError,
+    warn_user,
+)
+from layerwise.plugin.calibration import Reducer, gptq_solve_flops, is_finite, spread, world_size
+from layerwise.plugin.quantization import (
+    ACTORDERS,
+    GPTQError,
+    GPTQResult,
+    QuantizationArgs,
+    gptq_quantize,
+    linear_weight,
+    rtn_quantize,
+    set_quantized_weight,
+)
+from layerwise.plugin.sparsity import pruned_mask
 
 from .hessians import HessianHooks
 from .quantization import QuantizationModifier, _in_piece
@@ -54,7 +63,7 @@ SUMMARY_FILE = "gptq_summary.json"
 DEFAULT_ACTORDER = "static"
 
 
-class GPTQFallbackWarning(RuntimeWarning):
+class GPTQFallbackWarning(AlgorithmFallbackWarning):
     """A layer was rounded to nearest instead of GPTQ-quantized (the message says which and why)."""
 
 
@@ -287,6 +296,6 @@ def _check_finite_weight(name: str, weight: torch.Tensor) -> None:
                              f"ignore, or pass non_finite='skip' to compress() (CLI: --skip-non-finite)")
 
 
-#: accounting phases (see layerwise.accounting): the Gram products with their copies, and the solves
+#: accounting phases (see layerwise.runtime.accounting): the Gram products with their copies, and the solves
 HESSIAN_PHASE = GPTQModifier.hessian_phase
 SOLVE_PHASE = "GPTQ solves"

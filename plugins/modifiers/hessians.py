@@ -24,12 +24,17 @@ from typing import Any
 
 import torch
 
-from layerwise.accounting import Accounting, gram_flops
-from layerwise.errors import NonFiniteError, RecipeError
-from layerwise.finite import NonFiniteSampleWarning, is_finite
-from layerwise.hessian import GRAM_STRIP, add_gram, gram_to_hessian
-from layerwise.pipeline import inputs_are_held
-from layerwise.user_warnings import warn_user
+from layerwise.plugin import NonFiniteError, RecipeError, warn_user
+from layerwise.plugin.calibration import (
+    GRAM_STRIP,
+    Accounting,
+    NonFiniteSampleWarning,
+    add_gram,
+    gram_flops,
+    gram_to_hessian,
+    is_finite,
+)
+from layerwise.plugin.pipelines import inputs_are_held
 
 
 class HessianBank:
@@ -277,7 +282,7 @@ class HessianHooks:
     other modifiers of the recipe that read the same layers.
     """
 
-    #: the accounting phase the Gram work is timed under (see layerwise.accounting)
+    #: the accounting phase the Gram work is timed under (see layerwise.runtime.accounting)
     hessian_phase = "Hessians"
     #: how warnings and errors name the modifier
     label = "Hessian"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from layerwise.quantization.storage import linear_weight
+from layerwise.plugin.quantization import linear_weight
 
 from .hessians import layer_input
 

@@ -3,7 +3,7 @@
 A pruning modifier zeroes a fraction ``sparsity`` of the weights of each targeted layer
 (``mask_structure`` ``"0:0"``: anywhere; ``"N:M"``: N of every M consecutive input
 columns), leaves exact zeros in the dense ``weight`` and marks the layer with its
-structure (:func:`layerwise.sparsity.mark_sparse`), which later modifiers (GPTQ keeps
+structure (:func:`layerwise.algorithms.sparsity.mark_sparse`), which later modifiers (GPTQ keeps
 the zeros) and the saver (sparse compressed-tensors formats) read. Every bad value is a
 :class:`~layerwise.errors.RecipeError` when the recipe is parsed, or, for a layer whose
 width does not fit ``N:M``, when the run starts: before any calibration.
@@ -19,20 +19,23 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.distributed import Reducer, check, spread, world_size
-from layerwise.errors import RecipeError
-from layerwise.matching import find_modules
-from layerwise.modifier import Modifier
-from layerwise.quantization.storage import is_transposed, linear_weight, replace_data
-from layerwise.sparsity.masks import (
+from layerwise.plugin import (
+    AlgorithmFallbackWarning,
+    CompressionState,
+    Modifier,
+    RecipeError,
+    find_modules,
+    warn_user,
+)
+from layerwise.plugin.calibration import Reducer, check, spread, world_size
+from layerwise.plugin.quantization import is_transposed, linear_weight, replace_data
+from layerwise.plugin.sparsity import (
     MaskStructure,
     check_sparsity,
     magnitude_mask,
+    mark_sparse,
     parse_mask_structure,
 )
-from layerwise.sparsity.storage import mark_sparse
-from layerwise.state import CompressionState
-from layerwise.user_warnings import warn_user
 
 from .owl import input_norms, owl_sparsities
 from .quantization import _in_piece, target_lists, targeted_modules
@@ -44,7 +47,7 @@ log = logging.getLogger("layerwise")
 _OPTIONAL = ("sparsity", "owl_m", "owl_lmbda")
 
 
-class PruningFallbackWarning(RuntimeWarning):
+class PruningFallbackWarning(AlgorithmFallbackWarning):
     """A layer was magnitude-pruned instead (the message says which and why)."""
 
 
@@ -236,7 +239,7 @@ def _summed_over_ranks(norms: dict[str, torch.Tensor], layers: dict[str, torch.n
 @torch.no_grad()
 def write_pruned(module: torch.nn.Module, pruned: torch.Tensor) -> None:
     """Give the module a pruned ``(out, in)`` weight (its layout and dtype; storage swapped, see
-    :func:`~layerwise.quantization.storage.replace_data`)."""
+    :func:`~layerwise.algorithms.quantization.storage.replace_data`)."""
     target = module.weight
     values = pruned.to(device=target.device)
     replace_data(target, values.t().contiguous() if is_transposed(module) else values)

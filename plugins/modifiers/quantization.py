@@ -19,21 +19,26 @@ from typing import Any
 
 import torch
 
-from layerwise.distributed import Reducer
-from layerwise.errors import RecipeError
-from layerwise.matching import find_modules, unmatched
-from layerwise.modifier import Modifier
-from layerwise.plugin_manager import registry
-from layerwise.quantization.args import QuantizationArgs, QuantizationScheme
-from layerwise.quantization.presets import resolve_scheme
-from layerwise.quantization.qmath import compute_qparams, weight_qparams
-from layerwise.quantization.storage import (
+from layerwise.plugin import (
+    CompressionState,
+    Modifier,
+    RecipeError,
+    find_modules,
+    registry,
+    unmatched,
+)
+from layerwise.plugin.calibration import Reducer
+from layerwise.plugin.quantization import (
+    QuantizationArgs,
+    QuantizationScheme,
+    compute_qparams,
     is_transposed,
     linear_weight,
+    resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
+    weight_qparams,
 )
-from layerwise.state import CompressionState
 
 
 @dataclass
@@ -41,7 +46,7 @@ class QuantizationModifier(Modifier):
     """Quantize the weights of ``targets`` (minus ``ignore``) with ``scheme``.
 
     ``scheme`` is a preset name (``W4A16``, ``W8A8``, ``FP8_DYNAMIC`` ...), a mapping of
-    :class:`~layerwise.quantization.args.QuantizationArgs` fields (or ``weights`` /
+    :class:`~layerwise.algorithms.quantization.args.QuantizationArgs` fields (or ``weights`` /
     ``input_activations`` mappings), or a scheme object. ``num_bits`` / ``symmetric`` /
     ``strategy`` / ``group_size`` / ``observer``, when given, override the scheme's weight args.
     """

@@ -4,12 +4,12 @@ Per smoothing mapping (a norm or Linear and the balance layers reading its outpu
 patch's ``smoothing_mappings``, or the recipe's ``mappings``), one forward pre-hook on the first
 balance layer keeps a single float32 vector: the per-channel ``max|x|`` over every calibration
 token. When the piece holding the mapping was calibrated, the scales
-(:func:`~layerwise.quantization.smoothquant.smoothquant_scales`) are folded into the model
-(:func:`~layerwise.quantization.smoothing.apply_smoothing`): the function is unchanged, the balance
+(:func:`~layerwise.algorithms.quantization.smoothquant.smoothquant_scales`) are folded into the model
+(:func:`~layerwise.algorithms.quantization.smoothing.apply_smoothing`): the function is unchanged, the balance
 layers' inputs are flatter. SmoothQuant quantizes nothing itself.
 
 **Order.** The lifecycle fires every event on the modifiers in recipe order
-(:class:`~layerwise.lifecycle.Lifecycle`), so listed before a quantizer (``[SmoothQuantModifier,
+(:class:`~layerwise.host.lifecycle.Lifecycle`), so listed before a quantizer (``[SmoothQuantModifier,
 GPTQModifier]``) it smooths a piece's mappings at ``sequential_epoch_end`` before that quantizer
 compresses the piece's layers; listed after one, it finds the layers quantized and stops with an
 error that says so. Both read the same calibration forward: the Gram matrices a Hessian modifier
@@ -35,21 +35,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.distributed import Reducer
-from layerwise.errors import RecipeError
-from layerwise.finite import NonFiniteSampleWarning, is_finite, listed
-from layerwise.modifier import Modifier
-from layerwise.quantization.mappings import (
+from layerwise.plugin import CompressionState, Modifier, RecipeError, warn_user
+from layerwise.plugin.calibration import NonFiniteSampleWarning, Reducer, is_finite, listed
+from layerwise.plugin.quantization import (
     ResolvedMapping,
+    apply_smoothing,
+    linear_weight,
     mappings_for_run,
     recipe_mappings,
+    smoothquant_scales,
     split_by_piece,
 )
-from layerwise.quantization.smoothing import apply_smoothing
-from layerwise.quantization.smoothquant import smoothquant_scales
-from layerwise.quantization.storage import linear_weight
-from layerwise.state import CompressionState
-from layerwise.user_warnings import warn_user
 
 from .hessians import layer_input
 from .quantization import _in_piece

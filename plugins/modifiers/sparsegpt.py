@@ -2,7 +2,7 @@
 
 Every targeted layer's inputs are folded into its Hessian exactly as for GPTQ (shared
 float32 Gram matrices, :mod:`.hessians`); when the pipeline finishes a piece, its layers
-are pruned with the SparseGPT solver (:mod:`layerwise.sparsity.sparsegpt`), so the next
+are pruned with the SparseGPT solver (:mod:`layerwise.algorithms.sparsity.sparsegpt`), so the next
 piece calibrates on the outputs of the already pruned model (error propagation). A layer
 without data or with a Hessian that cannot be factorised is magnitude-pruned, with a
 warning naming it. Per-layer results go to :attr:`SparseGPTModifier.summary` and
@@ -16,10 +16,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.distributed import Reducer
-from layerwise.hessian import HessianError
-from layerwise.sparsity.sparsegpt import sparsegpt_prune
-from layerwise.state import CompressionState
+from layerwise.plugin import CompressionState
+from layerwise.plugin.calibration import HessianError, Reducer
+from layerwise.plugin.sparsity import sparsegpt_prune
 
 from .hessians import HessianHooks
 from .pruning import PruningModifier

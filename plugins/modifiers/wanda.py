@@ -18,12 +18,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.distributed import Reducer
-from layerwise.errors import RecipeError
-from layerwise.finite import is_finite
-from layerwise.quantization.storage import linear_weight
-from layerwise.sparsity.masks import score_mask
-from layerwise.state import CompressionState
+from layerwise.plugin import CompressionState, RecipeError
+from layerwise.plugin.calibration import Reducer, is_finite
+from layerwise.plugin.quantization import linear_weight
+from layerwise.plugin.sparsity import score_mask
 
 from .hessians import _warn_dropped, layer_input, read_last
 from .pruning import PruningModifier

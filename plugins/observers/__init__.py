@@ -1,6 +1,6 @@
 """Built-in range observers for quantization: min-max, its moving average, and an MSE search."""
 
-from layerwise.hookspecs import hookimpl
+from layerwise.plugin import hookimpl
 
 from .minmax import MinMaxObserver, MovingAverageMinMaxObserver
 from .mse import MSEObserver

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from layerwise.quantization.observer import Observer
+from layerwise.plugin.quantization import Observer
 
 
 class MinMaxObserver(Observer):

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from layerwise.quantization.observer import Observer
-from layerwise.quantization.qmath import compute_qparams, expand_qparams, fake_quantize
+from layerwise.plugin.quantization import Observer, compute_qparams, expand_qparams, fake_quantize
 
 #: shrink factors tried, from no clipping down to 20 % of the range
 SHRINKS = torch.linspace(1.0, 0.2, 81)

@@ -1,6 +1,6 @@
 """Built-in calibration pipelines, registered through the same hook a third-party plugin uses."""
 
-from layerwise.hookspecs import hookimpl
+from layerwise.plugin import hookimpl
 
 from .basic import BasicPipeline
 from .datafree import DataFreePipeline

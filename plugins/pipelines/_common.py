@@ -9,10 +9,8 @@ from typing import Any
 
 import torch
 
-from layerwise.cache import move_to
-from layerwise.lifecycle import Lifecycle
-from layerwise.matching import matches
-from layerwise.pipeline import PipelineFailed, PipelineOptions
+from layerwise.plugin import Lifecycle, matches
+from layerwise.plugin.pipelines import PipelineFailed, PipelineOptions, move_to
 
 
 def execution_device(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> torch.device:
@@ -78,7 +76,7 @@ def resolve_targets(model: torch.nn.Module, patterns: Iterable[str], ignore: Ite
 
     Empty patterns fall back to ``_no_split_modules``, then the blocks found by structure (as the tracer does).
     """
-    from layerwise.tracing.targets import TargetError, default_targets
+    from layerwise.plugin.pipelines import TargetError, default_targets
 
     ignore = list(ignore)
     try:

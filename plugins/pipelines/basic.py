@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from layerwise.lifecycle import Lifecycle
-from layerwise.offload import ModuleOffloader
-from layerwise.pipeline import Pipeline, PipelineOptions
+from layerwise.plugin import Lifecycle
+from layerwise.plugin.pipelines import ModuleOffloader, Pipeline, PipelineOptions
 
 from ._common import all_module_names, calibration_mode, execution_device, forward_kwargs, progress
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from layerwise.lifecycle import Lifecycle
-from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
+from layerwise.plugin import Lifecycle
+from layerwise.plugin.pipelines import Pipeline, PipelineFailed, PipelineOptions
 
 
 class IndependentPipeline(Pipeline):
@@ -22,7 +22,7 @@ class IndependentPipeline(Pipeline):
 
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
             options: PipelineOptions) -> None:
-        from layerwise.pipeline_selection import PipelineAborted, run_pipeline
+        from layerwise.plugin.pipelines import PipelineAborted, run_pipeline
 
         done: list[str] = []
         for modifier in list(lifecycle.modifiers):

@@ -6,7 +6,7 @@
    first positional argument equal to target ``i``'s output (its first element
    when it returns a tuple), and the other arguments (``attention_mask``,
    ``position_embeddings``, ...) the same for every target. Otherwise the pipeline
-   fails with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
+   fails with :class:`~layerwise.host.pipeline.PipelineFailed` and nothing was changed.
 2. Every batch runs up to the first target, whose inputs are captured (a forward
    pre-hook stops the forward there).
 3. Target after target: the batches run through it, its modules are compressed,
@@ -25,10 +25,14 @@ from typing import Any
 
 import torch
 
-from layerwise.cache import IntermediatesCache
-from layerwise.lifecycle import Lifecycle
-from layerwise.offload import ModuleOffloader
-from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions
+from layerwise.plugin import Lifecycle
+from layerwise.plugin.pipelines import (
+    IntermediatesCache,
+    ModuleOffloader,
+    Pipeline,
+    PipelineFailed,
+    PipelineOptions,
+)
 
 from ._common import (
     calibration_hooks_paused,

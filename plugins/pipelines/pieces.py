@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from layerwise.cache import move_to
-from layerwise.errors import InvalidArgumentError
-from layerwise.lifecycle import Lifecycle
-from layerwise.modifier import Modifier
-from layerwise.offload import ModuleOffloader
-from layerwise.pipeline import PipelineFailed, PipelineOptions
-from layerwise.tracing.result import output_difference
-from layerwise.tracing.retrace import TracesByGuards
-from layerwise.user_warnings import warn_user
+from layerwise.plugin import InvalidArgumentError, Lifecycle, Modifier, warn_user
+from layerwise.plugin.pipelines import (
+    ModuleOffloader,
+    PipelineFailed,
+    PipelineOptions,
+    TracesByGuards,
+    move_to,
+    output_difference,
+)
 
 from ._common import FATAL_ERRORS, all_module_names
 
@@ -36,7 +36,7 @@ def trace_for_pipeline(model: torch.nn.Module, sample: dict[str, Any], options: 
     else after each sequential target.
     """
     try:
-        from layerwise.tracing import trace
+        from layerwise.plugin.pipelines import trace
     except ImportError as exc:  # pragma: no cover - the tracer ships with layerwise
         raise PipelineFailed(f"the tracer is not available: {exc}") from exc
     patch = getattr(lifecycle.state, "patch", None)

@@ -22,10 +22,10 @@ that breaks one gets a trace of its own (:mod:`layerwise.tracing.retrace`), cut 
 targets, so each piece runs every batch through the subgraph of that batch's trace. Values
 are freed after their last consumer. A batch whose outputs of a piece hold NaN or inf is
 dropped from the later pieces, with a warning naming it
-(:func:`layerwise.finite.drop_if_non_finite`).
+(:func:`layerwise.runtime.finite.drop_if_non_finite`).
 
 Tracing happens before any modifier sees data: a model that cannot be traced fails
-with :class:`~layerwise.pipeline.PipelineFailed` and nothing was changed.
+with :class:`~layerwise.host.pipeline.PipelineFailed` and nothing was changed.
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ from typing import Any
 
 import torch
 
-from layerwise.accounting import Accounting
-from layerwise.cache import IntermediatesCache
-from layerwise.finite import drop_if_non_finite
-from layerwise.heap import keep_temporaries_in_heap
-from layerwise.lifecycle import Lifecycle
-from layerwise.offload import ModuleOffloader
-from layerwise.pipeline import Pipeline, PipelineFailed, PipelineOptions, inputs_held_unchanged
+from layerwise.plugin import Lifecycle
+from layerwise.plugin.calibration import Accounting, drop_if_non_finite
+from layerwise.plugin.pipelines import (
+    IntermediatesCache,
+    ModuleOffloader,
+    Pipeline,
+    PipelineFailed,
+    PipelineOptions,
+    inputs_held_unchanged,
+    keep_temporaries_in_heap,
+)
 
 from ._common import (
     FATAL_ERRORS,
@@ -196,7 +200,7 @@ class _Runner:
         """Each piece: run it observed, compress its modules, run it again compressed to feed the next.
 
         Whole blocks run twice per batch, so their temporaries stay in the C heap between calls
-        (:func:`~layerwise.heap.keep_temporaries_in_heap`: a Wanda run on tiny-llama-doc 15 % faster).
+        (:func:`~layerwise.runtime.heap.keep_temporaries_in_heap`: a Wanda run on tiny-llama-doc 15 % faster).
         The layer cut leaves glibc's defaults: there it gained nothing and its peak varied more.
         """
         keep_temporaries_in_heap()

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from layerwise.cache import move_to
-from layerwise.tracing.result import output_difference
+from layerwise.plugin.pipelines import move_to, output_difference
 
 #: tokens per joined call
 TOKEN_BUDGET = 1024

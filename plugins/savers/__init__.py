@@ -1,6 +1,6 @@
 """Built-in output formats."""
 
-from layerwise.hookspecs import hookimpl
+from layerwise.plugin import hookimpl
 
 from .compressed_tensors import save_compressed
 

@@ -15,10 +15,10 @@ On disk, for every quantized Linear called ``<name>``:
 ``format: pack-quantized`` for int4 and int8 alike -- the weight-only format vLLM runs --
 one config group per distinct set of args, and ``ignore`` listing every Linear
 left unquantized). The tokenizer, ``recipe.yaml`` and any extra files go alongside.
-The folder is written atomically (see :mod:`layerwise.saving`), and only when every tensor
-is finite (:func:`layerwise.finite.check_saved`): a NaN scale is an error, not a checkpoint.
+The folder is written atomically (see :mod:`layerwise.model_io.saving`), and only when every tensor
+is finite (:func:`layerwise.runtime.finite.check_saved`): a NaN scale is an error, not a checkpoint.
 
-A pruned model (layers marked by :func:`layerwise.sparsity.mark_sparse`) also gets
+A pruned model (layers marked by :func:`layerwise.algorithms.sparsity.mark_sparse`) also gets
 ``quantization_config.sparsity_config``. Without quantization its pruned weights are stored
 compressed (``<name>.weight.compressed`` / ``.bitmask`` / ``.shape`` / ``.row_offsets``, format
 ``sparse-bitmask`` or ``sparse-24-bitmask``; :func:`layerwise.load_compressed` loads them, plain
@@ -37,18 +37,24 @@ from typing import Any
 
 import torch
 
-from layerwise.finite import check_saved, skipped_prefixes
-from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.qmath import default_g_idx, quantize_weight
-from layerwise.quantization.storage import is_transposed, linear_weight, quantized_modules
-from layerwise.saving import (
+from layerwise.plugin.quantization import (
+    QuantizationArgs,
+    default_g_idx,
+    is_transposed,
+    linear_weight,
+    quantize_weight,
+    quantized_modules,
+)
+from layerwise.plugin.saving import (
     Overwrite,
     atomic_output_dir,
     check_not_an_input,
     check_output_dir,
+    check_saved,
     run_inputs,
+    skipped_prefixes,
 )
-from layerwise.sparsity.storage import sparse_modules
+from layerwise.plugin.sparsity import sparse_modules
 
 from .errors import SaveError
 from .sparse import (
@@ -99,7 +105,7 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
 def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any = None,
                   recipe: dict | str | None = None, extra_files: dict[str, str | bytes] | None = None,
                   overwrite: Overwrite = False) -> Path:
-    """Finish a run whose weights streamed from disk (:class:`~layerwise.streaming.WeightStream`): its
+    """Finish a run whose weights streamed from disk (:class:`~layerwise.model_io.streaming.WeightStream`): its
     pieces' tensors are in the output's temporary folder already; copy the rest, write the config."""
     modules, pruned = quantized_modules(model), sparse_modules(model)
     if not modules and not pruned:

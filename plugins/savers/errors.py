@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layerwise.errors import LayerwiseError
+from layerwise.plugin import LayerwiseError
 
 
 class SaveError(LayerwiseError):

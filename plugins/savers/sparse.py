@@ -3,7 +3,7 @@
 Which layout a pruned model gets (:func:`sparse_format`):
 
 * **nothing quantized**: the pruned weights are stored compressed, ``sparse-24-bitmask`` when
-  every pruned layer is 2:4, else ``sparse-bitmask`` (layouts: :mod:`layerwise.sparsity.bitmask`);
+  every pruned layer is 2:4, else ``sparse-bitmask`` (layouts: :mod:`layerwise.algorithms.sparsity.bitmask`);
   about half the bytes at 50 %. transformers and compressed-tensors >= 0.15 no longer decode
   them: :func:`layerwise.load_compressed` does.
 * **some layer quantized**: every weight stays as the quantization saver writes it (packed
@@ -23,10 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwise.quantization.storage import is_transposed
-from layerwise.sparsity.bitmask import BITMASK, ENCODERS, SPARSE_24, SparseFormatError
-from layerwise.sparsity.masks import MaskStructure
-from layerwise.sparsity.storage import SPARSITY_ATTR
+from layerwise.plugin.quantization import is_transposed
+from layerwise.plugin.sparsity import (
+    BITMASK,
+    ENCODERS,
+    SPARSE_24,
+    SPARSITY_ATTR,
+    MaskStructure,
+    SparseFormatError,
+)
 
 from .errors import SaveError
 
@@ -90,7 +95,7 @@ def encode_sparse_weights(state: dict[str, torch.Tensor], pruned: dict[str, nn.M
             parts = encode(weight)
         except SparseFormatError as exc:
             raise SaveError(f"pruned layer {name!r} cannot be saved as {fmt}: {exc}. Prune it again, or mark it "
-                            f"unstructured (layerwise.sparsity.mark_sparse(module, MaskStructure(0, 0))) so it is "
+                            f"unstructured (layerwise.algorithms.sparsity.mark_sparse(module, MaskStructure(0, 0))) so it is "
                             f"saved as {BITMASK}") from exc
         state.pop(key)
         state.update({f"{key}.{part}": tensor for part, tensor in parts.items()})

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import warnings
 
-from layerwise.compression import compress
 from layerwise.model_zoo.idefics3 import IDEFICS3, TEXT_LAYERS, sample_inputs
 from layerwise.model_zoo.idefics3 import tiny_idefics3 as idefics3
 from layerwise.tracing import trace
 from layerwise.tracing.retrace import TracesByGuards
+from layerwise.verbs.compression import compress
 from tests.conftest import skip_unless_verified
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from zoo_tiny_models import ARCHS
 
-from layerwise.model_patch import apply_patch
+from layerwise.host.patch_selection import apply_patch
 from layerwise.model_zoo import _inputs, idefics3, llava
 from layerwise.tracing import trace
 

@@ -103,7 +103,7 @@ def test_every_expert_sees_every_token_only_while_calibrating(name):
 def test_patch_unfuses_on_apply_and_calibrates_through_its_context(name):
     import importlib
 
-    from layerwise.model_patch import apply_patch
+    from layerwise.host.patch_selection import apply_patch
 
     patch = getattr(importlib.import_module(f"layerwise.model_zoo.{name}"), name.upper())
     model = ARCHS[name].build()
@@ -114,7 +114,7 @@ def test_patch_unfuses_on_apply_and_calibrates_through_its_context(name):
     with patch.calibrating(model):
         torch.testing.assert_close(_logits(model, inputs), normal, atol=1e-6, rtol=1e-6)
     # routers stay out of compression
-    from layerwise.matching import find_modules
+    from layerwise.common.matching import find_modules
     linears = find_modules(model, ["Linear"], patch.ignore)
     # the unfused experts are named as the family's original checkpoints name them (so they reload)
     gate = "w1" if name == "mixtral" else "gate_proj"

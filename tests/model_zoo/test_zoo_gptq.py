@@ -12,7 +12,7 @@ import torch
 from test_zoo_patches import ARCHS, _built, _modality_targets, patches  # noqa: F401  (fixture)
 
 import layerwise
-from layerwise.matching import find_modules
+from layerwise.common.matching import find_modules
 from layerwise.plugins.modifiers.gptq import GPTQModifier
 
 

@@ -16,12 +16,13 @@ import torch
 
 import layerwise
 import layerwise.model_zoo
-from layerwise.matching import find_modules, is_linear_like, matches
-from layerwise.model_patch import ModelPatch, apply_patch
+from layerwise.algorithms.quantization.mappings import resolve_mappings
+from layerwise.algorithms.quantization.smoothing import apply_smoothing
+from layerwise.algorithms.quantization.storage import linear_weight
+from layerwise.common.matching import find_modules, is_linear_like, matches
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.patch_selection import apply_patch
 from layerwise.plugins.modifiers.smoothquant import SmoothQuantModifier, SmoothQuantWarning
-from layerwise.quantization.mappings import resolve_mappings
-from layerwise.quantization.smoothing import apply_smoothing
-from layerwise.quantization.storage import linear_weight
 from tests.conftest import skip_unless_verified
 
 MODALITIES = ("text", "image", "audio")

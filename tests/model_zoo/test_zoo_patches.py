@@ -8,12 +8,12 @@ import pytest
 import torch
 from zoo_tiny_models import ARCHS
 
-from layerwise.matching import find_modules, unmatched
-from layerwise.model_patch import apply_patch, find_patch
-from layerwise.plugin_manager import PluginHost
+from layerwise.common.matching import find_modules, unmatched
+from layerwise.host.patch_selection import apply_patch, find_patch
+from layerwise.host.plugin_manager import PluginHost
+from layerwise.host.versions import TESTED_TRANSFORMERS, span_covers
 from layerwise.testing import check_model_patch
 from layerwise.tracing import trace
-from layerwise.versions import TESTED_TRANSFORMERS, span_covers
 from tests.conftest import skip_unless_verified
 
 MODULES = sorted({arch.module for arch in ARCHS.values()})

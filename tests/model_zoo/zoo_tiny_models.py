@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from layerwise.model_patch import ModelPatch
+from layerwise.host.model_patch import ModelPatch
 
 
 @dataclass(frozen=True)

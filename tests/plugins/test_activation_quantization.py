@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.qmath import FP8_MAX, fake_quantize, fake_quantize_activation
 from layerwise.errors import RecipeError
 from layerwise.plugins.modifiers.gptq import GPTQModifier
 from layerwise.plugins.modifiers.quantization import QuantizationModifier
 from layerwise.plugins.savers.compressed_tensors import save_compressed
-from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.qmath import FP8_MAX, fake_quantize, fake_quantize_activation
 from layerwise.testing import token_batches
 from tests.conftest import build_tiny_llama
 

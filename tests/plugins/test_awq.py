@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.algorithms.quantization.mappings import MappingError, resolve_mappings
+from layerwise.algorithms.quantization.smoothing import apply_smoothing
 from layerwise.errors import RecipeError
+from layerwise.host.recipe import parse_recipe
 from layerwise.model_zoo.llama import LLAMA, tiny_llama
 from layerwise.plugins.modifiers.awq import AWQFallbackWarning, AWQModifier, InputSample
 from layerwise.plugins.modifiers.quantization import QuantizationModifier
-from layerwise.quantization.mappings import MappingError, resolve_mappings
-from layerwise.quantization.smoothing import apply_smoothing
-from layerwise.recipe import parse_recipe
 from layerwise.testing.modifiers import token_batches
 
 #: input channels every norm of the test model makes 10x larger, as trained LLMs' outlier channels are

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from layerwise.lifecycle import Lifecycle
-from layerwise.plugin_manager import registry
-from layerwise.quantization.storage import quantized_modules
-from layerwise.state import CompressionState
+from layerwise.algorithms.quantization.storage import quantized_modules
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.host.plugin_manager import registry
+from layerwise.host.state import CompressionState
 from tests.conftest import build_tiny_llama, make_word_tokenizer
 
 # W4A16's group of 128 needs in_features divisible by 128: a tiny Llama with hidden 128

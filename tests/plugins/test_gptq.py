@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.algorithms.quantization import gptq as solver
+from layerwise.algorithms.quantization.gptq import accumulate_hessian, gptq_quantize
 from layerwise.errors import NonFiniteError, RecipeError
-from layerwise.lifecycle import Lifecycle
-from layerwise.pipeline import PipelineOptions
-from layerwise.plugin_manager import registry
-from layerwise.quantization import gptq as solver
-from layerwise.quantization.gptq import accumulate_hessian, gptq_quantize
-from layerwise.recipe import parse_recipe, recipe_to_yaml
-from layerwise.state import CompressionState
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.plugin_manager import registry
+from layerwise.host.recipe import parse_recipe, recipe_to_yaml
+from layerwise.host.state import CompressionState
 from tests.conftest import build_tiny_llama, make_word_tokenizer
 from tests.plugins.pipelines.helpers import make_batches, make_lifecycle
 
@@ -185,7 +185,7 @@ def test_inputs_wait_for_their_fold_as_copies_unless_the_pipeline_holds_them():
     """A short input waits for more rows before its Gram product. The model may still write into it
     after the hook, so it waits as a copy; inside ``inputs_held_unchanged`` (sequential at layers,
     which shows entry layers their cached inputs) it waits as it is. Both give the input's Hessian."""
-    from layerwise.pipeline import inputs_are_held, inputs_held_unchanged
+    from layerwise.host.pipeline import inputs_are_held, inputs_held_unchanged
 
     x = correlated(tokens=10)[0]
     expected = accumulate_hessian(None, 0, x)[0]
@@ -226,8 +226,8 @@ def test_static_actorder_stores_no_group_index_and_saves(tmp_path):
 
 
 def test_group_actorder_keeps_g_idx_in_memory_and_refuses_to_save(tmp_path):
+    from layerwise.algorithms.quantization.qmath import fake_quantize_weight
     from layerwise.plugins.savers.compressed_tensors import SaveError
-    from layerwise.quantization.qmath import fake_quantize_weight
 
     model = build_tiny_llama()
     run_pipeline(model, gptq(scheme="W4A16", group_size=32, actorder="group"), "sequential")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise.plugin_manager import registry
-from layerwise.quantization.args import QuantizationArgs
-from layerwise.quantization.qmath import compute_qparams, fake_quantize_weight
+from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.qmath import compute_qparams, fake_quantize_weight
+from layerwise.host.plugin_manager import registry
 
 INT4_GROUPS = QuantizationArgs(num_bits=4, strategy="group", group_size=32)
 FP8_BLOCKS = QuantizationArgs(type="float", num_bits=8, strategy="block", block_structure=(8, 32), group_size=None)

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.algorithms.quantization.storage import quantized_modules
+from layerwise.algorithms.sparsity.masks import MaskStructure, magnitude_mask, score_mask
+from layerwise.algorithms.sparsity.sparsegpt import sparsegpt_prune
+from layerwise.algorithms.sparsity.storage import sparse_modules
 from layerwise.errors import RecipeError
-from layerwise.lifecycle import Lifecycle
-from layerwise.plugin_manager import registry
-from layerwise.quantization.storage import quantized_modules
-from layerwise.recipe import parse_recipe
-from layerwise.sparsity.masks import MaskStructure, magnitude_mask, score_mask
-from layerwise.sparsity.sparsegpt import sparsegpt_prune
-from layerwise.sparsity.storage import sparse_modules
-from layerwise.state import CompressionState
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.host.plugin_manager import registry
+from layerwise.host.recipe import parse_recipe
+from layerwise.host.state import CompressionState
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import make_batches
 
@@ -209,7 +209,7 @@ def test_rtn_after_wanda_keeps_the_zeros_too():
 # -- on a trained layer: SparseGPT beats magnitude and Wanda --------------------------------------
 @pytest.mark.parametrize("structure", [MaskStructure(0, 0), MaskStructure(2, 4)])
 def test_sparsegpt_has_a_lower_output_error_than_magnitude_and_wanda_on_trained_layers(minilm_path, structure):
-    from layerwise.loading import load_model, load_tokenizer
+    from layerwise.model_io.loading import load_model, load_tokenizer
 
     model, tokenizer = load_model(minilm_path), load_tokenizer(minilm_path)
     names = ["encoder.layer.1.attention.self.query", "encoder.layer.3.intermediate.dense",
@@ -348,7 +348,7 @@ def test_sparsegpt_then_gptq_share_one_gram_per_input(monkeypatch):
 
 @pytest.mark.parametrize("poison", [torch.nan, torch.inf, 1e20])  # 1e20 is finite, but its square overflows
 def test_wanda_leaves_out_an_input_that_is_not_finite_or_whose_square_overflows(poison):
-    from layerwise.finite import NonFiniteSampleWarning
+    from layerwise.runtime.finite import NonFiniteSampleWarning
     from tests.plugins.test_gptq import TwoLinears, calibrate
 
     g = torch.Generator().manual_seed(3)

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
+from layerwise.algorithms.quantization.presets import PRESETS
+from layerwise.algorithms.quantization.qmath import fake_quantize_weight, weight_qparams
+from layerwise.algorithms.quantization.storage import quantized_modules
 from layerwise.errors import RecipeError, UnknownNameError
-from layerwise.lifecycle import Lifecycle
-from layerwise.plugin_manager import registry
-from layerwise.quantization.presets import PRESETS
-from layerwise.quantization.qmath import fake_quantize_weight, weight_qparams
-from layerwise.quantization.storage import quantized_modules
-from layerwise.recipe import parse_recipe
-from layerwise.state import CompressionState
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.host.plugin_manager import registry
+from layerwise.host.recipe import parse_recipe
+from layerwise.host.state import CompressionState
 from tests.conftest import build_tiny_llama
 
 
@@ -119,7 +119,7 @@ def test_unknown_observer_lists_registered_ones():
 
 
 def test_recipe_round_trip_keeps_only_given_fields():
-    from layerwise.recipe import recipe_to_yaml
+    from layerwise.host.recipe import recipe_to_yaml
 
     (modifier,) = parse_recipe({"QuantizationModifier": {"scheme": "W4A16", "group_size": 32}})
     text = recipe_to_yaml([modifier])

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.algorithms.quantization.mappings import MappingError, resolve_mappings
 from layerwise.errors import RecipeError
+from layerwise.host.recipe import parse_recipe
 from layerwise.model_zoo import _tiny
 from layerwise.model_zoo.llama import LLAMA, tiny_llama
 from layerwise.plugins.modifiers.gptq import GPTQModifier
 from layerwise.plugins.modifiers.hessians import HessianBank
 from layerwise.plugins.modifiers.smoothquant import SmoothQuantModifier, SmoothQuantWarning
-from layerwise.quantization.mappings import MappingError, resolve_mappings
-from layerwise.recipe import parse_recipe
 from layerwise.testing.modifiers import count_hooks, token_batches
 
 BATCHES = token_batches(count=4, length=16, vocab=256)

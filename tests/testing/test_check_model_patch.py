@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from layerwise.matching import unmatched
-from layerwise.model_patch import ModelPatch, find_patch
-from layerwise.plugin_manager import registry
+from layerwise.common.matching import unmatched
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.patch_selection import find_patch
+from layerwise.host.plugin_manager import registry
 from layerwise.testing import PluginCheckError, check_model_patch, patch_report
 from tests.conftest import build_tiny_llama, skip_unless_verified
 from tests.model_zoo.zoo_tiny_models import ARCHS

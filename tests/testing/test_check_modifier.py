@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from layerwise.modifier import Modifier
-from layerwise.plugin_manager import registry
+from layerwise.host.modifier import Modifier
+from layerwise.host.plugin_manager import registry
 from layerwise.testing import PluginCheckError, check_modifier
 
 #: every built-in modifier with non-default fields (the round trip can only lose what differs from defaults)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from layerwise import hookimpl
-from layerwise.pipeline import Pipeline
-from layerwise.plugin_manager import get_host, registry
+from layerwise.host.pipeline import Pipeline
+from layerwise.host.plugin_manager import get_host, registry
 from layerwise.plugins.pipelines._common import all_module_names, calibration_mode
 from layerwise.testing import PluginCheckError
 from layerwise.testing.pipelines import check_pipeline

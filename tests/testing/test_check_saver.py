@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from layerwise import hookimpl
-from layerwise.plugin_manager import get_host, registry
+from layerwise.host.plugin_manager import get_host, registry
 from layerwise.plugins.savers.compressed_tensors import save_compressed
 from layerwise.testing import PluginCheckError
 from layerwise.testing.savers import check_saver

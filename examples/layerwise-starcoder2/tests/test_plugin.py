@@ -4,7 +4,7 @@ import torch
 from layerwise_starcoder2 import STARCODER2, tiny_starcoder2
 
 import layerwise
-from layerwise.plugin_manager import get_host
+from layerwise.plugin import get_host
 
 
 def test_discovered_through_the_entry_point():

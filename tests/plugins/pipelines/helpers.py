@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from layerwise.lifecycle import Lifecycle
-from layerwise.modifier import Modifier
-from layerwise.state import CompressionState
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.host.modifier import Modifier
+from layerwise.host.state import CompressionState
 
 
 @dataclass

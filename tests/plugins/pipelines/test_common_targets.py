@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise.pipeline import PipelineFailed
+from layerwise.host.pipeline import PipelineFailed
 from layerwise.plugins.pipelines._common import resolve_targets
 
 

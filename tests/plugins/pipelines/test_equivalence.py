@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise.pipeline import PipelineOptions
-from layerwise.plugin_manager import registry
+from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.plugin_manager import registry
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 

@@ -9,10 +9,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from layerwise.model_patch import ModelPatch
-from layerwise.modifier import Modifier
-from layerwise.pipeline import PipelineOptions
-from layerwise.plugin_manager import registry
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.modifier import Modifier
+from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.plugin_manager import registry
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 
@@ -96,8 +96,8 @@ def test_progress_bar_per_target(capsys):
 
 
 def test_sequential_frees_each_value_after_its_last_consumer(monkeypatch):
-    from layerwise.cache import IntermediatesCache
     from layerwise.plugins.pipelines import sequential
+    from layerwise.runtime.cache import IntermediatesCache
 
     held = []
 
@@ -148,7 +148,7 @@ class _PerLayerArgs(torch.nn.Module):
 @pytest.mark.parametrize("model, why", [(_Reused(), "runs more than once"),
                                         (_PerLayerArgs(), "gets other arguments than 'blocks.0'")])
 def test_layer_sequential_refuses_non_chains_before_calibration(model, why):
-    from layerwise.pipeline import PipelineFailed
+    from layerwise.host.pipeline import PipelineFailed
 
     modifier = RoundingModifier()
     options = PipelineOptions(sequential_targets=["_Block"], show_progress=False)
@@ -165,7 +165,7 @@ def test_layer_sequential_skips_ignored_targets():
     options = PipelineOptions(sequential_targets=["LlamaDecoderLayer"], ignore=["model.layers.1"],
                               show_progress=False)
     # layers.1 ignored: layers.2's input is no longer layers.0's output, so this is not a chain any more
-    from layerwise.pipeline import PipelineFailed
+    from layerwise.host.pipeline import PipelineFailed
 
     with pytest.raises(PipelineFailed, match="not the output of 'model.layers.0'"):
         registry("pipelines").get("layer_sequential")().run(model, make_batches(), make_lifecycle(model, modifier),

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from layerwise.errors import InvalidArgumentError
-from layerwise.modifier import Modifier
-from layerwise.pipeline import PipelineOptions
-from layerwise.plugin_manager import registry
+from layerwise.host.modifier import Modifier
+from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.plugin_manager import registry
 from tests.conftest import build_tiny_llama
 from tests.plugins.pipelines.helpers import RoundingModifier, make_batches, make_lifecycle
 
@@ -186,7 +186,7 @@ def test_accounting_times_forwards_hessians_and_solves():
     assert accounting["GPTQ solves"].calls == 8 and accounting["GPTQ solves"].flops > 0
     assert len(state.log) >= 14 and {r["method"] for r in state.log if "method" in r} == {"gptq"}
     # q/k/v and gate/up share one Gram matrix: 4 per layer, each over every token of the 3 batches
-    from layerwise.accounting import gram_flops
+    from layerwise.runtime.accounting import gram_flops
 
     tokens = 7 + 9 + 5
     expected = 2 * (2 * gram_flops(tokens, 64, 128) + gram_flops(tokens, 64, 128) + gram_flops(tokens, 128, 128))
@@ -202,7 +202,7 @@ def test_a_modifier_needing_whole_forwards_keeps_blocks_and_says_why():
 
 @pytest.mark.parametrize("pieces, kept", [("blocks", True), ("layers", False)])
 def test_only_the_blocks_cut_keeps_forward_temporaries_in_the_heap(monkeypatch, pieces, kept):
-    # blocks run twice per batch: their temporaries stay in the C heap (layerwise.heap); the layer cut
+    # blocks run twice per batch: their temporaries stay in the C heap (layerwise.runtime.heap); the layer cut
     # gained nothing from it, so glibc's own thresholds stay there
     from layerwise.plugins.pipelines import sequential
 
@@ -271,8 +271,8 @@ def test_compress_reports_the_cut_and_refuses_an_unknown_one():
 
 
 def test_a_batch_lets_go_of_its_inputs_as_soon_as_its_piece_ran(monkeypatch):
-    from layerwise.cache import IntermediatesCache
     from layerwise.plugins.pipelines import sequential
+    from layerwise.runtime.cache import IntermediatesCache
 
     early = []
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerwise.pipeline import PipelineOptions
-from layerwise.plugin_manager import registry
+from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.plugin_manager import registry
 from layerwise.plugins.pipelines import sequential
 from layerwise.plugins.pipelines.token_batches import (
     JOIN_BELOW,

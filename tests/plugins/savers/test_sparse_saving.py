@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import layerwise
+from layerwise.algorithms.quantization.storage import quantized_modules
+from layerwise.algorithms.sparsity import MaskStructure, magnitude_mask, mark_sparse, sparse_modules
 from layerwise.errors import NonFiniteError
-from layerwise.plugin_manager import registry
+from layerwise.host.plugin_manager import registry
 from layerwise.plugins.savers.errors import SaveError
-from layerwise.quantization.storage import quantized_modules
-from layerwise.sparsity import MaskStructure, magnitude_mask, mark_sparse, sparse_modules
 from tests.conftest import build_tiny_llama
 
 UNSTRUCTURED, TWO_FOUR = MaskStructure(0, 0), MaskStructure(2, 4)

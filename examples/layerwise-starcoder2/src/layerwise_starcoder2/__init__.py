@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layerwise import ModelPatch, Modifier, hookimpl
-from layerwise.matching import find_modules
+from layerwise.plugin import find_modules
 
 
 def sample_inputs(config, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict:

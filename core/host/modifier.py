@@ -1,0 +1,126 @@
+"""The Modifier base class: a compression algorithm that reacts to lifecycle events.
+
+A modifier implements only the events it needs; pipelines fire them, modifiers
+never drive the pipeline. Hooks registered through :meth:`Modifier.register_hook`
+are removed by the lifecycle on every path out, errors included.
+
+Modifiers are dataclasses, so a recipe's fields map one to one onto constructor
+arguments and an unknown field is an error that lists the valid ones.
+
+In a distributed run (several ranks, each calibrating on its share of the batches, see
+:mod:`layerwise.runtime.distributed`) a modifier that gathers statistics from data merges them over the
+ranks in :meth:`Modifier.on_reduce`, fired before each piece is compressed; the built-in ones
+also spread their per-layer solves over the ranks with :func:`layerwise.runtime.distributed.spread`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from layerwise.host.state import CompressionState
+    from layerwise.runtime.distributed import Reducer
+
+
+@dataclasses.dataclass
+class Modifier:
+    """Base of every modifier. Subclasses are dataclasses with their own fields."""
+
+    #: does the modifier need calibration data? (``False`` picks the ``datafree`` pipeline)
+    requires_data: ClassVar[bool] = True
+    #: must the layers of a block be observed on the block's inputs *before* any of its layers is
+    #: compressed? (Wanda: it compensates nothing, so a layer scored on a pruned neighbour's
+    #: outputs only adds error.) ``True`` makes the ``sequential`` pipeline cut at blocks.
+    needs_uncompressed_block: ClassVar[bool] = False
+    #: why it needs that, as the run's ``pieces`` line gives the reason for the blocks cut ("<class> <reason>")
+    block_reason: ClassVar[str] = "observes each block before compressing any of its layers"
+
+    def __post_init__(self) -> None:
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # -- events (override what you need) -------------------------------------
+    def on_initialize(self, state: CompressionState) -> None:
+        """Resolve targets, attach schemes; called once before any data flows."""
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        """Register observers / Hessian hooks before the first batch."""
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Merge the statistics gathered for ``modules`` over the ranks of a distributed run.
+
+        Fired only with several ranks, on every rank, right before ``sequential_epoch_end(modules)``
+        and (``modules=None``: everything not compressed yet) before ``calibration_end``. Each rank
+        calibrated on its own share of the batches; afterwards every rank must hold what a single
+        process calibrating on all of them would: sums summed (``reducer.sum(tensor)``, in place),
+        maxima maxed, minima minned, counts counted (``reducer.count(n)``), anything else gathered
+        (``reducer.gather(obj)``). Every rank must make the same calls in the same order with tensors
+        of the same shapes (a rank that saw no data contributes zeros / ``-inf`` / ``inf``). The
+        compressing events that follow then run identically on every rank. Default: nothing (a
+        modifier that gathers no statistics).
+        """
+
+    def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
+        """Compress the given modules (qualified names) of the subgraph just calibrated."""
+
+    def on_calibration_end(self, state: CompressionState) -> None:
+        """Compress what is left; calibration hooks are removed right after this."""
+
+    def on_finalize(self, state: CompressionState) -> None:
+        """Last chance to tidy the model before saving."""
+
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """Which modules' inputs this modifier reads while calibration data runs through ``modules``.
+
+        ``modules`` are the qualified names of one piece of the model. Return the names
+        (among them) whose *inputs* the modifier's forward **pre**-hooks read, or ``None``
+        when it needs the whole forward (outputs, other activations). Pipelines use the
+        answer to skip a piece nobody reads from, to end a forward whose outputs are not used
+        as soon as every needed input was seen, and (``sequential`` at layers) to cut the
+        model before those modules: their pre-hooks are then called with cached inputs and
+        their forward is skipped, so a modifier answering with names must read nothing but
+        what its pre-hooks receive. Default: ``None`` for a modifier that requires data,
+        else none.
+        """
+        return None if self.requires_data else set()
+
+    # -- hooks -------------------------------------------------------------------
+    def register_hook(self, module: torch.nn.Module, fn: Callable[..., Any], kind: str = "forward",
+                      **kwargs: Any) -> torch.utils.hooks.RemovableHandle:
+        """Register a ``forward`` / ``forward_pre`` hook that the lifecycle removes for you."""
+        register = {"forward": module.register_forward_hook,
+                    "forward_pre": module.register_forward_pre_hook}[kind]
+        handle = register(fn, **kwargs)
+        self._hooks.append(handle)
+        return handle
+
+    def remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    # -- output --------------------------------------------------------------------------
+    def output_files(self) -> dict[str, str | bytes]:
+        """Extra files to save next to the compressed model: name (relative to the folder) -> content."""
+        return {}
+
+    # -- recipe round trip -------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The modifier's fields as a recipe entry (``{ClassName: {field: value}}``)."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            if not f.name.startswith("_"):
+                fields[f.name] = _plain(getattr(self, f.name))
+        return {type(self).__name__: fields}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,56 @@
+"""Choosing a model's patch among the registered ones, and applying it once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from layerwise.errors import UnknownNameError
+from layerwise.host.model_patch import ModelPatch
+from layerwise.host.plugin_manager import registry
+
+
+def find_patch(model: torch.nn.Module, patches: Sequence[ModelPatch] | None = None) -> ModelPatch | None:
+    """The registered patch that best matches ``model``, or ``None``."""
+    if patches is None:
+        patches = [p for _, p in registry("model_patches").items()]
+    scored = [(p.match_score(model), p) for p in patches]
+    best = max((s for s, _ in scored), default=0)
+    return next((p for s, p in scored if s == best), None) if best else None
+
+
+def resolve_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
+    """Turn the user's ``patch=`` argument into a patch.
+
+    ``None``/``True``: pick automatically; ``False``: no patch; a name: that registered
+    patch; a :class:`ModelPatch`: used as is.
+    """
+    if patch is None or patch is True:
+        return find_patch(model)
+    if patch is False:
+        return None
+    if isinstance(patch, ModelPatch):
+        return patch
+    if isinstance(patch, str):
+        return registry("model_patches").get(patch)
+    raise UnknownNameError("model patch", repr(patch), [], hint="pass a name, a ModelPatch, True or False")
+
+
+def apply_patch(model: torch.nn.Module, patch: ModelPatch | None) -> torch.nn.Module:
+    """Apply ``patch`` to ``model`` once and remember it on the model."""
+    if patch is None or getattr(model, "_layerwise_patch", None) is patch:
+        return model
+    if patch.apply is not None:
+        patch.apply(model)
+    model._layerwise_patch = patch  # type: ignore[attr-defined]
+    return model
+
+
+def use_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
+    """Resolve ``patch`` for ``model`` (``None``: the one already applied, else the registered match),
+    apply it, and return it: what ``compress()`` and ``trace()`` both do with their ``patch=``."""
+    chosen = getattr(model, "_layerwise_patch", None) if patch is None else None
+    chosen = chosen or resolve_patch(model, patch)
+    apply_patch(model, chosen)
+    return chosen

@@ -1,0 +1,179 @@
+"""Turning what the user wrote (object, list, dict, YAML, preset) into modifiers.
+
+Accepted recipe forms:
+
+* a :class:`~layerwise.host.modifier.Modifier` instance, or a list of them;
+* a preset name such as ``"W4A16"``: round-to-nearest with that scheme on every
+  Linear but the output head;
+* a dict ``{"GPTQModifier": {"scheme": "W4A16"}}``; modifiers may be nested under
+  any stage/group keys (``{"quant_stage": {"quant_modifiers": {...}}}``), as
+  recipes written for other tools often are;
+* a YAML string or a path to a YAML file holding such a dict (or a list of them).
+
+Every key, at any depth, must be a registered modifier, a stage or group that holds
+one, or one of :data:`METADATA_KEYS`; anything else is a :class:`RecipeNameError`
+with the closest valid name. A misspelt modifier is never dropped silently while the
+rest of the recipe runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from layerwise.errors import RecipeError, RecipeNameError, did_you_mean
+from layerwise.host.modifier import Modifier
+from layerwise.host.plugin_manager import registry
+
+RecipeLike = Modifier | list | dict | str | Path
+
+
+#: keys that describe a recipe (as llm-compressor-style recipes carry them); read, never used
+METADATA_KEYS = ("version", "metadata", "run_type")
+
+#: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
+ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier", "AWQ": "AWQModifier"}
+#: presets that chain modifiers (they share one calibration run)
+CHAINED_PRESETS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    # SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
+    "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),
+}
+
+
+def preset_names() -> list[str]:
+    """Every recipe preset name: the schemes (round-to-nearest), ``<ALGORITHM>_<SCHEME>`` and the chains."""
+    from layerwise.algorithms.quantization.presets import PRESETS
+
+    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in ALGORITHM_PRESETS for scheme in PRESETS),
+            *CHAINED_PRESETS]
+
+
+def parse_recipe(recipe: RecipeLike) -> list[Modifier]:
+    """The list of modifier instances a recipe describes, in order."""
+    if isinstance(recipe, Modifier):
+        return [recipe]
+    if isinstance(recipe, (list, tuple)):
+        return [m for item in recipe for m in parse_recipe(item)]
+    if isinstance(recipe, Path):
+        return _parse_file(recipe)
+    if isinstance(recipe, str):
+        return _parse_string(recipe)
+    if isinstance(recipe, dict):
+        modifiers = _parse_mapping(recipe, path="recipe")
+        if not modifiers:
+            raise RecipeError("the recipe names no modifier; " + _valid_hint())
+        return modifiers
+    raise RecipeError(f"a recipe must be a Modifier, list, dict, YAML text, file path or preset name, "
+                      f"not {type(recipe).__name__}")
+
+
+def _parse_string(text: str) -> list[Modifier]:
+    from layerwise.algorithms.quantization.presets import PRESETS
+
+    stripped = text.strip()
+    if stripped in PRESETS:
+        return [_build("QuantizationModifier", {"scheme": stripped}, "recipe")]
+    algorithm, _, scheme = stripped.partition("_")
+    if algorithm in ALGORITHM_PRESETS and scheme in PRESETS:
+        return [_build(ALGORITHM_PRESETS[algorithm], {"scheme": scheme}, "recipe")]
+    if stripped in CHAINED_PRESETS:
+        return [_build(name, dict(fields), "recipe") for name, fields in CHAINED_PRESETS[stripped]]
+    if stripped.endswith((".yaml", ".yml")) or (("\n" not in stripped) and Path(stripped).is_file()):
+        return _parse_file(Path(stripped))
+    if ":" not in stripped and "\n" not in stripped:
+        if stripped in registry("modifiers"):
+            return [_build(stripped, {}, "recipe")]
+        raise RecipeNameError(
+            "recipe", stripped, [*preset_names(), *registry("modifiers").names()],
+            hint="pass a preset name, a modifier name, YAML text, or the path of a YAML file",
+        )
+    try:
+        data = yaml.safe_load(stripped)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"the recipe is not valid YAML: {exc}") from None
+    return parse_recipe(data)
+
+
+def _parse_file(path: Path) -> list[Modifier]:
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        raise RecipeError(f"recipe file {str(path)!r} is empty")
+    return parse_recipe(data)
+
+
+def _parse_mapping(mapping: dict, path: str) -> list[Modifier]:
+    modifiers = []
+    known = registry("modifiers").names()
+    for key, value in mapping.items():
+        where = f"{path}.{key}"
+        if key in known:
+            modifiers.append(_build(key, value or {}, where))
+        elif key in METADATA_KEYS:
+            continue
+        elif not str(key).lower().endswith("modifier") and _is_group(value, known):
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                modifiers.extend(_parse_mapping(item, where if isinstance(value, dict) else f"{where}[{i}]"))
+        elif value is None or isinstance(value, dict):  # a modifier's place, under a name nobody registered
+            raise RecipeNameError("modifier", str(key), known, hint=f"(at {where})")
+        elif isinstance(value, list) and value and any(isinstance(item, dict) for item in value):
+            bad = next(i for i, item in enumerate(value) if not isinstance(item, dict))
+            raise RecipeError(f"{where}[{bad}]: {value[bad]!r} is not a mapping; each item of a list of "
+                              f"modifiers is one, e.g. {{{known[0]}: {{...}}}}")
+        else:
+            raise RecipeNameError("recipe key", str(key), METADATA_KEYS, hint=(
+                f"(at {where}); any other key must be a modifier ({', '.join(known)}) or a stage or "
+                f"group holding modifiers"))
+    return modifiers
+
+
+def _is_group(value: Any, known: list[str]) -> bool:
+    """A stage or group: a list of mappings, or a mapping that is not one modifier's fields.
+
+    A mapping of plain values under keys that name no modifier (``{scheme: W4A16}``) is
+    a modifier's fields, so the key above it must have been a modifier's name.
+    """
+    if isinstance(value, list):
+        return all(isinstance(item, dict) for item in value)
+    if not isinstance(value, dict):
+        return False
+    nested = any(isinstance(v, dict) or (isinstance(v, list) and any(isinstance(i, dict) for i in v))
+                 for v in value.values())
+    named = any(k in known or k in METADATA_KEYS or str(k).lower().endswith("modifier") or did_you_mean(k, known)
+                for k in value)
+    return not value or nested or named
+
+
+def _build(name: str, fields: Any, where: str) -> Modifier:
+    cls = registry("modifiers").get(name)
+    if not isinstance(fields, dict):
+        raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
+    valid = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")] \
+        if dataclasses.is_dataclass(cls) else None
+    unknown = [k for k in fields if valid is not None and k not in valid]
+    if unknown:
+        named = ", ".join(f"{k!r}" + (f" ({hint.strip()})" if (hint := did_you_mean(k, valid)) else "")
+                          for k in unknown)
+        raise RecipeError(f"{where}: unknown field(s) {named} for {name}; valid fields: {', '.join(valid)}")
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise RecipeError(f"{where}: cannot build {name}: {exc}") from exc
+
+
+def _valid_hint() -> str:
+    return "valid modifiers: " + ", ".join(registry("modifiers").names())
+
+
+def recipe_to_yaml(modifiers: list[Modifier]) -> str:
+    """The YAML text that rebuilds ``modifiers`` (saved next to the compressed model)."""
+    return yaml.safe_dump({"layerwise_stage": {"modifiers": [m.to_dict() for m in modifiers]}},
+                          sort_keys=False)

@@ -1,0 +1,138 @@
+"""Calibration data: from whatever the user has to a list of model-ready batches.
+
+Sources are recognised by the dataset loaders registered through
+``layerwise_register_datasets`` (built-ins: lists of strings, text and JSONL files,
+``datasets.Dataset``, already tokenized samples). Text is tokenized with the
+model's tokenizer and either cut into windows of ``max_seq_length`` tokens
+(``packing="chunk"``, the usual choice for causal LMs) or one sample per document,
+truncated (``packing="truncate"``, right for encoders whose inputs carry [CLS]/[SEP]).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerwise.errors import DatasetError, require_positive
+from layerwise.host.plugin_manager import registry
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DatasetLoader:
+    """Recognises one kind of data source and turns it into texts or tokenized samples."""
+
+    name: str
+    accepts: Callable[[Any], bool]
+    load: Callable[[Any], list[str] | list[Mapping[str, Any]]]
+    #: higher runs first when several loaders accept a source
+    priority: int = 0
+
+
+def _describe(source: Any) -> str:
+    text = repr(source)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def load_records(source: Any) -> list[str] | list[Mapping[str, Any]]:
+    """Texts or tokenized samples from ``source``, by the first registered loader that accepts it."""
+    loaders = sorted((loader for _, loader in registry("datasets").items()), key=lambda l: -l.priority)
+    for loader in loaders:
+        if loader.accepts(source):
+            records = loader.load(source)
+            if not records:
+                raise DatasetError(f"the calibration dataset {_describe(source)} is empty "
+                                   f"(read by the {loader.name!r} loader); give it some text or samples")
+            return records
+    raise DatasetError(
+        f"no dataset loader understands {_describe(source)}; pass a list of strings, a .txt/.jsonl file, "
+        f"a datasets.Dataset or tokenized samples (loaders: {', '.join(registry('datasets').names())})"
+    )
+
+
+def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 512,
+                        max_seq_length: int = 2048, packing: str | None = None,
+                        shuffle: bool = False, seed: int = 0) -> list[Batch]:
+    """Up to ``num_samples`` batches of one sample each (no padding wasted on calibration)."""
+    return batches_from_records(load_records(source), tokenizer, num_samples, max_seq_length, packing,
+                                shuffle, seed, source=source)
+
+
+def batches_from_records(records: list[str] | list[Mapping[str, Any]], tokenizer: Any = None,
+                         num_samples: int = 512, max_seq_length: int = 2048, packing: str | None = None,
+                         shuffle: bool = False, seed: int = 0, *, source: Any = None) -> list[Batch]:
+    """:func:`calibration_batches` for records already read by :func:`load_records`.
+
+    ``compress()`` reads the data before loading the model, so that a bad file is
+    reported in a second, not after minutes of loading; ``source`` names it in errors.
+    """
+    require_positive(num_samples, "num_samples")
+    require_positive(max_seq_length, "max_seq_length")
+    if isinstance(records[0], str):
+        samples = _tokenize(records, tokenizer, num_samples, max_seq_length, packing)
+    else:
+        samples = [_as_batch(r, max_seq_length) for r in records]
+    if shuffle:
+        random.Random(seed).shuffle(samples)
+    samples = [s for s in samples if "input_ids" not in s or s["input_ids"].shape[-1] > 0][:num_samples]
+    if not samples:
+        raise DatasetError(f"the calibration dataset {_describe(source)} produced no tokens")
+    return samples
+
+
+def _tokenize(texts: list[str], tokenizer: Any, num_samples: int, max_seq_length: int,
+              packing: str | None) -> list[Batch]:
+    if tokenizer is None:
+        raise DatasetError("the calibration data is text but the model has no tokenizer; pass tokenizer= "
+                           "or tokenized samples ({'input_ids': ...})")
+    if packing is None:  # encoders frame every input with special tokens; decoders read running text
+        packing = "truncate" if getattr(tokenizer, "cls_token", None) else "chunk"
+    if packing == "truncate":
+        out = []
+        for text in texts[:num_samples]:
+            enc = tokenizer(text, truncation=True, max_length=max_seq_length, return_tensors="pt")
+            out.append({k: v for k, v in enc.items()})
+        return out
+    if packing != "chunk":
+        raise DatasetError(f"unknown packing {packing!r}; valid: chunk, truncate")
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        # verbose=False: the windows below cut the ids to length, so the tokenizer need not warn
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + separator)
+        if len(ids) >= num_samples * max_seq_length:
+            break
+    windows = [ids[i:i + max_seq_length] for i in range(0, len(ids), max_seq_length)][:num_samples]
+    out = []
+    for window in windows:
+        input_ids = torch.tensor([window])
+        out.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
+    return out
+
+
+def _as_batch(record: Mapping[str, Any], max_seq_length: int) -> Batch:
+    if not any(key in record for key in MODEL_INPUT_KEYS):
+        raise DatasetError(f"a tokenized sample needs one of {', '.join(MODEL_INPUT_KEYS)}; "
+                           f"got keys {sorted(record)}")
+    # image / audio samples are passed through whole: cutting their token ids would cut
+    # the image placeholders out of step with the pixel values
+    multimodal = any(key not in TEXT_KEYS for key in record)
+    batch = {}
+    for key, value in record.items():
+        tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        if tensor.dim() == 1 and key in TEXT_KEYS:
+            tensor = tensor.unsqueeze(0)
+        if key in TEXT_KEYS and not multimodal:
+            tensor = tensor[..., :max_seq_length]
+        batch[key] = tensor
+    return batch
+
+
+#: keys that make a record a model input: text ids, or an image / audio tower's input
+MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "input_features", "pixel_values")
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")

@@ -1,0 +1,229 @@
+"""Loading a compressed-tensors folder, the sparse layouts transformers no longer reads included.
+
+compressed-tensors >= 0.15 dropped its sparse compressors, so a folder whose
+``quantization_config.sparsity_config.format`` is ``sparse-bitmask`` or ``sparse-24-bitmask``
+(what layerwise saves for a pruned, unquantized model) loads in plain transformers with its
+pruned weights *missing*: randomly initialised, with only a load report saying so.
+:func:`load_compressed` decodes those tensors (:mod:`layerwise.algorithms.sparsity.bitmask`) into dense
+``<layer>.weight`` tensors, drops the sparsity part of the config and builds the model from
+that state dict; every other folder (dense, pack-quantized, quantized with a ``dense``
+sparsity_config) is a plain ``from_pretrained``, packed asymmetric weights dequantized on load
+(:func:`packed_asymmetric`). :func:`layerwise.load_model`, and so
+``compress(path)``, load sparse folders the same way.
+
+The decoded layers are marked pruned again (:func:`layerwise.algorithms.sparsity.mark_sparse`, with the
+config's ``sparsity_structure``), so a later GPTQ run keeps their zeros and saving writes them
+sparse again. The whole checkpoint is read into CPU memory once while loading.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerwise.algorithms.sparsity.bitmask import DECODERS, PARTS, SparseFormatError
+from layerwise.algorithms.sparsity.masks import parse_mask_structure
+from layerwise.algorithms.sparsity.storage import mark_sparse
+from layerwise.errors import ModelLoadError
+from layerwise.model_io.heads import checkpoint_class
+from layerwise.model_io.model_paths import check_model_path
+
+#: the sparsity_config formats whose tensors need decoding
+SPARSE_FORMATS = tuple(DECODERS)
+
+
+def quantization_config(config: Any) -> dict[str, Any]:
+    """A transformers config's (or config.json dict's) ``quantization_config`` as a dict; ``{}`` if none."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config",
+                                                                                         None)
+    if quant is None:
+        return {}
+    return dict(quant) if isinstance(quant, dict) else quant.to_dict()
+
+
+def sparsity_config(config: Any) -> dict[str, Any] | None:
+    """``quantization_config.sparsity_config`` of a transformers config (or config.json dict), if any."""
+    sparse = quantization_config(config).get("sparsity_config")
+    return sparse if isinstance(sparse, dict) and sparse else None
+
+
+def sparse_format(config: Any) -> str | None:
+    """The sparse layout a config's weights are stored in (one of :data:`SPARSE_FORMATS`), else ``None``."""
+    fmt = (sparsity_config(config) or {}).get("format")
+    return fmt if fmt in SPARSE_FORMATS else None
+
+
+def load_compressed(path: str | os.PathLike, model_class: type | None = None, **kwargs: Any) -> Any:
+    """Load a folder saved in the compressed-tensors format, sparse layouts decoded.
+
+    ``model_class`` defaults to the class ``architectures`` names (else the task class whose
+    weight names the folder holds, else ``AutoModel``); ``kwargs`` go to ``from_pretrained``
+    (``dtype``, ``device_map``, ``output_loading_info``, ...). A folder that is not sparse
+    loads exactly as ``model_class.from_pretrained(path, **kwargs)`` would.
+    """
+    import transformers
+
+    where = str(path)
+    check_model_path(where)
+    folder = Path(where).expanduser()
+    config = kwargs.pop("config", None)
+    try:
+        loaded = config if config is not None else transformers.AutoConfig.from_pretrained(
+            where, trust_remote_code=kwargs.get("trust_remote_code", False))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the config of {where!r}: {str(exc).rstrip('.')}. Pass a local folder "
+                             f"with config.json and weights") from exc
+    fmt = sparse_format(loaded)
+    if fmt is None:
+        cls = model_class or checkpoint_class(loaded, folder)
+        if "quantization_config" not in kwargs and packed_asymmetric(loaded):
+            from transformers import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+        return cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
+    return load_sparse(folder, loaded, model_class, **kwargs)
+
+
+def packed_asymmetric(config: Any) -> bool:
+    """Does the folder hold packed asymmetric weights (``W4A16_ASYM``, AWQ's default)? transformers with
+    compressed-tensors 0.20 cannot build those packed layers, so they load dequantized (dense weights
+    with the quantized values: the same outputs, full-precision memory)."""
+    quant = quantization_config(config)
+    return quant.get("format") in ("pack-quantized", "mixed-precision") and any(
+        not (group.get("weights") or {}).get("symmetric", True)
+        for group in (quant.get("config_groups") or {}).values())
+
+
+def load_sparse(folder: str | os.PathLike, config: Any, model_class: type | None = None, **kwargs: Any) -> Any:
+    """``from_pretrained`` for a sparse folder whose ``config`` was read already (see :func:`load_compressed`)."""
+    folder = Path(folder).expanduser()
+    fmt = sparse_format(config)
+    if quantization_config(config).get("config_groups"):
+        raise ModelLoadError(f"'{folder}' is quantized and stored as {fmt}: compressed-tensors >= 0.15 cannot load "
+                             f"that combination, nor can layerwise. Save it again with a sparsity_config of format "
+                             f"'dense' (what layerwise writes for pruned and quantized models)")
+    if not folder.is_dir():
+        raise ModelLoadError(f"'{folder}' is stored as {fmt}, which is decoded from local files only: download it "
+                             f"first (huggingface-cli download {folder} --local-dir DIR) and pass that folder")
+    state, decoded = decoded_state_dict(folder, fmt)
+    structure = (sparsity_config(config) or {}).get("sparsity_structure")
+    config = dense_config(config)
+    cls = _concrete(model_class or checkpoint_class(config, folder, keys=set(state)), config)
+    result = cls.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    if (folder / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    _mark_decoded(model, decoded, structure)
+    return result
+
+
+def decoded_state_dict(folder: Path, fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of the folder's safetensors, sparse ``<name>.<part>`` groups decoded to ``<name>``.
+
+    Returns the state dict and the names decoded.
+    """
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for file in _weight_files(folder):
+        try:
+            shard = load_file(file)  # safe_open on CPU, every tensor of the file
+        except Exception as exc:  # safetensors raises its own error types
+            raise ModelLoadError(f"cannot read weights file '{file}': {exc}. The file is damaged or incomplete: "
+                                 f"copy or download it again") from exc
+        tensors.update(shard)
+        where.update(dict.fromkeys(shard, file.name))
+    parts, decode = PARTS[fmt], DECODERS[fmt]
+    stems = sorted({key.rsplit(".", 1)[0] for key in tensors
+                    if "." in key and key.rsplit(".", 1)[1] in parts and key.rsplit(".", 1)[1] != "shape"})
+    for stem in stems:
+        missing = [f"{stem}.{part}" for part in parts if f"{stem}.{part}" not in tensors]
+        found = next(where[f"{stem}.{part}"] for part in parts if f"{stem}.{part}" in tensors)
+        if missing:
+            raise ModelLoadError(f"'{folder}' stores {stem!r} as {fmt} but lacks {', '.join(map(repr, missing))} "
+                                 f"(its other parts are in {found}); the checkpoint is incomplete: save or copy "
+                                 f"it again")
+        try:
+            tensors[stem] = decode({part: tensors.pop(f"{stem}.{part}") for part in parts})
+        except SparseFormatError as exc:
+            raise ModelLoadError(f"'{folder}': the {fmt} tensors of {stem!r} (in {found}) do not fit together: "
+                                 f"{exc}; the checkpoint is damaged: save or copy it again") from exc
+    return tensors, stems
+
+
+def dense_config(config: Any) -> Any:
+    """A copy of ``config`` without ``sparsity_config``; without ``quantization_config`` when it quantizes nothing."""
+    config = copy.deepcopy(config)
+    quant = quantization_config(config)
+    if not quant:
+        return config
+    quant.pop("sparsity_config", None)
+    if quant.get("config_groups") or quant.get("kv_cache_scheme"):
+        config.quantization_config = quant
+    else:
+        del config.quantization_config
+    return config
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"cannot read '{index}' ({exc}); it must map every tensor name to its shard "
+                                 f"(\"weight_map\"): copy or save the model again") from exc
+        files = [folder / name for name in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"'{index}' names shard(s) that are not in the folder: {', '.join(absent)}; "
+                                 f"copy the missing files or save the model again")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"'{folder}' has no .safetensors weights; sparse layouts are read from safetensors "
+                             f"files only: save the model again with layerwise (or save_pretrained)")
+    return files
+
+
+def _concrete(cls: type, config: Any) -> type:
+    """The model class an Auto class picks for ``config`` (``from_pretrained(None, ...)`` needs a real one)."""
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    try:
+        return mapping[type(config)]
+    except KeyError as exc:
+        raise ModelLoadError(f"{cls.__name__} has no model class for {type(config).__name__}; pass model_class= "
+                             f"(the transformers class of this model)") from exc
+
+
+def _mark_decoded(model: torch.nn.Module, names: list[str], structure: str | None) -> None:
+    """Mark the modules whose weights were decoded as pruned, with the config's structure."""
+    try:
+        mask_structure = parse_mask_structure(structure)
+    except ValueError:
+        return  # an N:M text layerwise cannot read: the weights are right, only the mark is skipped
+    prefix = getattr(model, "base_model_prefix", "")
+    for name in names:
+        owner, _, param = name.rpartition(".")
+        # a head checkpoint loaded into its base model loses the prefix, a base one loaded under a head gains it
+        candidates = [owner, owner.removeprefix(f"{prefix}."), f"{prefix}.{owner}"] if prefix else [owner]
+        module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
+        if module is not None and param == "weight":  # None: a name the model renamed while loading
+            mark_sparse(module, mask_structure)
+
+
+def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

@@ -1,0 +1,95 @@
+"""One run per output folder: a lock file with the owner's PID in its temporary sibling.
+
+A run claims ``out`` by creating ``.out.incomplete-XXXX/`` next to it with a
+:data:`LOCK_FILE` that holds its PID. Another run aiming at the same ``out`` sees a
+sibling whose owner is alive and fails at once (:class:`OutputLockedError`), instead of
+calibrating for an hour and then racing the first run's rename. A sibling whose owner is
+dead is debris of a killed run and is removed. The new folder is created *before* the
+others are looked at, so two runs starting together cannot both miss each other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Collection
+from pathlib import Path
+
+from layerwise.common.processes import pid_alive
+from layerwise.errors import LayerwiseError
+
+#: the lock inside a temporary output folder; removed before the folder becomes the output
+LOCK_FILE = ".layerwise.lock"
+
+
+class OutputLockedError(LayerwiseError):
+    """Another live run is writing the same output folder."""
+
+
+def incomplete_prefix(target: Path) -> str:
+    """The name prefix of ``target``'s temporary siblings."""
+    return f".{target.name}.incomplete-"
+
+
+def lock_owner(folder: Path) -> int | None:
+    """The PID in ``folder``'s lock file; ``None`` without a readable one."""
+    try:
+        return int((folder / LOCK_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Path:
+    """A new locked temporary sibling of ``target``; stale siblings are removed on the way.
+
+    ``held``: siblings this process holds already (not a conflict). Raises
+    :class:`OutputLockedError` when another live run holds one. A dead run's sibling holding a
+    resume checkpoint (:mod:`layerwise.model_io.resume`) is never removed: with ``resume`` it is taken
+    over and returned, without it is reported (:class:`~layerwise.model_io.resume.ResumeError`).
+    """
+    from layerwise.model_io.resume import ResumeError, describe, has_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix=incomplete_prefix(target), dir=target.parent))
+    try:
+        (tmp / LOCK_FILE).write_text(f"{os.getpid()}\n")
+        for other in sorted(target.parent.glob(incomplete_prefix(target) + "*")):
+            if other == tmp or other in held or not other.is_dir():
+                continue
+            owner = lock_owner(other)
+            if owner is None:  # written by a version without locks, or being created now: leave it
+                continue
+            if pid_alive(owner):
+                raise OutputLockedError(
+                    f"output folder '{target}' is being written by another run (process {owner}, "
+                    f"temporary folder '{other}'); wait for it to finish, or choose another output_dir "
+                    f"(CLI: --output-dir). If process {owner} is not layerwise, delete '{other}'")
+            if has_checkpoint(other):
+                if not resume:
+                    raise ResumeError(
+                        f"an interrupted run of output folder '{target}' left a checkpoint in '{other}' "
+                        f"({describe(other) or 'unreadable progress'}): pass resume=True (CLI: --resume) to "
+                        f"continue it, or delete that folder to start over")
+                (other / LOCK_FILE).write_text(f"{os.getpid()}\n")  # taken over: this run continues it
+                shutil.rmtree(tmp, ignore_errors=True)
+                return other
+            shutil.rmtree(other, ignore_errors=True)  # its run was killed before it could clean up
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def release(tmp: Path) -> None:
+    """Remove the lock from a finished temporary folder (before it becomes the output)."""
+    try:
+        (tmp / LOCK_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def default_folder_mode() -> int:
+    """The mode a new folder gets from the user's umask (``mkdtemp`` makes 0700 ones)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask

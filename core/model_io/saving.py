@@ -1,0 +1,269 @@
+"""Writing an output folder atomically: all of it appears at once, or none of it.
+
+:func:`atomic_output_dir` hands out a hidden temporary folder next to the target
+(same file system, so the final step is a rename). On success the temporary
+folder is renamed into place; on any error or KeyboardInterrupt it is removed
+and an existing target folder is left exactly as it was, as are the folders above it
+(parents created for the output are removed again).
+
+:func:`check_output_dir` runs before any work (``compress()`` calls it before loading
+the model): an existing folder without ``overwrite``, or a location that cannot be
+written, fails in seconds, not after an hour of calibration. :func:`reserve_output`
+claims the output for the whole run (a lock with our PID, see ``output_lock``), so a
+second run aiming at it fails at once and a killed run's debris is removed.
+
+Two rules keep a user's data safe, whatever the flags:
+
+* **an output never destroys an input** (:func:`check_not_an_input`): an output folder that
+  is, holds or lies inside the model's folder, or is or holds the dataset or recipe file, is
+  refused, ``overwrite`` or not;
+* **overwrite replaces only what layerwise wrote**: ``overwrite=True`` replaces a folder that
+  holds :data:`OWNER_MARK` (every ``compress`` output does); any other non-empty folder needs
+  ``overwrite="any"`` (CLI: ``--overwrite-any``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from layerwise.errors import LayerwiseError
+from layerwise.model_io.output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
+
+
+class OutputExistsError(LayerwiseError, FileExistsError):
+    """The output folder exists, is not empty, and overwriting was not asked for."""
+
+
+class OutputNotWritableError(LayerwiseError, OSError):
+    """The output folder cannot be created where it was asked for (read-only, no permission, a file)."""
+
+
+class OutputIsInputError(LayerwiseError, ValueError):
+    """The output folder is, holds or lies inside one of the run's inputs: writing it could destroy them."""
+
+
+#: ``False``: refuse a non-empty folder; ``True``: replace one layerwise wrote; ``"any"``: replace any folder
+Overwrite = bool | Literal["any"]
+
+#: the file that marks a folder as a layerwise output (``compress`` writes its run summary into every one)
+OWNER_MARK = "layerwise_summary.json"
+
+
+def written_by_layerwise(folder: Path) -> bool:
+    """Whether ``folder`` is a layerwise output (it holds :data:`OWNER_MARK`)."""
+    return (folder / OWNER_MARK).is_file()
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: Overwrite = False,
+                     owned: Callable[[Path], bool] = written_by_layerwise) -> Path:
+    """The target as a Path; raises when it cannot (or may not) be written.
+
+    ``owned`` says whether an existing folder is one ``overwrite=True`` may replace.
+    """
+    if overwrite not in (False, True, "any"):
+        from layerwise.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"overwrite={overwrite!r}: use False, True (replace a folder layerwise wrote) "
+                                   f"or 'any' (replace any folder)")
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise OutputExistsError(f"output path '{target}' exists and is not a folder; choose another output_dir")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"output folder '{target}' already exists and is not empty; pass overwrite=True "
+                                    f"(CLI: --overwrite) to replace it, or choose another output_dir")
+        if overwrite is True and not owned(target):
+            raise OutputExistsError(
+                f"output folder '{target}' was not written by layerwise (it holds {_some_entries(target)} and no "
+                f"{OWNER_MARK}): --overwrite replaces only a layerwise output. Choose another output_dir, or pass "
+                f"overwrite='any' (CLI: --overwrite-any) to delete what it holds and write the model there")
+    _check_writable(target)
+    return target
+
+
+def _some_entries(folder: Path, shown: int = 3) -> str:
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(name) for name in names[:shown]) + more
+
+
+def check_not_an_input(path: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike]]) -> None:
+    """Refuse an output folder that would write over one of the run's inputs, ``overwrite`` or not.
+
+    ``inputs`` are ``(what, path)`` pairs such as ``("model folder", "llama")`` or ``("dataset file",
+    "calib.txt")``. The output may not be an input, hold one (replacing it would delete the input), or
+    lie inside an input folder (it would write into the model). Paths are compared after symlinks are
+    followed. An output beside an input file is fine: writing it touches nothing else.
+    """
+    target = _real(path)
+    for what, where in inputs:
+        source = _real(where)
+        if target == source:
+            problem = f"is the {what}"
+        elif source.is_relative_to(target):
+            problem = f"holds the {what} '{where}'"
+        elif source.is_dir() and target.is_relative_to(source):
+            problem = f"lies inside the {what} '{where}'"
+        else:
+            continue
+        raise OutputIsInputError(f"output folder '{path}' {problem}: writing it would destroy the run's input "
+                                 f"(overwrite or not). Choose an output_dir outside it, e.g. '{_sibling(source)}'")
+
+
+def run_inputs(model: Any, dataset: Any, recipe: Any) -> list[tuple[str, str]]:
+    """The files and folders a run reads that exist on this machine: its output must not touch them.
+
+    A loaded module counts its source folder (``config._name_or_path``) when that is a local folder.
+    """
+    found = []
+    if not isinstance(model, (str, os.PathLike)):
+        model = getattr(getattr(model, "config", None), "_name_or_path", None)
+        found.append(("model's source folder", model))
+    else:
+        found.append(("model folder", model))
+    found += [("dataset file", dataset), ("recipe file", recipe)]
+    return [(what, str(where)) for what, where in found
+            if isinstance(where, (str, os.PathLike)) and str(where) and _exists(where)]
+
+
+def _exists(where: str | os.PathLike) -> bool:
+    try:  # a recipe's YAML text is no path; a very long one makes the file system refuse the name
+        return Path(where).expanduser().exists()
+    except OSError:
+        return False
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _sibling(source: Path) -> Path:
+    """A suggested output folder next to ``source``."""
+    return source.parent / f"{source.stem or source.name}-compressed"
+
+
+def _check_writable(target: Path) -> None:
+    """Create and remove a folder where the output's temporary folder will go.
+
+    Trying is the only check that is right for root, ACLs and read-only mounts alike.
+    """
+    existing = _nearest_existing(target.parent)
+    if not existing.is_dir():
+        raise OutputNotWritableError(f"cannot create output folder '{target}': '{existing}' is a file, not a "
+                                     f"folder; choose another output_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=existing))
+    except OSError as exc:
+        raise OutputNotWritableError(
+            f"cannot write output folder '{target}': '{existing}' is not writable ({exc.strerror or exc}); "
+            f"choose an output_dir you can write to, or change that folder's permissions") from exc
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+#: output folders this process has claimed, and their locked temporary folders
+_RESERVED: dict[Path, Path] = {}
+
+
+@contextlib.contextmanager
+def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume: bool = False) -> Iterator[Path]:
+    """Claim ``path`` for this run: yield its locked temporary sibling, removed on exit.
+
+    ``compress()`` claims the output before loading the model, so a second run aiming at
+    it fails in seconds (:class:`OutputLockedError`); :func:`atomic_output_dir` inside the
+    claim writes into the same folder. Parents created for it are removed again on failure.
+    """
+    target = Path(path).expanduser().absolute()
+    if target in _RESERVED:  # claimed (and checked) further up this call stack
+        yield _RESERVED[target]
+        return
+    check_output_dir(target, overwrite)
+    existing = _nearest_existing(target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp = claim(target, held=set(_RESERVED.values()), resume=resume)
+        _RESERVED[target] = tmp
+        keep = False
+        try:
+            yield tmp
+        except BaseException:
+            keep = _keep_checkpoint(tmp)
+            raise
+        finally:
+            del _RESERVED[target]
+            if not keep:
+                shutil.rmtree(tmp, ignore_errors=True)  # already gone once it became the output
+    except BaseException:
+        _remove_empty_parents(target.parent, existing)
+        raise
+
+
+def _keep_checkpoint(tmp: Path) -> bool:
+    """A failed run's folder holding a resume checkpoint stays (unlocked) for ``resume=True`` to continue."""
+    from layerwise.model_io.output_lock import LOCK_FILE
+    from layerwise.model_io.resume import describe, has_checkpoint
+
+    if not has_checkpoint(tmp):
+        return False
+    (tmp / LOCK_FILE).write_text("0\n")  # no live owner: the next run reports it, or takes it over
+    import logging
+
+    logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': run it "
+                                           "again with resume=True (CLI: --resume) to continue", describe(tmp), tmp)
+    return True
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> Iterator[Path]:
+    """Yield a temporary folder; on success it becomes ``path`` in one rename.
+
+    An existing non-empty ``path`` is refused unless ``overwrite`` allows it (``True``: a
+    layerwise output; ``"any"``: any folder), in which case it is replaced only after
+    everything was written. The output gets the
+    user's default folder mode (umask), not the 0700 of a temporary folder.
+    """
+    with reserve_output(path, overwrite) as tmp:
+        yield tmp
+        release(tmp)
+        os.chmod(tmp, default_folder_mode())
+        _move_into_place(tmp, Path(path).expanduser().absolute(), overwrite)
+
+
+def _remove_empty_parents(folder: Path, stop: Path) -> None:
+    """Remove the folders created for the output, up to (not including) ``stop``, while empty."""
+    while folder != stop and stop in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
+    check_output_dir(target, overwrite)  # something may have appeared while we wrote
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    if not any(target.iterdir()):
+        target.rmdir()
+        os.rename(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old.rmdir()
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)  # put the previous folder back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

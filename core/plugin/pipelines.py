@@ -1,0 +1,23 @@
+"""For pipeline authors: the contract, the activations cache, offloading, tracing and guards."""
+
+from layerwise.host.pipeline import (
+    Pipeline,
+    PipelineFailed,
+    PipelineOptions,
+    inputs_are_held,
+    inputs_held_unchanged,
+)
+from layerwise.host.pipeline_selection import PipelineAborted, run_pipeline
+from layerwise.runtime.cache import IntermediatesCache, move_to
+from layerwise.runtime.heap import keep_temporaries_in_heap
+from layerwise.runtime.offload import ModuleOffloader
+from layerwise.tracing import trace
+from layerwise.tracing.result import output_difference
+from layerwise.tracing.retrace import TracesByGuards
+from layerwise.tracing.targets import TargetError, default_targets
+
+__all__ = [
+    "IntermediatesCache", "ModuleOffloader", "Pipeline", "PipelineAborted", "PipelineFailed", "PipelineOptions",
+    "TargetError", "TracesByGuards", "default_targets", "inputs_are_held", "inputs_held_unchanged",
+    "keep_temporaries_in_heap", "move_to", "output_difference", "run_pipeline", "trace",
+]

@@ -1,0 +1,47 @@
+"""Quantization for plugins: schemes, the math, storage on a module, solvers and smoothing mappings."""
+
+from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
+from layerwise.algorithms.quantization.awq import search_flops, search_scales
+from layerwise.algorithms.quantization.gptq import (
+    GPTQError,
+    GPTQResult,
+    gptq_quantize,
+    rtn_quantize,
+)
+from layerwise.algorithms.quantization.mappings import (
+    Mapping,
+    MappingError,
+    ResolvedMapping,
+    mappings_for_run,
+    recipe_mappings,
+    split_by_piece,
+)
+from layerwise.algorithms.quantization.observer import Observer
+from layerwise.algorithms.quantization.presets import resolve_scheme
+from layerwise.algorithms.quantization.qmath import (
+    compute_qparams,
+    default_g_idx,
+    expand_qparams,
+    fake_quantize,
+    quantize_weight,
+    weight_qparams,
+)
+from layerwise.algorithms.quantization.smoothing import apply_smoothing
+from layerwise.algorithms.quantization.smoothquant import smoothquant_scales
+from layerwise.algorithms.quantization.storage import (
+    is_transposed,
+    linear_weight,
+    quantized_modules,
+    replace_data,
+    set_input_quantization,
+    set_quantized_weight,
+)
+
+__all__ = [
+    "ACTORDERS", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
+    "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "expand_qparams",
+    "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_weight",
+    "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
+    "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",
+    "weight_qparams",
+]

@@ -1,0 +1,7 @@
+"""Telling the user what happened: the run summary, its charts, and quality measurements.
+
+Owns the saved ``layerwise_summary.json`` and its reader, text and SVG charts of the per-layer
+error, the embedding agreement the demo measures, and the support matrix of the zoo. Reading a
+report never needs the compression stack: ``layerwise report`` imports this package only (and
+what it imports: ``layerwise.common``, ``layerwise.errors``, ``layerwise.host``).
+"""

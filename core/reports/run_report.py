@@ -1,0 +1,48 @@
+"""What a ``compress()`` call did, as data: the report kept on the model and saved as its summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompressionReport:
+    """What a ``compress()`` call did; kept on the model as ``model.layerwise_report``."""
+
+    pipeline: str
+    modifiers: list[str]
+    compressed_modules: list[str]
+    seconds: float
+    bytes_before: int
+    bytes_after: int
+    calibration_samples: int
+    output_dir: str | None = None
+    #: what the sequential targets selected and where they came from:
+    #: ``6 x BertLayer (encoder.layer.0-5), found by structure``
+    targets_found: str = ""
+    #: ``given``, ``patch``, ``_no_split_modules``, ``structure`` or ``none``
+    targets_source: str = ""
+    layer_log: list[dict[str, Any]] = field(default_factory=list)
+    #: the folder or hub id compressed, or the class name of a module passed in
+    model: str | None = None
+    #: the recipe as YAML (what ``recipe.yaml`` holds)
+    recipe: str = ""
+    sequential_targets: list[str] = field(default_factory=list)
+    #: why a pipeline of the chain could not calibrate the model (one message per fallback)
+    fallbacks: list[str] = field(default_factory=list)
+    #: trace guards that failed on some batch, so that the graph was traced again for it
+    guards_retraced: list[str] = field(default_factory=list)
+    #: modules left uncompressed because a parameter held NaN or inf (``non_finite="skip"``)
+    skipped_non_finite: list[str] = field(default_factory=list)
+    #: how the pipeline cut the model into pieces, and why (``layers: ...`` / ``blocks: ...``)
+    pieces: str = ""
+    #: phase -> ``{"seconds", "flops", "calls", "gflops_per_second"}`` (forwards, GPTQ Hessians, solves, ...)
+    accounting: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``memory`` (loaded whole) or ``stream`` (read from disk piece by piece), and why
+    weights: str = "memory"
+    #: where cached activations rested (``cpu`` / ``disk``), and why when chosen automatically
+    activations: str = "cpu"
+    #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
+    peak_rss_bytes: int = 0
+    peak_gpu_bytes: int | None = None

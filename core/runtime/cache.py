@@ -1,0 +1,285 @@
+"""The intermediates cache: each calibration batch's named values between subgraphs.
+
+Values rest on an *offload device* (CPU by default, or files on disk when the
+activations of every calibration sample do not fit in RAM) and are moved to the
+*execution device* when a subgraph fetches them. Values may be nested tuples,
+lists, dicts, dataclasses (``ModelOutput`` included) or ``None``; tensors anywhere
+inside are moved, everything else is kept as is. :meth:`IntermediatesCache.free`
+drops values after their last consumer, so the cache never holds more than the
+boundary between two pieces of the model.
+
+Example::
+
+    with IntermediatesCache(offload="disk") as cache:
+        cache.update(0, {"hidden": h})
+        values = cache.fetch(0, ["hidden"])      # on the execution device
+        cache.free(["hidden"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from layerwise.runtime.heap import FreedBytes
+
+__all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes"]
+
+_DEVICE_KINDS = ("cpu", "disk")
+#: a disk cache's folder is ``layerwise-cache-<pid>-XXXX`` in the temporary (or offload) folder
+CACHE_PREFIX = "layerwise-cache-"
+
+
+def remove_stale_caches(folder: str | os.PathLike) -> list[str]:
+    """Remove disk caches left in ``folder`` by processes that no longer run; their paths.
+
+    A run killed by a signal cannot clean up after itself (finally and atexit do not run),
+    and its cache may be as large as every calibration sample's activations; the next
+    run that makes a cache removes it, telling its owner by the PID in the name.
+    """
+    from layerwise.common.processes import pid_alive
+
+    removed = []
+    for entry in os.scandir(folder):
+        pid = entry.name[len(CACHE_PREFIX):].split("-")[0]
+        if entry.name.startswith(CACHE_PREFIX) and pid.isdigit() and entry.is_dir() and not pid_alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """Rebuild ``value`` with ``fn`` applied to every tensor inside it."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if value is None or isinstance(value, (str, bytes, int, float, bool, torch.device, torch.dtype)):
+        return value
+    # ModelOutput is an OrderedDict *and* a dataclass holding only its non-None fields
+    if _is_model_output(value):
+        return type(value)(**{k: _map_tensors(v, fn) for k, v in value.items()})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        init = {f.name: _map_tensors(getattr(value, f.name), fn) for f in dataclasses.fields(value) if f.init}
+        rebuilt = type(value)(**init)
+        for f in dataclasses.fields(value):
+            if not f.init:
+                setattr(rebuilt, f.name, _map_tensors(getattr(value, f.name), fn))
+        return rebuilt
+    if isinstance(value, tuple):
+        items = [_map_tensors(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, Mapping):
+        items = {k: _map_tensors(v, fn) for k, v in value.items()}
+        return items if type(value) is dict else type(value)(items)
+    return value
+
+
+def _is_model_output(value: Any) -> bool:
+    try:
+        from transformers.utils import ModelOutput
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(value, ModelOutput)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(value, lambda t: found.append(t) or t)
+    return found
+
+
+def move_to(value: Any, device: torch.device | str | None) -> Any:
+    """``value`` with every tensor inside it on ``device`` (``None``: unchanged)."""
+    if device is None:
+        return value
+    device = torch.device(device)
+    return _map_tensors(value, lambda t: t if t.device == device else t.to(device))
+
+
+def tensor_bytes(value: Any, device_type: str | None = None) -> int:
+    """Bytes held by the distinct tensor storages inside ``value`` (only those on ``device_type``, if given)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in _tensors(value):
+        if device_type is not None and t.device.type != device_type:
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+@dataclasses.dataclass
+class _OnDisk:
+    path: str
+    nbytes: int
+
+
+class IntermediatesCache:
+    """Per-batch named values, offloaded between subgraphs.
+
+    ``offload`` is ``"cpu"`` (default), ``"disk"`` (each value ``torch.save``-d to a
+    temporary folder under ``offload_dir`` and loaded only when fetched) or a device.
+    ``execution_device`` is where :meth:`fetch` puts tensors (``None``: where they rest).
+    Use it as a context manager, or call :meth:`close`, to remove disk files; they are
+    removed at interpreter exit too, and by the next disk cache if this process was killed.
+    """
+
+    def __init__(self, offload: str | torch.device = "cpu", execution_device: torch.device | str | None = None,
+                 offload_dir: str | os.PathLike | None = None) -> None:
+        self.disk = isinstance(offload, str) and offload == "disk"
+        if self.disk:
+            self.offload_device = torch.device("cpu")
+        else:
+            try:
+                self.offload_device = torch.device(offload)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"offload must be 'cpu', 'disk' or a torch device, got {offload!r}") from None
+        self.execution_device = torch.device(execution_device) if execution_device is not None else None
+        self._values: dict[int, dict[str, Any]] = {}
+        self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
+        self._held = 0  # bytes of the values held in memory (for the trim's step)
+        self._dir: str | None = None
+        self._counter = 0
+        if self.disk:
+            if offload_dir is not None:
+                os.makedirs(offload_dir, exist_ok=True)
+            self._dir = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=offload_dir)
+            remove_stale_caches(os.path.dirname(self._dir))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
+
+    # -- writing ---------------------------------------------------------------------
+    def put(self, batch: int, name: str, value: Any) -> None:
+        """Store ``value`` as ``name`` of ``batch`` (replacing an older value of that name)."""
+        self._drop(batch, name)
+        if self.disk:
+            assert self._dir is not None
+            self._counter += 1
+            path = os.path.join(self._dir, f"b{batch}-{self._counter}.pt")
+            cpu_value = move_to(value, "cpu")
+            torch.save(cpu_value, path)
+            stored: Any = _OnDisk(path, os.path.getsize(path))
+        else:
+            stored = move_to(value, self.offload_device)
+            self._held += tensor_bytes(stored, device_type="cpu")
+        self._values.setdefault(batch, {})[name] = stored
+
+    def update(self, batch: int, values: Mapping[str, Any]) -> None:
+        """Store several named values of one batch."""
+        for name, value in values.items():
+            self.put(batch, name, value)
+
+    # -- reading ---------------------------------------------------------------------
+    def get(self, batch: int, name: str) -> Any:
+        """One value, its tensors on the execution device."""
+        try:
+            stored = self._values[batch][name]
+        except KeyError:
+            held = sorted(self._values.get(batch, {}))
+            raise KeyError(f"the cache holds no value {name!r} for batch {batch} (it holds {held}); "
+                           "was it freed before its last consumer?") from None
+        if isinstance(stored, _OnDisk):
+            device = self.execution_device or "cpu"
+            return torch.load(stored.path, map_location=device, weights_only=False)
+        return move_to(stored, self.execution_device)
+
+    def fetch(self, batch: int, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Named values of one batch (all of them when ``names`` is ``None``)."""
+        names = list(self._values.get(batch, {})) if names is None else list(names)
+        return {name: self.get(batch, name) for name in names}
+
+    def names(self, batch: int = 0) -> list[str]:
+        return list(self._values.get(batch, {}))
+
+    @property
+    def num_batches(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, tuple) and len(key) == 2:
+            batch, name = key
+            return name in self._values.get(batch, {})  # type: ignore[operator]
+        return False
+
+    def rename(self, old: str, new: str) -> None:
+        """Every batch's ``old`` value becomes its ``new`` value (replacing it); nothing is copied."""
+        for batch, values in self._values.items():
+            if old in values:
+                self._drop(batch, new)
+                values[new] = values.pop(old)
+
+    # -- freeing ---------------------------------------------------------------------
+    def free(self, names: Iterable[str], batch: int | None = None) -> None:
+        """Drop ``names`` from every batch (or from one ``batch``); their disk files too."""
+        names = list(names)
+        batches = list(self._values) if batch is None else [batch]
+        for b in batches:
+            for name in names:
+                self._drop(b, name)
+
+    def _drop(self, batch: int, name: str) -> None:
+        stored = self._values.get(batch, {}).pop(name, None)
+        if isinstance(stored, _OnDisk):
+            try:
+                os.remove(stored.path)
+            except FileNotFoundError:
+                pass
+        elif stored is not None:
+            freed = tensor_bytes(stored, device_type="cpu")
+            self._held = max(0, self._held - freed)
+            self._freed.add(freed, self._held)
+
+    def clear(self) -> None:
+        for batch, values in list(self._values.items()):
+            for name in list(values):
+                self._drop(batch, name)
+        self._values.clear()
+        self._freed.flush()
+
+    def close(self) -> None:
+        """Drop everything and remove the disk folder."""
+        self.clear()
+        if self._dir is not None:
+            self._finalizer()
+            self._dir = None
+
+    def __enter__(self) -> IntermediatesCache:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- accounting ------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes of tensor storage the cache holds in memory (each storage counted once)."""
+        in_memory = [v for values in self._values.values() for v in values.values() if not isinstance(v, _OnDisk)]
+        return tensor_bytes(in_memory)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the cache's files on disk."""
+        return sum(v.nbytes for values in self._values.values() for v in values.values() if isinstance(v, _OnDisk))
+
+    def size_bytes(self) -> int:
+        """Everything the cache holds: memory plus disk."""
+        return self.memory_bytes() + self.disk_bytes()
+
+    @property
+    def directory(self) -> str | None:
+        """The temporary folder of a disk cache (``None`` otherwise or once closed)."""
+        return self._dir
+
+    def __repr__(self) -> str:
+        where = f"disk:{self._dir}" if self.disk else str(self.offload_device)
+        return (f"IntermediatesCache(batches={self.num_batches}, offload={where}, "
+                f"execution_device={self.execution_device}, bytes={self.size_bytes()})")

@@ -1,0 +1,132 @@
+"""The `layerwise` command as a user runs it."""
+
+
+from layerwise.cli import main
+
+
+def test_compress_a_local_model_prints_a_summary(tiny_llama_dir, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W8A16",
+                 "--output-dir", str(out_dir), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "modules compressed: 14" in printed
+    assert "saved to:" in printed and (out_dir / "config.json").is_file()
+
+
+def test_bad_recipe_is_a_one_line_error_not_a_traceback(tiny_llama_dir, capsys):
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W5A16", "--quiet", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'W5A16'" in err and "W4A16" in err and "Traceback" not in err
+
+
+def test_bad_model_path_names_it(tmp_path, capsys):
+    assert main(["compress", "--model", str(tmp_path / "missing" / "model"), "--quiet", "--no-save"]) == 2
+    assert "missing/model" in capsys.readouterr().err
+
+
+def test_demo_w8a16_keeps_minilm_embeddings(minilm_path, tmp_path, capsys, monkeypatch):
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("LAYERWISE_CACHE", str(cache))
+    assert main(["compress", "--recipe", "W8A16", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    assert cosine > 0.98
+    saved = cache / "demo" / "minilm-w8a16"
+    assert (saved / "config.json").is_file()
+    assert f"saved to:           {saved}  " in printed  # the full path, to find it again
+    assert list(work.iterdir()) == []  # nothing left in the working directory (often a checkout)
+
+
+def test_the_demo_cache_follows_layerwise_cache_then_xdg_then_home(monkeypatch, tmp_path):
+    from layerwise.verbs.demo import cache_dir, demo_output_dir
+
+    monkeypatch.delenv("LAYERWISE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "layerwise"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo_output_dir("w4a16") == tmp_path / "xdg" / "layerwise" / "demo" / "minilm-w4a16"
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_the_demo_writes_to_an_explicit_output_dir(minilm_path, tmp_path, capsys):
+    out = tmp_path / "here"
+    assert main(["compress", "--recipe", "W8A16", "--output-dir", str(out), "--quiet"]) == 0
+    assert (out / "config.json").is_file() and f"saved to:           {out}" in capsys.readouterr().out
+
+
+def test_demo_default_is_gptq_calibrated_on_the_shipped_sentences(minilm_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path))
+    assert main(["compress", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "GPTQ_W4A16" in printed and "GPTQModifier" in printed and "pipeline:           sequential" in printed
+    samples = int(printed.split("calibration:")[1].split()[0])
+    assert samples == 320
+    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    assert cosine > 0.975  # round-to-nearest W4A16 gives ~0.948 on the same sentences
+    assert (tmp_path / "demo" / "minilm-gptq_w4a16" / "config.json").is_file()
+    assert (tmp_path / "demo" / "minilm-gptq_w4a16" / "gptq_summary.json").is_file()
+
+
+def test_demo_folder_name_from_a_yaml_recipe_file(minilm_path, tmp_path, capsys, monkeypatch):
+    from layerwise.cli.app import _slug
+
+    assert _slug("GPTQ_W4A16") == "gptq_w4a16"
+    assert _slug(str(tmp_path / "my recipe" / "gptq-int4.yaml")) == "gptq-int4"
+    assert _slug("GPTQModifier:\n  scheme: W4A16\n") == "custom"
+
+
+def test_a_closed_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    """``layerwise report out | head``: the reader stopping early is not an error."""
+    from layerwise.cli import app as cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_run_compress", closed)
+    assert cli.main(["compress", "--model", "x"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_quiet_prints_no_progress_bar(tiny_llama_dir, tmp_path, capfd):
+    """Without --quiet the run draws bars (layerwise's and transformers'); with it, none."""
+    from transformers.utils import logging as hf_logging
+
+    data = tmp_path / "calib.txt"
+    data.write_text("\n".join(" ".join(f"w{(7 * line + i) % 120}" for i in range(24)) for line in range(8)))
+    argv = ["compress", "--model", str(tiny_llama_dir), "--recipe", "GPTQ_W8A16", "--dataset", str(data),
+            "--num-samples", "4", "--max-seq-length", "16"]
+    hf_logging.enable_progress_bar()  # an earlier --quiet run in this process turned them off
+    try:
+        assert main([*argv, "--output-dir", str(tmp_path / "loud")]) == 0
+        assert "it/s]" in capfd.readouterr().err
+        assert main([*argv, "--output-dir", str(tmp_path / "quiet"), "--quiet"]) == 0
+        captured = capfd.readouterr()
+        assert "saved to:" in captured.out
+        assert "it/s]" not in captured.err and "%|" not in captured.err, captured.err
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_compress_says_where_it_cut_and_where_the_time_went(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text("\n".join(f"the quick brown fox jumps over the lazy dog number {i}" for i in range(8)))
+    for pieces in ("auto", "blocks"):
+        assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "GPTQ_W8A16", "--dataset", str(data),
+                     "--num-samples", "4", "--pieces", pieces, "--quiet", "--no-save"]) == 0
+        printed = capsys.readouterr().out
+        want = "pieces:             layers: " if pieces == "auto" else "pieces:             blocks: "
+        assert want in printed
+        time_line = next(line for line in printed.splitlines() if line.startswith("time:"))
+        assert "forward " in time_line and "GPTQ Hessians " in time_line and "GFLOP/s" in time_line
+
+
+def test_an_unknown_pieces_value_is_refused_by_the_parser(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["compress", "--pieces", "layer", "--no-save"])
+    assert "invalid choice: 'layer'" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""resume=True: a run SIGKILLed after piece k continues from its checkpoint and ends as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import InvalidArgumentError
+from layerwise.host.lifecycle import Lifecycle
+from layerwise.model_io.resume import ResumeError
+from tests.model_io.streaming.test_streamed_compress import _samples, _save, _saved
+
+KILLED_AFTER = 4  # pieces finished (and checkpointed) before the kill
+
+# the interrupted run: the same call, killed by SIGKILL right after its 4th checkpoint was saved
+KILLED_RUN = """
+import os, signal, sys, torch
+import layerwise
+from layerwise.model_io.resume import PieceCheckpoint
+source, out, recipe, samples = sys.argv[1], sys.argv[2], sys.argv[3], torch.load(sys.argv[4])
+original = PieceCheckpoint.save
+def save_then_die(self, finished, *args, **kwargs):
+    original(self, finished, *args, **kwargs)
+    if finished + 1 == {killed}:
+        os.kill(os.getpid(), signal.SIGKILL)
+PieceCheckpoint.save = save_then_die
+layerwise.compress(source, recipe, dataset=samples, output_dir=out, weights="stream", show_progress=False)
+""".replace("{killed}", str(KILLED_AFTER))
+
+
+def _kill_midway(tmp_path: Path, source: Path, out: Path, recipe: str) -> Path:
+    samples_file = tmp_path / "samples.pt"
+    torch.save(_samples(), samples_file)
+    done = subprocess.run([sys.executable, "-c", KILLED_RUN, str(source), str(out), recipe, str(samples_file)],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[3])
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert not out.exists()
+    (left,) = list(out.parent.glob(f".{out.name}.incomplete-*"))
+    progress = json.loads((left / ".layerwise-resume" / "progress.json").read_text())
+    assert progress["finished"] == KILLED_AFTER - 1
+    return left
+
+
+@pytest.mark.parametrize("recipe", ["GPTQ_W4A16", "SQ_GPTQ_W8A8"])
+def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_one(tmp_path, monkeypatch, recipe):
+    source = _save(tmp_path / "model")
+    reference = tmp_path / "reference"
+    layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=reference, weights="stream",
+                       show_progress=False)
+    out = tmp_path / "out"
+    left = _kill_midway(tmp_path, source, out, recipe)
+
+    epochs: list[list[str]] = []
+    original = Lifecycle.sequential_epoch_end
+    monkeypatch.setattr(Lifecycle, "sequential_epoch_end", lambda self, modules: (epochs.append(modules),
+                                                                                  original(self, modules))[1])
+    model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, resume=True,
+                               show_progress=False)
+    total = int(model.layerwise_report.pieces.split(":")[1].split()[0])  # "layers: 13 pieces ..."
+    assert len(epochs) == total - KILLED_AFTER  # the finished pieces did not run again
+    expected, got = _saved(reference), _saved(out)
+    assert sorted(expected) == sorted(got)
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
+    assert not left.exists() and not (out / ".layerwise-resume").exists()
+
+
+def test_a_checkpoint_is_reported_not_reused_or_deleted_without_resume(tmp_path):
+    source = _save(tmp_path / "model")
+    out = tmp_path / "out"
+    left = _kill_midway(tmp_path, source, out, "GPTQ_W4A16")
+    with pytest.raises(ResumeError, match=r"left a checkpoint in .*after piece 4 of .*--resume"):
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False)
+    assert left.exists()
+    # a different recipe (or data, model, options, versions) cannot continue it: what changed is named
+    with pytest.raises(ResumeError, match="recipe differs"):
+        layerwise.compress(str(source), "GPTQ_W8A16", dataset=_samples(), output_dir=out, resume=True,
+                           show_progress=False)
+    with pytest.raises(ResumeError, match="dataset differs"):
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(5), output_dir=out, resume=True,
+                           show_progress=False)
+    assert left.exists() and not out.exists()
+
+
+def test_resume_without_a_checkpoint_runs_from_the_start(tmp_path):
+    source = _save(tmp_path / "model")
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out",
+                               resume=True, show_progress=False)
+    assert model.layerwise_report.weights.startswith("stream")
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_resume_needs_a_folder_and_an_output(tmp_path):
+    source = _save(tmp_path / "model")
+    with pytest.raises(InvalidArgumentError, match="pass output_dir"):
+        layerwise.compress(str(source), "W4A16", resume=True)
+    with pytest.raises(InvalidArgumentError, match="weights streamed"):
+        layerwise.compress(str(source), "W4A16", resume=True, weights="memory", output_dir=tmp_path / "o")

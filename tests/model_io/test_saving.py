@@ -1,0 +1,180 @@
+import pytest
+
+from layerwise.model_io.saving import (
+    OWNER_MARK,
+    OutputExistsError,
+    OutputIsInputError,
+    OutputNotWritableError,
+    atomic_output_dir,
+    check_not_an_input,
+    check_output_dir,
+)
+
+
+def test_success_renames_into_place(tmp_path):
+    target = tmp_path / "a" / "out"
+    with atomic_output_dir(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".out.incomplete-")
+        (tmp / "f.txt").write_text("x")
+        assert not target.exists()
+    assert (target / "f.txt").read_text() == "x"
+    assert [p.name for p in target.parent.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_error_leaves_no_folder(tmp_path, error):
+    with pytest.raises(error), atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "f.txt").write_text("x")
+        raise error("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_error_keeps_the_previous_folder_when_overwriting(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    (target / OWNER_MARK).write_text("{}")  # a layerwise output: overwrite=True may replace it
+    with pytest.raises(RuntimeError), atomic_output_dir(target, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        raise RuntimeError
+    assert sorted(p.name for p in target.iterdir()) == [OWNER_MARK, "old.txt"]
+    with atomic_output_dir(target, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["new.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_non_empty_folder_is_refused_before_any_work(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "x").write_text("x")
+    with pytest.raises(OutputExistsError, match="overwrite=True"), atomic_output_dir(target):
+        pytest.fail("must not run")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputExistsError, match="not a folder"), atomic_output_dir(tmp_path / "file"):
+        pass
+
+
+def test_parents_created_for_a_failed_output_are_removed(tmp_path):
+    with pytest.raises(RuntimeError), atomic_output_dir(tmp_path / "a" / "b" / "out") as tmp:
+        (tmp / "f.txt").write_text("x")
+        raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "calib.txt").write_text("x")
+    with pytest.raises(OutputNotWritableError, match="calib.txt' is a file, not a folder"):
+        check_output_dir(tmp_path / "calib.txt" / "out")
+
+
+def test_an_unwritable_location_is_refused_naming_it(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("layerwise.model_io.saving.tempfile.mkdtemp", refuse)  # root ignores chmod; a refusal is a refusal
+    with pytest.raises(OutputNotWritableError) as info:
+        check_output_dir(tmp_path / "new" / "out")
+    assert f"'{tmp_path}' is not writable (Permission denied)" in str(info.value)
+    assert not (tmp_path / "new").exists()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _sibling_of(target, owner: int):
+    """A temporary folder of ``target`` as a run with PID ``owner`` leaves it."""
+    from layerwise.model_io.output_lock import LOCK_FILE
+
+    folder = target.parent / f".{target.name}.incomplete-other"
+    folder.mkdir(parents=True)
+    (folder / LOCK_FILE).write_text(f"{owner}\n")
+    (folder / "model.safetensors").write_text("half written")
+    return folder
+
+
+def test_an_output_another_live_run_writes_is_refused_at_once(tmp_path):
+    import os
+
+    from layerwise.model_io.output_lock import OutputLockedError
+
+    target = tmp_path / "out"
+    other = _sibling_of(target, os.getpid())  # a live owner that is not this claim
+    locked = rf"'{target}' is being written by another run \(process {os.getpid()}"
+    with pytest.raises(OutputLockedError, match=locked), atomic_output_dir(target):
+        raise AssertionError("the second run must not start writing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name] and not target.exists()
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
+    target = tmp_path / "out"
+    _sibling_of(target, _dead_pid())
+    with atomic_output_dir(target) as tmp:
+        (tmp / "f.txt").write_text("x")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [p.name for p in target.iterdir()] == ["f.txt"]  # the lock file is not part of the output
+
+
+def test_the_output_folder_gets_the_users_default_mode(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        with atomic_output_dir(tmp_path / "out") as tmp:
+            (tmp / "f.txt").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
+
+
+@pytest.mark.parametrize(("output", "problem"), [
+    ("proj/model", "is the model folder"),
+    ("proj", "holds the model folder"),
+    ("proj/model/w4a16", "lies inside the model folder"),
+    ("proj/data", "holds the dataset file"),
+    ("proj/data/calib.txt", "is the dataset file"),
+])
+def test_an_output_that_would_touch_an_input_is_refused(tmp_path, output, problem):
+    (tmp_path / "proj" / "model").mkdir(parents=True)
+    (tmp_path / "proj" / "data").mkdir()
+    (tmp_path / "proj" / "data" / "calib.txt").write_text("hello")
+    inputs = [("model folder", tmp_path / "proj" / "model"), ("dataset file", tmp_path / "proj" / "data" / "calib.txt")]
+    with pytest.raises(OutputIsInputError, match=problem):
+        check_not_an_input(tmp_path / output, inputs)
+
+
+def test_outputs_beside_the_inputs_are_fine(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "calib.txt").write_text("hello")
+    inputs = [("model folder", tmp_path / "model"), ("dataset file", tmp_path / "calib.txt")]
+    for output in ("model-w4a16", "out/model", "modelx"):
+        check_not_an_input(tmp_path / output, inputs)
+
+
+def test_a_symlink_to_the_model_folder_is_the_model_folder(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    with pytest.raises(OutputIsInputError, match="is the model folder"):
+        check_not_an_input(tmp_path / "link", [("model folder", tmp_path / "model")])
+
+
+def test_overwrite_true_replaces_only_a_folder_layerwise_wrote(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="not written by layerwise.*'notes.txt'.*--overwrite-any"):
+        check_output_dir(target, overwrite=True)
+    assert check_output_dir(target, overwrite="any") == target
+    (target / OWNER_MARK).write_text("{}")
+    assert check_output_dir(target, overwrite=True) == target
+
+
+def test_an_unknown_overwrite_value_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="overwrite='yes'"):
+        check_output_dir(tmp_path / "out", overwrite="yes")

@@ -1,0 +1,156 @@
+"""The intermediates cache: offload, nested structures, freeing, disk files."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from layerwise.runtime.cache import IntermediatesCache, move_to, tensor_bytes
+
+
+@dataclass
+class Pair:
+    left: torch.Tensor
+    right: object = None
+
+
+Point = namedtuple("Point", "x y")
+
+
+def nested_value():
+    torch.manual_seed(0)
+    return {
+        "t": (torch.randn(2, 3), [torch.arange(4), None], 7),
+        "dc": Pair(torch.randn(3), right={"k": torch.ones(2)}),
+        "mo": BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 2, 4)),
+        "nt": Point(torch.zeros(1), "label"),
+        "none": None,
+    }
+
+
+def assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif hasattr(a, "__dataclass_fields__"):
+        for k in a.__dataclass_fields__:
+            assert_same(getattr(a, k), getattr(b, k))
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_round_trips_nested_structures(offload, tmp_path):
+    value = nested_value()
+    with IntermediatesCache(offload=offload, offload_dir=tmp_path) as cache:
+        cache.update(0, {"v": value, "plain": torch.ones(3)})
+        got = cache.fetch(0, ["v", "plain"])
+    assert_same(got["v"], value)
+    assert isinstance(got["v"]["mo"], BaseModelOutputWithPast)
+    assert got["v"]["mo"].past_key_values is None
+    assert torch.equal(got["plain"], torch.ones(3))
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_free_drops_consumed_values_and_size_falls(offload, tmp_path):
+    with IntermediatesCache(offload=offload, offload_dir=tmp_path) as cache:
+        for batch in range(3):
+            cache.update(batch, {"a": torch.randn(64, 64), "b": torch.randn(8)})
+        full = cache.size_bytes()
+        assert full >= 3 * 64 * 64 * 4
+        cache.free(["a"])
+        after = cache.size_bytes()
+        assert after < full - 3 * 64 * 64 * 4 + 1024  # the big values are gone
+        assert all("a" not in cache.names(b) for b in range(3))
+        with pytest.raises(KeyError, match="freed before its last consumer"):
+            cache.get(1, "a")
+        assert torch.equal(cache.get(2, "b"), cache.get(2, "b"))
+
+
+def test_disk_cache_writes_files_loads_lazily_and_removes_them(tmp_path):
+    cache = IntermediatesCache(offload="disk", offload_dir=tmp_path)
+    folder = cache.directory
+    cache.put(0, "x", torch.randn(128, 128))
+    cache.put(0, "y", (torch.randn(4), None))
+    assert cache.memory_bytes() == 0  # nothing held in RAM
+    assert cache.disk_bytes() >= 128 * 128 * 4
+    assert len(os.listdir(folder)) == 2
+    cache.free(["x"])
+    assert len(os.listdir(folder)) == 1  # freed value's file is gone at once
+    cache.close()
+    assert not os.path.exists(folder)
+
+
+def test_replacing_a_value_keeps_one_file(tmp_path):
+    with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
+        cache.put(0, "x", torch.zeros(2))
+        cache.put(0, "x", torch.ones(2))
+        assert len(os.listdir(cache.directory)) == 1
+        assert torch.equal(cache.get(0, "x"), torch.ones(2))
+
+
+def test_fetch_moves_to_execution_device():
+    # "meta" stands in for an accelerator: fetch must hand back tensors on the execution device
+    cache = IntermediatesCache(execution_device="meta")
+    cache.put(0, "h", (torch.randn(2), {"m": torch.ones(1)}))
+    got = cache.get(0, "h")
+    assert got[0].device.type == "meta" and got[1]["m"].device.type == "meta"
+    assert cache._values[0]["h"][0].device.type == "cpu"  # rests on the offload device
+
+
+def test_shared_storage_counted_once():
+    t = torch.randn(100)
+    assert tensor_bytes([t, t, t[:10]]) == 400
+    assert move_to({"a": t}, None)["a"] is t
+
+
+def test_bad_offload_is_a_clear_error():
+    with pytest.raises(ValueError, match="offload must be"):
+        IntermediatesCache(offload="floppy")
+
+
+def test_a_killed_processs_disk_cache_is_removed_by_the_next_one(tmp_path):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = tmp_path / f"layerwise-cache-{child.pid}-abc"
+    live = tmp_path / f"layerwise-cache-{os.getpid()}-abc"  # another cache of a running process: kept
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "b0-1.pt").write_bytes(b"x")
+    with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
+        assert os.path.basename(cache.directory).startswith(f"layerwise-cache-{os.getpid()}-")
+        assert not stale.exists() and live.is_dir()
+
+
+def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tmp_path, monkeypatch):
+    import tempfile
+
+    import layerwise
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(self, batch, names=None):
+        assert self.directory and os.listdir(self.directory)  # the cache was on disk when it stopped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IntermediatesCache, "fetch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        layerwise.compress(tiny_llama, "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], offload="disk",
+                           pipeline="sequential", show_progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("layerwise-cache-")] == []
