@@ -59,7 +59,7 @@ def layerwise_register_savers(register: Register) -> None:
     """Register output formats: ``register(name, saver)``; a saver writes a compressed model to a folder."""
 
 
-@hookspec(firstresult=True)
+@hookspec
 def layerwise_select_pipeline(model: Any, modifiers: list[Any]) -> str | None:
     """Return a registered pipeline name to override the host's default choice, or ``None`` to abstain.
 

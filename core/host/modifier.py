@@ -38,6 +38,11 @@ class Modifier:
     needs_uncompressed_block: ClassVar[bool] = False
     #: why it needs that, as the run's ``pieces`` line gives the reason for the blocks cut ("<class> <reason>")
     block_reason: ClassVar[str] = "observes each block before compressing any of its layers"
+    #: recipe presets ``<prefix>_<SCHEME>`` build this modifier with that scheme (``"GPTQ"``: ``GPTQ_W4A16``);
+    #: read from the class that declares it, not inherited by subclasses
+    preset_prefix: ClassVar[str | None] = None
+    #: presets that chain registered modifiers in one run: name -> ((modifier name, fields), ...)
+    chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {}
 
     def __post_init__(self) -> None:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

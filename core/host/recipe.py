@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from layerwise.errors import RecipeError, RecipeNameError, did_you_mean
+from layerwise.errors import PluginError, RecipeError, RecipeNameError, did_you_mean
 from layerwise.host.modifier import Modifier
 from layerwise.host.plugin_manager import registry
 
@@ -34,21 +34,38 @@ RecipeLike = Modifier | list | dict | str | Path
 #: keys that describe a recipe (as llm-compressor-style recipes carry them); read, never used
 METADATA_KEYS = ("version", "metadata", "run_type")
 
-#: ``<ALGORITHM>_<SCHEME>`` presets, e.g. ``GPTQ_W4A16``; a bare scheme means round-to-nearest
-ALGORITHM_PRESETS = {"GPTQ": "GPTQModifier", "AWQ": "AWQModifier"}
-#: presets that chain modifiers (they share one calibration run)
-CHAINED_PRESETS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
-    # SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
-    "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),
-}
+def algorithm_presets() -> dict[str, str]:
+    """``<ALGORITHM>_<SCHEME>`` presets (``GPTQ_W4A16``): prefix -> the registered modifier that declares it.
+
+    A bare scheme means round-to-nearest; two modifiers declaring one prefix is an error naming both.
+    """
+    found: dict[str, str] = {}
+    for name, cls in registry("modifiers").items():
+        prefix = vars(cls).get("preset_prefix")
+        if not prefix:
+            continue
+        if prefix in found:
+            raise PluginError(f"modifiers {found[prefix]!r} and {name!r} both declare the recipe preset prefix "
+                              f"{prefix!r}; one of them must choose another")
+        found[prefix] = name
+    return found
+
+
+def chained_presets() -> dict[str, tuple[tuple[str, dict[str, Any]], ...]]:
+    """Presets that chain modifiers in one calibration run, as the registered modifiers declare them."""
+    found: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {}
+    modifiers = registry("modifiers")
+    for name in modifiers.names():
+        found.update(vars(modifiers.get(name)).get("chained_presets", {}))
+    return found
 
 
 def preset_names() -> list[str]:
     """Every recipe preset name: the schemes (round-to-nearest), ``<ALGORITHM>_<SCHEME>`` and the chains."""
     from layerwise.algorithms.quantization.presets import PRESETS
 
-    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in ALGORITHM_PRESETS for scheme in PRESETS),
-            *CHAINED_PRESETS]
+    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in algorithm_presets() for scheme in PRESETS),
+            *chained_presets()]
 
 
 def parse_recipe(recipe: RecipeLike) -> list[Modifier]:
@@ -77,10 +94,12 @@ def _parse_string(text: str) -> list[Modifier]:
     if stripped in PRESETS:
         return [_build("QuantizationModifier", {"scheme": stripped}, "recipe")]
     algorithm, _, scheme = stripped.partition("_")
-    if algorithm in ALGORITHM_PRESETS and scheme in PRESETS:
-        return [_build(ALGORITHM_PRESETS[algorithm], {"scheme": scheme}, "recipe")]
-    if stripped in CHAINED_PRESETS:
-        return [_build(name, dict(fields), "recipe") for name, fields in CHAINED_PRESETS[stripped]]
+    algorithms = algorithm_presets()
+    if algorithm in algorithms and scheme in PRESETS:
+        return [_build(algorithms[algorithm], {"scheme": scheme}, "recipe")]
+    chains = chained_presets()
+    if stripped in chains:
+        return [_build(name, dict(fields), "recipe") for name, fields in chains[stripped]]
     if stripped.endswith((".yaml", ".yml")) or (("\n" not in stripped) and Path(stripped).is_file()):
         return _parse_file(Path(stripped))
     if ":" not in stripped and "\n" not in stripped:

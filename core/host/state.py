@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from layerwise.host.model_patch import ModelPatch
 from layerwise.runtime.accounting import Accounting
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,6 +35,12 @@ class CompressionState:
     accounting: Accounting = field(default_factory=Accounting)
     #: the calibration batches, for a modifier that needs a whole-model statistics pass first (OWL)
     batches: list[Any] = field(default_factory=list)
-    #: the input Gram matrices Hessian-based modifiers share (SparseGPT then GPTQ: one per layer);
-    #: created by the first of them at calibration start (layerwise.plugins.modifiers.hessians)
-    hessian_bank: Any = None
+    #: what a plugin's modifiers share in one run (the Hessian modifiers' Gram matrices, ...), keyed by
+    #: the plugin's own type; core never looks inside: see :meth:`shared`
+    extensions: dict[type, Any] = field(default_factory=dict)
+
+    def shared(self, kind: type[T], create: Callable[[], T]) -> T:
+        """The run's one ``kind`` object: made by ``create`` for the first modifier that asks, then shared."""
+        if kind not in self.extensions:
+            self.extensions[kind] = create()
+        return self.extensions[kind]

@@ -75,6 +75,7 @@ class AWQModifier(QuantizationModifier):
     """
 
     requires_data: ClassVar[bool] = True
+    preset_prefix: ClassVar[str | None] = "AWQ"
     #: smoothing changes the module whose output was cached: each block is observed whole, then re-run
     needs_uncompressed_block: ClassVar[bool] = True
     block_reason: ClassVar[str] = "smooths the norm (or Linear) whose output a block's layers read"

@@ -84,6 +84,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     requires_data: ClassVar[bool] = True
     hessian_phase: ClassVar[str] = "GPTQ Hessians"
     label: ClassVar[str] = "GPTQ"
+    preset_prefix: ClassVar[str | None] = "GPTQ"
 
     block_size: int = 128
     dampening_frac: float = 0.01

@@ -278,7 +278,7 @@ class HessianHooks:
     The modifier calls :meth:`_init_hessians` from ``__post_init__``, :meth:`_hook_hessians`
     at calibration start, :meth:`_take_hessian` when it compresses a layer, and
     :meth:`_free_all` on reset; ``self._done`` names the layers already compressed. The
-    matrices live in the run's :class:`HessianBank` (``state.hessian_bank``), shared with the
+    matrices live in the run's :class:`HessianBank` (``state.extensions[HessianBank]``), shared with the
     other modifiers of the recipe that read the same layers.
     """
 
@@ -323,12 +323,13 @@ class HessianHooks:
 
     def _hook_hessians(self, state, modules: dict[str, torch.nn.Module]) -> None:
         """Join the run's bank (the first modifier creates it) and subscribe to the layers not compressed yet."""
-        shared = getattr(state, "hessian_bank", None)
+        extensions = getattr(state, "extensions", None)  # a test's bare state may have none: no sharing
+        shared = extensions.get(HessianBank) if extensions is not None else None
         if shared is None:
             accounting = getattr(state, "accounting", None)
             self._bank.accounting = accounting if accounting is not None else Accounting()
-            if hasattr(state, "hessian_bank"):
-                state.hessian_bank = self._bank
+            if extensions is not None:
+                extensions[HessianBank] = self._bank
         else:
             self._bank = shared
         for name, module in modules.items():

@@ -47,7 +47,7 @@ from layerwise.plugin.quantization import (
     split_by_piece,
 )
 
-from .hessians import layer_input
+from .hessians import HessianBank, layer_input
 from .quantization import _in_piece
 
 log = logging.getLogger("layerwise")
@@ -68,6 +68,10 @@ class SmoothQuantModifier(Modifier):
     """
 
     requires_data: ClassVar[bool] = True
+    #: SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
+    chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
+        "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),
+    }
     needs_uncompressed_block: ClassVar[bool] = True
     block_reason: ClassVar[str] = ("rescales norms inside each block, whose outputs a cut at layers would have "
                                    "cached unsmoothed")
@@ -174,7 +178,7 @@ class SmoothQuantModifier(Modifier):
         weights = [linear_weight(model.get_submodule(name)) for name in mapping.balance]
         scales = smoothquant_scales(maximum, weights, self.smoothing_strength)
         apply_smoothing(model, mapping, scales)
-        bank = getattr(state, "hessian_bank", None)
+        bank = getattr(state, "extensions", {}).get(HessianBank)
         if bank is not None:  # a Hessian modifier later in the recipe read the unsmoothed inputs
             bank.rescale_inputs(mapping.balance, scales)
         self.scales[smoothed] = scales.cpu()

@@ -105,3 +105,67 @@ def test_a_plain_value_in_a_list_of_modifiers_is_named_by_index():
 def test_unknown_fields_get_the_field_that_was_meant():
     with pytest.raises(RecipeError, match=r"'blocksize' \(did you mean 'block_size'\?\)"):
         parse_recipe({"GPTQModifier": {"blocksize": 64}})
+
+
+def _plugin_with(*classes):
+    import types
+
+    from layerwise.plugin import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def layerwise_register_modifiers(self, register):
+            for cls in classes:
+                register(cls.__name__, cls)
+
+    return types.SimpleNamespace(plugin=Plugin())
+
+
+def test_a_plugin_modifier_brings_its_own_algorithm_and_chained_presets():
+    import dataclasses
+    from typing import ClassVar
+
+    from layerwise.host.plugin_manager import get_host
+    from layerwise.host.recipe import parse_recipe, preset_names
+    from layerwise.plugin import Modifier
+
+    @dataclasses.dataclass
+    class RoundTwiceModifier(Modifier):
+        preset_prefix: ClassVar[str | None] = "TWICE"
+        chained_presets: ClassVar[dict] = {"TWICE_THEN_GPTQ": (("RoundTwiceModifier", {"scheme": "W8A16"}),
+                                                               ("GPTQModifier", {"scheme": "W4A16"}))}
+        scheme: str = "W4A16"
+
+    host = get_host()
+    host.register(_plugin_with(RoundTwiceModifier).plugin, name="twice")
+    try:
+        assert "TWICE_W8A16" in preset_names() and "TWICE_THEN_GPTQ" in preset_names()
+        [built] = parse_recipe("TWICE_W8A16")
+        assert isinstance(built, RoundTwiceModifier) and built.scheme == "W8A16"
+        first, second = parse_recipe("TWICE_THEN_GPTQ")
+        assert (type(first).__name__, type(second).__name__) == ("RoundTwiceModifier", "GPTQModifier")
+    finally:
+        host.unregister("twice")
+    assert "TWICE_W8A16" not in preset_names()
+
+
+def test_two_modifiers_claiming_one_preset_prefix_is_an_error_naming_both():
+    import dataclasses
+    from typing import ClassVar
+
+    from layerwise.errors import PluginError
+    from layerwise.host.plugin_manager import get_host
+    from layerwise.host.recipe import parse_recipe
+    from layerwise.plugin import Modifier
+
+    @dataclasses.dataclass
+    class OtherGPTQModifier(Modifier):
+        preset_prefix: ClassVar[str | None] = "GPTQ"
+
+    host = get_host()
+    host.register(_plugin_with(OtherGPTQModifier).plugin, name="other-gptq")
+    try:
+        with pytest.raises(PluginError, match="'GPTQModifier' and 'OtherGPTQModifier' both declare .* 'GPTQ'"):
+            parse_recipe("GPTQ_W4A16")
+    finally:
+        host.unregister("other-gptq")
