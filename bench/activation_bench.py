@@ -227,7 +227,7 @@ def calibration_digest(case: str, tokenizer, dataset) -> str:
 # -- layerwise, in its own process ------------------------------------------------------------------
 def run_layerwise(case: str, config: str, quick: bool) -> dict:
     """layerwise's compress() timed on its own; then saved, reloaded and compared; then measured."""
-    from layerwise import compress
+    from layerwise import CompressOptions, compress
     from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = case_model_path(case)
@@ -237,8 +237,8 @@ def run_layerwise(case: str, config: str, quick: bool) -> dict:
     dataset, length = _calibration(case, tokenizer, quick)
     if not CONFIGS[config]["data"]:
         dataset = None
-    kwargs = dict(dataset=dataset, tokenizer=tokenizer, max_seq_length=length,
-                  num_calibration_samples=len(dataset)) if dataset else {}
+    kwargs = dict(dataset=dataset, max_seq_length=length, num_calibration_samples=len(dataset),
+                  options=CompressOptions.of(tokenizer=tokenizer)) if dataset else {}
     model, timing = _timed_call(lambda: compress(model, CONFIGS[config]["recipe"], show_progress=False, **kwargs))
     result.update(timing, peak_rss_gb=_peak_rss_gb(), samples=len(dataset) if dataset else 0)
     report = model.layerwise_report

@@ -65,8 +65,9 @@ def main() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             start = time.perf_counter()
-            layerwise.compress(model, "GPTQ_W4A16", dataset=demo_sentences("calibration"), tokenizer=tokenizer,
-                               max_seq_length=128, num_calibration_samples=samples, show_progress=False, **options)
+            layerwise.compress(model, "GPTQ_W4A16", dataset=demo_sentences("calibration"), max_seq_length=128,
+                               num_calibration_samples=samples, show_progress=False,
+                               options=layerwise.CompressOptions.of(tokenizer=tokenizer, **options))
             seconds = time.perf_counter() - start
         fallbacks = sum(issubclass(w.category, PipelineFallbackWarning) for w in caught)
         report = model.layerwise_report

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import layerwise
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("LAYERWISE_FIXTURES", ROOT.parent / "shared" / "fixtures"))
 CALIB = FIXTURES / "calib.txt"
@@ -123,8 +125,9 @@ def run_minilm(config: str, quick: bool) -> dict:
     elif CONFIGS[config] is not None:
         texts = minilm_calibration(32 if quick else 128)
         start = time.perf_counter()
-        model = compress(model, CONFIGS[config], dataset=texts, tokenizer=tokenizer, max_seq_length=128,
-                         num_calibration_samples=len(texts), show_progress=False, **CONFIG_OPTIONS.get(config, {}))
+        model = compress(model, CONFIGS[config], dataset=texts, max_seq_length=128, num_calibration_samples=len(texts),
+                         show_progress=False,
+                         options=layerwise.CompressOptions.of(tokenizer=tokenizer, **CONFIG_OPTIONS.get(config, {})))
         result["seconds"] = time.perf_counter() - start
         result["peak_rss_gb"] = _peak_rss_gb()  # what compressing needed: the evaluation below comes after
         result["samples"] = len(texts)

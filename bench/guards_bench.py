@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+import layerwise
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 
@@ -84,7 +86,7 @@ def _idefics3():
             batch["pixel_attention_mask"][..., 28:, :] = False
         batches.append(batch)
     recipe = {"GPTQModifier": {"scheme": "W8A16", "ignore": ["lm_head"]}}
-    return compress(model, recipe, dataset=batches, sequential_targets=[TEXT_LAYERS], show_progress=False)
+    return compress(model, recipe, dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(sequential_targets=[TEXT_LAYERS]))
 
 
 def main() -> None:

@@ -66,8 +66,7 @@ def case_pipeline(args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    layerwise.compress(model, RECIPE, dataset=batches, num_calibration_samples=args.samples,
-                       max_seq_length=args.seq_len, pipeline=args.pipeline, show_progress=False)
+    layerwise.compress(model, RECIPE, dataset=batches, num_calibration_samples=args.samples, max_seq_length=args.seq_len, show_progress=False, options=layerwise.CompressOptions.of(pipeline=args.pipeline))
     seconds = time.perf_counter() - start
     report = model.layerwise_report
     result = {

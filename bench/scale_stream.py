@@ -33,8 +33,8 @@ from transformers import AutoConfig
 vocab = AutoConfig.from_pretrained(folder).vocab_size
 batches = [{"input_ids": torch.randint(0, vocab, (1, int(seq_len)), generator=generator)} for _ in range(int(samples))]
 start = time.perf_counter()
-model = layerwise.compress(folder, recipe, dataset=batches, output_dir=out, weights=weights, show_progress=False,
-                           resume=resume == "resume")
+model = layerwise.compress(folder, recipe, dataset=batches, output_dir=out, show_progress=False,
+                           options=layerwise.CompressOptions.of(weights=weights, resume=resume == "resume"))
 report = model.layerwise_report
 print(json.dumps({"weights": report.weights, "seconds": round(time.perf_counter() - start, 1),
                   "peak_rss_bytes": report.peak_rss_bytes, "pieces": report.pieces, "pieces_run": len(epochs)}))

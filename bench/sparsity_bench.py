@@ -96,6 +96,8 @@ from gptq_bench import (
     split_total,
 )
 
+import layerwise
+
 #: SparseGPT's solver settings, written into both tools' recipes
 SOLVER = {"block_size": 128, "dampening_frac": 0.01}
 
@@ -166,8 +168,7 @@ def run_layerwise(case: str, config: str, quick: bool) -> dict:
     tokenizer, model = load_tokenizer(path), load_model(path)
     dataset, length = _calibration(case, tokenizer, quick)
     start = time.perf_counter()
-    model = compress(model, CONFIGS[config], dataset=dataset, tokenizer=tokenizer, max_seq_length=length,
-                     num_calibration_samples=len(dataset), show_progress=False)
+    model = compress(model, CONFIGS[config], dataset=dataset, max_seq_length=length, num_calibration_samples=len(dataset), show_progress=False, options=layerwise.CompressOptions.of(tokenizer=tokenizer))
     result = {"seconds": time.perf_counter() - start, "peak_rss_gb": _peak_rss_gb(), "samples": len(dataset)}
     report = model.layerwise_report
     result.update(pipeline=report.pipeline, pieces=report.pieces,

@@ -99,3 +99,19 @@ def fake_dist(tmp_path, monkeypatch) -> Iterator[Callable[..., Path]]:
     for module in [m for m in sys.modules if m.split(".")[0] in top_level]:
         del sys.modules[module]
     reset_host()
+
+
+@pytest.fixture
+def register_plugin():
+    """``register_plugin(plugin, name)``: a plugin object registered with the host for this test only."""
+    from layerwise.host.plugin_manager import get_host
+
+    host, names = get_host(), []
+
+    def register(plugin, name: str) -> None:
+        host.register(plugin, name=name)
+        names.append(name)
+
+    yield register
+    for name in names:
+        host.unregister(name)

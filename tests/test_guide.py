@@ -137,3 +137,17 @@ def test_finer_targets_paragraph_is_true(folders):
     assert lines[-1].startswith("max abs diff: 0.000e+00")
     assert any(line.startswith("Opaque calls:") and "sdpa_attention_forward" in line for line in lines)
     assert "--targets LlamaMLP --verify` ends with `max abs diff: 0.000e+00`" in GUIDE.read_text(encoding="utf-8")
+
+
+def test_the_architecture_map_names_only_folders_that_exist_and_every_package():
+    """GUIDE section 12's table against the tree: each folder it names exists, each package is named."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("## 12. Architecture map"):]
+    table = section[:section.index("What flows between them")]
+    named = set(re.findall(r"^\| `([a-z_/]+(?:\.py)?)`", table, re.MULTILINE)) | set(re.findall(r", `([a-z_]+/)`", table))
+    assert named, "the map's table was not found"
+    for folder in named:
+        assert (ROOT / folder).exists(), f"GUIDE's architecture map names {folder}, which does not exist"
+    packages = {p.name for p in (ROOT / "core").iterdir() if (p / "__init__.py").is_file()}
+    listed = {folder.removeprefix("core/").strip("/") for folder in named if folder.startswith("core/")}
+    assert packages - {"texts"} <= listed, f"packages missing from the map: {sorted(packages - listed)}"

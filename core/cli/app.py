@@ -9,9 +9,13 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from layerwise import __version__
 from layerwise.errors import InvalidArgumentError, LayerwiseError
+
+if TYPE_CHECKING:
+    from layerwise.verbs.options import CompressOptions
 
 
 def _slug(recipe: str) -> str:
@@ -68,6 +72,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                         "and written to the output as each piece is done (stream), or auto: stream when the "
                         "model would not fit in memory (default)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
+    p.add_argument("--save-format", default="compressed-tensors", metavar="NAME",
+                   help="the output format: a registered saver (`layerwise plugins` lists them; "
+                        "default compressed-tensors)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output folder that layerwise wrote (it holds layerwise_summary.json)")
     p.add_argument("--overwrite-any", action="store_true",
@@ -155,20 +162,26 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
     from layerwise.verbs.compression import compress
 
     args.recipe = args.recipe or "W4A16"
-    model = compress(args.model, args.recipe, dataset=args.dataset, num_calibration_samples=args.num_samples,
-                     max_seq_length=args.max_seq_length, sequential_targets=args.targets, ignore=args.ignore,
-                     targets_per_subgraph=args.targets_per_subgraph,
-                     output_dir=args.output_dir, pipeline=args.pipeline,
-                     propagate_error=not args.no_propagate_error, pieces=args.pieces, offload=args.offload,
-                     overwrite=_overwrite(args), show_progress=show_progress,
-                     non_finite="skip" if args.skip_non_finite else "error",
-                     trust_remote_code=args.trust_remote_code, weights=args.weights,
-                     resume=args.resume, device=args.device)
+    model = compress(args.model, args.recipe, dataset=args.dataset, output_dir=args.output_dir,
+                     num_calibration_samples=args.num_samples, max_seq_length=args.max_seq_length,
+                     device=args.device, overwrite=_overwrite(args), show_progress=show_progress,
+                     options=options_from_flags(args))
     if distributed.is_main():  # one summary for the run, not one per rank
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
         _print_summary(model)
     return 0
+
+
+def options_from_flags(args: argparse.Namespace) -> CompressOptions:
+    """The run options the flags set: one :class:`CompressOptions`, validated as in Python."""
+    from layerwise.verbs.options import CompressOptions
+
+    return CompressOptions.of(
+        sequential_targets=args.targets, ignore=args.ignore, targets_per_subgraph=args.targets_per_subgraph,
+        pipeline=args.pipeline, propagate_error=not args.no_propagate_error, pieces=args.pieces,
+        weights=args.weights, offload=args.offload, save_format=args.save_format, resume=args.resume,
+        non_finite="skip" if args.skip_non_finite else "error", trust_remote_code=args.trust_remote_code)
 
 
 def _overwrite(args: argparse.Namespace) -> bool | str:

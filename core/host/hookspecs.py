@@ -56,7 +56,8 @@ def layerwise_register_datasets(register: Register) -> None:
 
 @hookspec
 def layerwise_register_savers(register: Register) -> None:
-    """Register output formats: ``register(name, saver)``; a saver writes a compressed model to a folder."""
+    """Register output formats: ``register(name, saver)``, a :class:`~layerwise.host.saver.Saver` instance
+    (or a function ``fn(model, output_dir, *, tokenizer, recipe, extra_files, overwrite)``, wrapped in one)."""
 
 
 @hookspec

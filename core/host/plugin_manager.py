@@ -265,6 +265,10 @@ class PluginHost:
                 if len(args) != 2:
                     raise TypeError(f"register() for {kind} takes (name, object), got {len(args)} argument(s)")
                 name, obj = args
+                if kind == "savers":  # one contract for every saver: a function becomes a FunctionSaver
+                    from layerwise.host.saver import as_saver
+
+                    obj = as_saver(obj)
             try:
                 registry.add(name, obj, info.owner)
             except DuplicateNameError as exc:

@@ -136,3 +136,24 @@ def _as_batch(record: Mapping[str, Any], max_seq_length: int) -> Batch:
 #: keys that make a record a model input: text ids, or an image / audio tower's input
 MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "input_features", "pixel_values")
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
+
+
+#: tokens per calibration sample unless the model's context is shorter
+DEFAULT_MAX_SEQ_LENGTH = 2048
+#: config fields that hold a model's context length, by family
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def default_max_seq_length(model: torch.nn.Module) -> int:
+    """2048, or the model's context length when shorter.
+
+    Calibration windows longer than the context would run positions the model never
+    learned (and an absolute position table would be indexed out of range).
+    """
+    config = getattr(model, "config", None)
+    for part in (config, getattr(config, "text_config", None)):
+        for name in _CONTEXT_FIELDS:
+            value = getattr(part, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return min(DEFAULT_MAX_SEQ_LENGTH, value)
+    return DEFAULT_MAX_SEQ_LENGTH

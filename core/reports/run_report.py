@@ -46,3 +46,5 @@ class CompressionReport:
     #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None
+    #: every setting of the run by name (``CompressOptions.as_dict()``): what a rerun needs to match it
+    options: dict[str, Any] = field(default_factory=dict)

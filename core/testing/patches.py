@@ -294,8 +294,7 @@ def _check_calibration(patch: ModelPatch, model: torch.nn.Module, modality: str,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            layerwise.compress(work, modifier, dataset=[inputs] if gptq else None,
-                               pipeline="sequential" if gptq else None, patch=patch, show_progress=False)
+            layerwise.compress(work, modifier, dataset=[inputs] if gptq else None, show_progress=False, options=layerwise.CompressOptions.of(pipeline="sequential" if gptq else None, patch=patch))
         except Exception as error:
             raise _fail(patch, step, f"compress failed: {type(error).__name__}: {error}") from error
     report = work.layerwise_report

@@ -109,7 +109,7 @@ def _check_run(name: str, model_factory: Callable[[], torch.nn.Module], batches:
     before = count_hooks(model)
     recorder = _Recorder()
     try:
-        layerwise.compress(model, [recorder], dataset=batches, pipeline=name, show_progress=False)
+        layerwise.compress(model, [recorder], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(pipeline=name))
     except Exception as error:
         raise _fail(name, "events", f"compress() failed: {type(error).__name__}: {error}") from error
     epochs = recorder.events.count("sequential_epoch_end")
@@ -157,7 +157,7 @@ def _check_error_propagates(name: str, model_factory: Callable[[], torch.nn.Modu
 
     injected = linears[len(linears) // 2].register_forward_pre_hook(fail_later)
     try:
-        layerwise.compress(model, [_Recorder()], dataset=batches, pipeline=name, show_progress=False)
+        layerwise.compress(model, [_Recorder()], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(pipeline=name))
     except Exception as error:
         chain, cause = [], error
         while cause is not None:

@@ -1,7 +1,8 @@
 """``check_saver``: what ``compress(..., output_dir=...)`` assumes of every output format.
 
-A saver is called as ``saver(model, output_dir, tokenizer=, recipe=, extra_files=, overwrite=)``
-on a model layerwise compressed (here: a seeded tiny Llama, W4A16 round to nearest). Checked:
+A saver (:class:`layerwise.plugin.saving.Saver`, or a function registered and wrapped in one) is
+called as ``saver.save(model, output_dir, tokenizer=, recipe=, extra_files=, overwrite=)`` on a
+model layerwise compressed (here: a seeded tiny Llama, W4A16 round to nearest). Checked:
 
 1. **registered**: the callable is in the savers registry (``compress(save_format=...)`` names it);
 2. **writes**: the folder appears, with every extra file (the run summary, modifiers' files) at its
@@ -9,7 +10,8 @@ on a model layerwise compressed (here: a seeded tiny Llama, W4A16 round to neare
 3. **refuses**: an existing non-empty folder without ``overwrite`` raises and is left untouched;
 4. **overwrites**: with ``overwrite=True`` the old content is gone and the new one is there;
 5. **all or nothing**: a failure while writing (an extra file that cannot be written) raises and
-   leaves no folder behind.
+   leaves no folder behind;
+6. **sizes**: ``saved_bytes(model)`` is a positive number of bytes (the report's size after).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def check_saver(saver: Callable[..., Any] | str, *,
             raise _fail(name, "overwrites", "overwrite=True kept files of the previous folder",
                         "replace the whole folder (write a new one, then swap it in)")
         _check_all_or_nothing(name, save, model, Path(root) / "broken")
+    size = save.saved_bytes(model)
+    if not isinstance(size, int) or size <= 0:
+        raise _fail(name, "sizes", f"saved_bytes(model) returned {size!r}",
+                    "return the bytes the model's tensors take in this format (an int > 0)")
 
 
 def _fail(name: str, step: str, problem: str, fix: str = "") -> PluginCheckError:
@@ -68,7 +74,7 @@ def _registered(saver: Callable[..., Any] | str) -> tuple[str, Callable[..., Any
         if saver not in found:
             raise _fail(saver, "registered", f"no saver of that name; registered: {sorted(found)}")
         return saver, found[saver]
-    names = [n for n, obj in found.items() if obj is saver]
+    names = [n for n, obj in found.items() if obj is saver or getattr(obj, "function", None) is saver]
     if not names:
         raise _fail(getattr(saver, "__name__", repr(saver)), "registered", "the callable is not in the savers "
                     "registry, so compress(save_format=...) cannot name it",

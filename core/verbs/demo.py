@@ -68,11 +68,13 @@ def run_demo(recipe: str = DEMO_RECIPE, output_dir: str | None = None, overwrite
     """Compress MiniLM with ``recipe``; return (compressed model, agreement with fp32)."""
     from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.verbs.compression import compress
+    from layerwise.verbs.options import CompressOptions
 
     path = demo_model_path()
     reference = load_model(path)
     tokenizer = load_tokenizer(path)
     compressed = compress(copy.deepcopy(reference), recipe, dataset=demo_sentences("calibration"),
-                          tokenizer=tokenizer, max_seq_length=128, num_calibration_samples=512,
-                          output_dir=output_dir, overwrite=overwrite, show_progress=show_progress)
+                          output_dir=output_dir, num_calibration_samples=512, max_seq_length=128,
+                          overwrite=overwrite, show_progress=show_progress,
+                          options=CompressOptions.of(tokenizer=tokenizer))
     return compressed, evaluate_against(reference, compressed, tokenizer)

@@ -2,11 +2,11 @@
 
 from layerwise.plugin import hookimpl
 
-from .compressed_tensors import save_compressed
+from .compressed_tensors import CompressedTensorsSaver, save_compressed
 
-__all__ = ["save_compressed"]
+__all__ = ["CompressedTensorsSaver", "save_compressed"]
 
 
 @hookimpl
 def layerwise_register_savers(register):
-    register("compressed-tensors", save_compressed)
+    register("compressed-tensors", CompressedTensorsSaver())

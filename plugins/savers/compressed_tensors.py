@@ -47,14 +47,23 @@ from layerwise.plugin.quantization import (
 )
 from layerwise.plugin.saving import (
     Overwrite,
+    Saver,
     atomic_output_dir,
     check_not_an_input,
     check_output_dir,
     check_saved,
+    first_time,
     run_inputs,
     skipped_prefixes,
 )
-from layerwise.plugin.sparsity import sparse_modules
+from layerwise.plugin.sparsity import (
+    BITMASK,
+    SPARSE_24,
+    SPARSITY_ATTR,
+    MaskStructure,
+    encoded_bytes,
+    sparse_modules,
+)
 
 from .errors import SaveError
 from .sparse import (
@@ -65,7 +74,7 @@ from .sparse import (
     sparse_format,
 )
 
-__all__ = ["FORMAT", "SaveError", "build_quantization_config", "compressed_state_dict", "quantized_tensors",
+__all__ = ["FORMAT", "CompressedTensorsSaver", "SaveError", "build_quantization_config", "compressed_state_dict", "quantized_tensors",
            "save_compressed", "save_streamed"]
 
 FORMAT = "pack-quantized"
@@ -287,7 +296,43 @@ def _yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-# a saver that can finish a run whose weights streamed from disk says how: each finished quantized
-# module is encoded by `encode_module` as its piece ends, the folder is completed by `save_streamed`
-save_compressed.encode_module = quantized_tensors  # type: ignore[attr-defined]
-save_compressed.save_streamed = save_streamed  # type: ignore[attr-defined]
+class CompressedTensorsSaver(Saver):
+    """The compressed-tensors format, in memory or streamed piece by piece (each module encoded as its
+    piece ends, the folder completed at the end)."""
+
+    streams = True
+
+    def save(self, model: torch.nn.Module, output_dir: str | os.PathLike, **options: Any) -> Path:
+        return save_compressed(model, output_dir, **options)
+
+    def save_streamed(self, model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike,
+                      **options: Any) -> Path:
+        return save_streamed(model, stream, output_dir, **options)
+
+    def encode_module(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return quantized_tensors(name, module)
+
+    def saved_bytes(self, model: torch.nn.Module) -> int:
+        """Quantized weights at their bit width plus their qparams, pruned ones (not quantized) in their
+        bitmask layout, the rest as they are; a tied tensor once, as on disk."""
+        total = 0
+        seen: set[tuple] = set()
+        for module in model.modules():
+            args = getattr(module, "quantization_args", None)
+            structure = getattr(module, SPARSITY_ATTR, None)
+            for name, param in module.named_parameters(recurse=False):
+                if not first_time(param, seen):
+                    continue
+                if name == "weight" and args is not None:
+                    total += param.numel() * args.num_bits // 8
+                elif name == "weight" and structure is not None:
+                    layout = SPARSE_24 if structure == MaskStructure(2, 4) else BITMASK
+                    total += encoded_bytes(linear_weight(module).detach(), layout)
+                else:
+                    total += param.numel() * param.element_size()
+            if args is not None:
+                for buffer_name in ("weight_scale", "weight_zero_point", "weight_g_idx"):
+                    buffer = getattr(module, buffer_name, None)
+                    if isinstance(buffer, torch.Tensor) and first_time(buffer, seen):
+                        total += buffer.numel() * buffer.element_size()
+        return total

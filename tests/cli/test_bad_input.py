@@ -355,8 +355,10 @@ def test_compress_refuses_bad_arguments_before_loading(kwargs, error, message, t
     (tmp_path / "binary.txt").write_bytes(BINARY)
     monkeypatch.setattr(compression, "load_model", _never)
     arguments = {"recipe": "GPTQ_W8A16", "dataset": ["w1 w2"], **kwargs}
+    settings = {name: arguments.pop(name) for name in list(arguments) if name == "targets_per_subgraph"}
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
-        layerwise.compress("any-model", **arguments, output_dir=tmp_path / "out")
+        layerwise.compress("any-model", **arguments, output_dir=tmp_path / "out",
+                           options=layerwise.CompressOptions.of(**settings))
     assert not (tmp_path / "out").exists()
 
 
@@ -364,8 +366,7 @@ def test_a_pipeline_asked_for_by_name_that_cannot_run_says_how_to_let_layerwise_
     from tests.host.test_pipeline_selection import Untraceable
 
     with pytest.raises(PipelineFailed) as info:
-        layerwise.compress(Untraceable().eval(), "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}],
-                           pipeline="sequential", show_progress=False)
+        layerwise.compress(Untraceable().eval(), "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], show_progress=False, options=layerwise.CompressOptions.of(pipeline="sequential"))
     message = str(info.value)
     assert "pipeline 'sequential', asked for by name, cannot calibrate Untraceable" in message
     assert "Leave out pipeline= (CLI: --pipeline)" in message and info.value.__cause__ is not None

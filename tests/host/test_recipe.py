@@ -121,11 +121,10 @@ def _plugin_with(*classes):
     return types.SimpleNamespace(plugin=Plugin())
 
 
-def test_a_plugin_modifier_brings_its_own_algorithm_and_chained_presets():
+def test_a_plugin_modifier_brings_its_own_algorithm_and_chained_presets(register_plugin):
     import dataclasses
     from typing import ClassVar
 
-    from layerwise.host.plugin_manager import get_host
     from layerwise.host.recipe import parse_recipe, preset_names
     from layerwise.plugin import Modifier
 
@@ -136,25 +135,20 @@ def test_a_plugin_modifier_brings_its_own_algorithm_and_chained_presets():
                                                                ("GPTQModifier", {"scheme": "W4A16"}))}
         scheme: str = "W4A16"
 
-    host = get_host()
-    host.register(_plugin_with(RoundTwiceModifier).plugin, name="twice")
-    try:
-        assert "TWICE_W8A16" in preset_names() and "TWICE_THEN_GPTQ" in preset_names()
-        [built] = parse_recipe("TWICE_W8A16")
-        assert isinstance(built, RoundTwiceModifier) and built.scheme == "W8A16"
-        first, second = parse_recipe("TWICE_THEN_GPTQ")
-        assert (type(first).__name__, type(second).__name__) == ("RoundTwiceModifier", "GPTQModifier")
-    finally:
-        host.unregister("twice")
     assert "TWICE_W8A16" not in preset_names()
+    register_plugin(_plugin_with(RoundTwiceModifier).plugin, "twice")
+    assert "TWICE_W8A16" in preset_names() and "TWICE_THEN_GPTQ" in preset_names()
+    [built] = parse_recipe("TWICE_W8A16")
+    assert isinstance(built, RoundTwiceModifier) and built.scheme == "W8A16"
+    first, second = parse_recipe("TWICE_THEN_GPTQ")
+    assert (type(first).__name__, type(second).__name__) == ("RoundTwiceModifier", "GPTQModifier")
 
 
-def test_two_modifiers_claiming_one_preset_prefix_is_an_error_naming_both():
+def test_two_modifiers_claiming_one_preset_prefix_is_an_error_naming_both(register_plugin):
     import dataclasses
     from typing import ClassVar
 
     from layerwise.errors import PluginError
-    from layerwise.host.plugin_manager import get_host
     from layerwise.host.recipe import parse_recipe
     from layerwise.plugin import Modifier
 
@@ -162,10 +156,6 @@ def test_two_modifiers_claiming_one_preset_prefix_is_an_error_naming_both():
     class OtherGPTQModifier(Modifier):
         preset_prefix: ClassVar[str | None] = "GPTQ"
 
-    host = get_host()
-    host.register(_plugin_with(OtherGPTQModifier).plugin, name="other-gptq")
-    try:
-        with pytest.raises(PluginError, match="'GPTQModifier' and 'OtherGPTQModifier' both declare .* 'GPTQ'"):
-            parse_recipe("GPTQ_W4A16")
-    finally:
-        host.unregister("other-gptq")
+    register_plugin(_plugin_with(OtherGPTQModifier).plugin, "other-gptq")
+    with pytest.raises(PluginError, match="'GPTQModifier' and 'OtherGPTQModifier' both declare .* 'GPTQ'"):
+        parse_recipe("GPTQ_W4A16")

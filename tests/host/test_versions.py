@@ -90,8 +90,7 @@ def test_a_patch_verified_on_other_releases_is_named(running):
     running(NEWEST)
     old = ModelPatch(name="old-llama", architectures=("LlamaForCausalLM",), sequential_targets=("LlamaDecoderLayer",),
                      verified_transformers=("5.1.0", "5.2.0"))
-    (message,) = _untested_warnings(lambda: layerwise.compress(build_tiny_llama(), "W8A16", patch=old,
-                                                               show_progress=False))
+    (message,) = _untested_warnings(lambda: layerwise.compress(build_tiny_llama(), "W8A16", show_progress=False, options=layerwise.CompressOptions.of(patch=old)))
     assert f"model patch 'old-llama' was verified on transformers 5.1.0 to 5.2.0, not on the running {NEWEST}" \
         in message
     unstated = ModelPatch(name="unstated", architectures=("LlamaForCausalLM",))

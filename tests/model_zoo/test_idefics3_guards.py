@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import layerwise
 from layerwise.model_zoo.idefics3 import IDEFICS3, TEXT_LAYERS, sample_inputs
 from layerwise.model_zoo.idefics3 import tiny_idefics3 as idefics3
 from layerwise.tracing import trace
@@ -46,7 +47,7 @@ def test_compress_calibrates_mixed_batches_sequentially_without_falling_back() -
     recipe = {"GPTQModifier": {"scheme": "W8A16", "ignore": ["lm_head"]}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning, no other warning
-        compress(model, recipe, dataset=[full, padded], sequential_targets=[TEXT_LAYERS], show_progress=False)
+        compress(model, recipe, dataset=[full, padded], show_progress=False, options=layerwise.CompressOptions.of(sequential_targets=[TEXT_LAYERS]))
     report = model.layerwise_report
     assert report.pipeline == "sequential" and not report.fallbacks
     (retraced,) = report.guards_retraced  # the padded image broke the full image's mask guard

@@ -40,8 +40,7 @@ def test_gptq_through_the_sequential_pipeline_changes_every_targeted_linear(name
 
     # tiny widths (32, 64): per-channel int4, so no group size has to divide them
     gptq = GPTQModifier(scheme="W4A16", strategy="channel", block_size=16)
-    layerwise.compress(model, gptq, dataset=[batch], pipeline="sequential", sequential_targets=targets,
-                       patch=patch, show_progress=False)  # the patch's ignore list by default
+    layerwise.compress(model, gptq, dataset=[batch], show_progress=False, options=layerwise.CompressOptions.of(pipeline="sequential", sequential_targets=targets, patch=patch))  # the patch's ignore list by default
 
     report = model.layerwise_report
     assert report.pipeline == "sequential"

@@ -119,7 +119,7 @@ def test_smoothquant_smooths_every_mapping_through_the_sequential_pipeline(patch
     modifier = SmoothQuantModifier()
     with warnings.catch_warnings():
         warnings.simplefilter("error", SmoothQuantWarning)
-        layerwise.compress(model, modifier, dataset=[batch], pipeline="sequential", patch=patch, show_progress=False)
+        layerwise.compress(model, modifier, dataset=[batch], show_progress=False, options=layerwise.CompressOptions.of(pipeline="sequential", patch=patch))
     assert set(modifier.scales) == {m.smoothed for m in resolved}
     for a, b in zip(_outputs(model, batch), expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -21,8 +21,7 @@ def test_sparsegpt_two_four_prunes_every_targeted_linear_from_its_hessian(name, 
     model, patch, targets, batch, linears = zoo_case(name, patches)
 
     sparsegpt = SparseGPTModifier(mask_structure="2:4", block_size=16)
-    layerwise.compress(model, sparsegpt, dataset=[batch], pipeline="sequential", sequential_targets=targets,
-                       patch=patch, show_progress=False)
+    layerwise.compress(model, sparsegpt, dataset=[batch], show_progress=False, options=layerwise.CompressOptions.of(pipeline="sequential", sequential_targets=targets, patch=patch))
 
     solved = {row["name"] for row in sparsegpt.summary if row["method"] == "sparsegpt"}
     missing = sorted(set(linears) - solved)

@@ -166,7 +166,8 @@ def test_smoothquant_then_gptq_w8a8_is_one_preset_one_run_and_reloads(tmp_path):
             layer.register_forward_pre_hook(lambda m, a: forwards.append(1))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            layerwise.compress(model, recipe, dataset=BATCHES, show_progress=False, **options)
+            layerwise.compress(model, recipe, dataset=BATCHES, show_progress=False,
+                               options=layerwise.CompressOptions.of(**options))
         return model, len(forwards)
 
     model, forwards = run("SQ_GPTQ_W8A8")

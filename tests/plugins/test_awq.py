@@ -239,7 +239,7 @@ def test_the_row_sample_is_bounded_evenly_spaced_and_the_mean_sees_every_token()
 def test_no_mappings_is_a_named_error():
     modifier = AWQModifier(group_size=32)
     with pytest.raises(MappingError, match="AWQModifier: no smoothing mappings: no model patch matches this model"):
-        layerwise.compress(tiny_llama(), [modifier], dataset=calibration(), patch=False, show_progress=False)
+        layerwise.compress(tiny_llama(), [modifier], dataset=calibration(), show_progress=False, options=layerwise.CompressOptions.of(patch=False))
     with pytest.raises(MappingError, match="AWQModifier.mappings is empty"):
         AWQModifier(mappings=[])
     with pytest.raises(MappingError, match=r"'re:.\*q_prj' match no module"):

@@ -373,9 +373,7 @@ def test_compress_with_a_yaml_recipe_saves_a_model_transformers_reloads(tmp_path
     """
     out = tmp_path / "gptq"
     with caplog.at_level(logging.INFO, logger="layerwise"):
-        model = layerwise.compress(model, recipe, dataset=texts, tokenizer=make_word_tokenizer(128),
-                                   max_seq_length=32, num_calibration_samples=6, output_dir=out,
-                                   show_progress=False)
+        model = layerwise.compress(model, recipe, dataset=texts, max_seq_length=32, num_calibration_samples=6, output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=make_word_tokenizer(128)))
     assert model.layerwise_report.pipeline == "sequential"
     after = weights(model)
     changed = [n for n in before if not torch.equal(before[n], after[n])]

@@ -27,10 +27,10 @@ def linears(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
 
 
-def prune_tiny_llama(recipe, **options):
+def prune_tiny_llama(recipe, output_dir=None, **options):
     model = build_tiny_llama()
-    return layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 6), show_progress=False,
-                              **options)
+    return layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 6), output_dir=output_dir,
+                              show_progress=False, options=layerwise.CompressOptions.of(**options))
 
 
 # -- recipe errors, before any calibration ------------------------------------------------------

@@ -103,15 +103,13 @@ def test_one_calibration_run_serves_gptq_too():
     calls: list[str] = []
     counter = joint.model.layers[0].register_forward_pre_hook(lambda module, args, kwargs: calls.append(
         (args[0] if args else kwargs["hidden_states"]).device.type), with_kwargs=True)
-    layerwise.compress(joint, [SmoothQuantModifier(), GPTQModifier(scheme="W8A16")], dataset=batches,
-                       show_progress=False, propagate_error=False)
+    layerwise.compress(joint, [SmoothQuantModifier(), GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False))
     counter.remove()
     assert [c for c in calls if c != "meta"] == ["cpu"] * len(batches)  # one forward per batch, no second pass
 
     apart = mha_llama()
     layerwise.compress(apart, [SmoothQuantModifier()], dataset=batches, show_progress=False)
-    layerwise.compress(apart, [GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False,
-                       propagate_error=False, pieces="blocks")
+    layerwise.compress(apart, [GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False, pieces="blocks"))
     quantized = [name for name, m in joint.named_modules() if hasattr(m, "weight_scale")]
     assert len(quantized) == 14
     for name in quantized:
@@ -154,7 +152,7 @@ def test_bad_mappings_are_recipe_errors():
 def test_a_model_without_mappings_is_a_named_error(patch, message):
     model = tiny_llama()
     with pytest.raises(MappingError, match=message):
-        layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, patch=patch)
+        layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, options=layerwise.CompressOptions.of(patch=patch))
     assert count_hooks(model) == 0
 
 

@@ -151,6 +151,5 @@ def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tm
 
     monkeypatch.setattr(IntermediatesCache, "fetch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        layerwise.compress(tiny_llama, "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], offload="disk",
-                           pipeline="sequential", show_progress=False)
+        layerwise.compress(tiny_llama, "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], show_progress=False, options=layerwise.CompressOptions.of(offload="disk", pipeline="sequential"))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("layerwise-cache-")] == []

@@ -85,8 +85,6 @@ def test_streamed_weights_on_the_gpu_write_the_in_memory_gpu_runs_checkpoint(tmp
     samples = [{"input_ids": torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(i))}
                for i in range(4)]
     for weights in ("memory", "stream"):
-        layerwise.compress(str(tmp_path / "model"), GPTQ_W4A16_G32,
-                           dataset=samples, device="cuda", weights=weights, output_dir=tmp_path / weights,
-                           show_progress=False)
+        layerwise.compress(str(tmp_path / "model"), GPTQ_W4A16_G32, dataset=samples, device="cuda", output_dir=tmp_path / weights, show_progress=False, options=layerwise.CompressOptions.of(weights=weights))
     a, b = (load_file(tmp_path / w / "model.safetensors") for w in ("memory", "stream"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

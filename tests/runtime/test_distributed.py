@@ -102,7 +102,7 @@ def _worker(rank: int, store: str, folder: str) -> None:
             model = build_tiny_llama()
             layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES,
                                output_dir=str(out / f"{name}-model") if save else None, show_progress=False,
-                               **options)
+                               options=layerwise.CompressOptions.of(**options))
             torch.save(compressed(model), out / f"{name}-rank{rank}.pt")
             results[name] = {"samples": model.layerwise_report.calibration_samples,
                              "output_dir": model.layerwise_report.output_dir}
@@ -116,8 +116,7 @@ def _worker(rank: int, store: str, folder: str) -> None:
         if rank == 0:
             build_tiny_llama().save_pretrained(out / "tiny-llama")
         dist.barrier()
-        layerwise.compress(str(out / "tiny-llama"), GPTQ_W4A16, dataset=batches(), num_calibration_samples=SAMPLES,
-                           output_dir=str(out / "streamed-model"), weights="stream", show_progress=False)
+        layerwise.compress(str(out / "tiny-llama"), GPTQ_W4A16, dataset=batches(), num_calibration_samples=SAMPLES, output_dir=str(out / "streamed-model"), show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
 
         # a rank failing inside calibration ends both with an error, and nothing is saved
         class Boom(layerwise.Modifier):
@@ -165,7 +164,7 @@ def single_process(recipe: str, **options) -> dict[str, dict[str, torch.Tensor]]
 
     model = build_tiny_llama()
     layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False,
-                       **options)
+                       options=layerwise.CompressOptions.of(**options))
     return compressed(model)
 
 

@@ -56,8 +56,7 @@ def test_skip_leaves_the_module_uncompressed_and_lists_it(tmp_path, capsys):
         model.get_submodule(bad).weight[2, 3] = float("inf")
     with warnings.catch_warnings():
         warnings.simplefilter("error", GPTQFallbackWarning)
-        layerwise.compress(model, "GPTQ_W8A16", dataset=samples(), output_dir=tmp_path / "out",
-                           show_progress=False, non_finite="skip")
+        layerwise.compress(model, "GPTQ_W8A16", dataset=samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(non_finite="skip"))
     report = model.layerwise_report
     assert report.skipped_non_finite == [bad]
     assert bad not in report.compressed_modules and "model.layers.1.mlp.up_proj" in report.compressed_modules

@@ -7,7 +7,7 @@ import torch
 
 from layerwise import hookimpl
 from layerwise.host.pipeline import Pipeline
-from layerwise.host.plugin_manager import get_host, registry
+from layerwise.host.plugin_manager import registry
 from layerwise.plugins.pipelines._common import all_module_names, calibration_mode
 from layerwise.testing import PluginCheckError
 from layerwise.testing.pipelines import check_pipeline
@@ -66,11 +66,8 @@ class BrokenPipelines:
 
 
 @pytest.fixture
-def broken():
-    host = get_host()
-    host.register(BrokenPipelines(), name="kit-broken-pipelines")
-    yield
-    host.unregister("kit-broken-pipelines")
+def broken(register_plugin):
+    register_plugin(BrokenPipelines(), "kit-broken-pipelines")
 
 
 @pytest.mark.parametrize("cls,message", [

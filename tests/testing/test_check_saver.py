@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from layerwise import hookimpl
-from layerwise.host.plugin_manager import get_host, registry
+from layerwise.host.plugin_manager import registry
 from layerwise.plugins.savers.compressed_tensors import save_compressed
 from layerwise.testing import PluginCheckError
 from layerwise.testing.savers import check_saver
@@ -53,11 +53,8 @@ class BrokenSavers:
 
 
 @pytest.fixture
-def broken():
-    host = get_host()
-    host.register(BrokenSavers(), name="kit-broken-savers")
-    yield
-    host.unregister("kit-broken-savers")
+def broken(register_plugin):
+    register_plugin(BrokenSavers(), "kit-broken-savers")
 
 
 @pytest.mark.parametrize("saver,message", [

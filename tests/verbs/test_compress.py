@@ -93,8 +93,7 @@ def test_targets_per_subgraph_groups_blocks_into_fewer_pieces(per_subgraph, piec
                         lambda self, modules: (seen.append(modules), original(self, modules))[1])
     batches = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
                for i in range(2)]
-    model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches,
-                               targets_per_subgraph=per_subgraph, pieces="blocks", show_progress=False)
+    model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(targets_per_subgraph=per_subgraph, pieces="blocks"))
     assert model.layerwise_report.pipeline == "sequential"
     assert model.layerwise_report.pieces.startswith("blocks: ")
     assert len(seen) == pieces
@@ -116,8 +115,7 @@ def test_calibration_windows_default_to_the_models_context(wide_llama_dir, conte
     lengths = []
     model.model.layers[0].register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1]))
     texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(60)) for i in range(4)]  # 4 x 61 tokens
-    layerwise.compress(model, "GPTQ_W4A16", dataset=texts, tokenizer=load_tokenizer(str(wide_llama_dir)),
-                       num_calibration_samples=4, show_progress=False)
+    layerwise.compress(model, "GPTQ_W4A16", dataset=texts, num_calibration_samples=4, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=load_tokenizer(str(wide_llama_dir))))
     assert lengths and max(lengths) == min(expected, 4 * 61)
 
 

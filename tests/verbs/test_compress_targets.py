@@ -34,7 +34,7 @@ def test_a_model_without_patch_or_no_split_modules_runs_sequentially_without_fal
     assert not model._no_split_modules
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layerwise.compress(model, GPTQ, dataset=_batches(), patch=False, show_progress=False)
+        layerwise.compress(model, GPTQ, dataset=_batches(), show_progress=False, options=layerwise.CompressOptions.of(patch=False))
     assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
     report = model.layerwise_report
     assert report.pipeline == "sequential"
@@ -50,8 +50,7 @@ def test_a_model_without_patch_or_no_split_modules_runs_sequentially_without_fal
 def test_a_typo_in_targets_or_ignore_is_an_error_before_anything_runs(tmp_path, argument, typo, close) -> None:
     out = tmp_path / "out"
     with pytest.raises(TargetError, match="did you mean") as info:
-        layerwise.compress(_electra(), GPTQ, dataset=_batches(), patch=False, output_dir=out,
-                           show_progress=False, **{argument: [typo]})
+        layerwise.compress(_electra(), GPTQ, dataset=_batches(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(patch=False, **{argument: [typo]}))
     assert info.value.unmatched == (typo,) and close in info.value.suggestions[typo]
     assert repr(typo) in str(info.value) and repr(close) in str(info.value)
     assert not out.exists()
@@ -91,7 +90,7 @@ def test_a_named_pipeline_is_never_replaced_by_compress() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(PipelineFailed, match="not the output of"):
-            layerwise.compress(model, GPTQ, dataset=_batches(), pipeline="layer_sequential", show_progress=False)
+            layerwise.compress(model, GPTQ, dataset=_batches(), show_progress=False, options=layerwise.CompressOptions.of(pipeline="layer_sequential"))
     assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
     # without a named pipeline the same model is found by structure and traced
     layerwise.compress(model, GPTQ, dataset=_batches(), show_progress=False)
@@ -103,7 +102,7 @@ def test_summary_prints_the_targets_line(capsys) -> None:
     from layerwise.cli.app import _print_summary
 
     model = _electra()
-    layerwise.compress(model, GPTQ, dataset=_batches(), patch=False, show_progress=False)
+    layerwise.compress(model, GPTQ, dataset=_batches(), show_progress=False, options=layerwise.CompressOptions.of(patch=False))
     _print_summary(model)
     assert "targets:            2 x ElectraLayer (encoder.layer.0-1), found by structure" in capsys.readouterr().out
 
@@ -117,9 +116,7 @@ def test_real_minilm_held_out_from_the_zoo_compresses_sequentially(minilm_path) 
     model._no_split_modules = []  # on the instance: what a class that declares none looks like
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layerwise.compress(model, "GPTQ_W4A16", dataset=demo_sentences("calibration")[:16],
-                           tokenizer=load_tokenizer(minilm_path), max_seq_length=32, num_calibration_samples=16,
-                           patch=False, show_progress=False)
+        layerwise.compress(model, "GPTQ_W4A16", dataset=demo_sentences("calibration")[:16], max_seq_length=32, num_calibration_samples=16, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=load_tokenizer(minilm_path), patch=False))
     assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
     report = model.layerwise_report
     assert report.pipeline == "sequential"
@@ -145,8 +142,7 @@ def test_targets_the_user_named_never_fall_back_to_the_whole_model() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(PipelineFailed, match="not the output of"):  # layer_sequential's reason, last tried
-            layerwise.compress(model, GPTQ, dataset=_batches(), sequential_targets=["re:blocks\\.\\d+"],
-                               show_progress=False)
+            layerwise.compress(model, GPTQ, dataset=_batches(), show_progress=False, options=layerwise.CompressOptions.of(sequential_targets=["re:blocks\\.\\d+"]))
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, PipelineFallbackWarning)]
     assert len(fallbacks) == 1 and "falling back to 'layer_sequential'" in fallbacks[0]
     assert not any("'basic'" in message for message in fallbacks)

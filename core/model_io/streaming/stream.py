@@ -27,6 +27,7 @@ from layerwise.model_io.streaming.skeleton import (
     config_dtype,
     load_persistent_buffers,
 )
+from layerwise.runtime import memory_policy
 from layerwise.runtime.finite import check_saved, is_finite, listed
 from layerwise.runtime.placeholders import is_unloaded
 
@@ -44,33 +45,35 @@ class StreamingError(LayerwiseError, RuntimeError):
     """This model or run cannot stream its weights from disk (the message says why and what to do)."""
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this process could still use (Linux MemAvailable), ``None`` when unknown."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def should_stream(folder: str | os.PathLike) -> tuple[bool, str]:
     """Whether a run on ``folder`` would not fit in memory (then ``weights="auto"`` streams), and why."""
     size = checkpoint_bytes(folder)
     if size is None:
         return False, "no safetensors checkpoint to stream"
-    free = available_memory()
+    free = memory_policy.available_memory()  # looked up here, so one monkeypatch serves both choices
     if free is None:
         return False, "available memory unknown"
     need = int(size * IN_MEMORY_PEAK)
     fits = need <= free
     why = f"{size / 2**30:.2f} GiB checkpoint, ~{need / 2**30:.2f} GiB to load it, {free / 2**30:.2f} GiB available"
     return not fits, why
+
+
+def choose_streaming(model: Any, weights: str) -> tuple[bool, str]:
+    """Whether a run streams its weights from disk, and why: ``weights`` is checked, ``model`` a folder or a module."""
+    if weights == "memory":
+        return False, ""
+    if isinstance(model, torch.nn.Module):
+        if weights == "stream":
+            raise StreamingError("weights='stream' reads the model from its folder, but a loaded module was passed: "
+                                 "pass the folder instead (or weights='memory')")
+        return False, ""
+    if weights == "stream":
+        return True, "asked for"
+    stream, why = should_stream(model)
+    if stream:
+        log.info("layerwise: the model would not fit in memory (%s): streaming its weights from disk", why)
+    return stream, f"would not fit in memory: {why}"
 
 
 def build_streamed_model(folder: str | os.PathLike, patch: Any = None, trust_remote_code: bool = False
@@ -213,6 +216,10 @@ class WeightStream:
                 self.covered.add(full)
                 out[full] = buffer.detach()
         return out
+
+    def output_bytes(self, bytes_before: int) -> int:
+        """What the run's tensors take on disk: the finished modules' as written, the rest as they are."""
+        return self.final_bytes + max(bytes_before - self.covered_bytes(), 0)
 
     def covered_bytes(self) -> int:
         """Bytes (in the model's dtypes) of the parameters written or replaced so far."""

@@ -267,7 +267,7 @@ def test_compress_reports_the_cut_and_refuses_an_unknown_one():
     assert report.pieces.startswith("layers: 9 pieces")
     assert report.accounting["GPTQ Hessians"]["gflops_per_second"] > 0
     with pytest.raises(InvalidArgumentError, match="unknown pieces 'layer'; did you mean 'layers'"):
-        layerwise.compress(build_tiny_llama(), "W4A16", pieces="layer")
+        layerwise.compress(build_tiny_llama(), "W4A16", options=layerwise.CompressOptions.of(pieces="layer"))
 
 
 def test_a_batch_lets_go_of_its_inputs_as_soon_as_its_piece_ran(monkeypatch):
