@@ -91,38 +91,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_summary(model) -> None:
-    from layerwise.reports.text import (
-        loss_chart,
-        memory_text,
-        run_notes,
-        size_text,
-        skipped_lines,
-        supports_blocks,
-        time_text,
-    )
+    from layerwise.reports.text import summary_text, supports_blocks
 
-    report = model.layerwise_report
-    print(f"pipeline:           {report.pipeline}")
-    for line in run_notes(report.fallbacks, report.guards_retraced):
-        print(line)
-    print(f"modifiers:          {', '.join(report.modifiers)}")
-    if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
-        print(f"targets:            {report.targets_found}")
-    if report.pieces:
-        print(f"pieces:             {report.pieces}")
-    print(f"modules compressed: {len(report.compressed_modules)}")
-    for line in skipped_lines(report.skipped_non_finite):
-        print(line)
-    print(f"calibration:        {report.calibration_samples} samples")
-    print(f"time:               {time_text(report.seconds, report.accounting)}")
-    print(f"size:               {size_text(report.bytes_before, report.bytes_after)}")
-    print(f"memory:             {memory_text(report)}")
-    if report.output_dir:
-        print(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
-    chart = loss_chart(report.layer_log, ascii_only=not supports_blocks(sys.stdout))
-    if chart:
-        print()
-        print("\n".join(chart))
+    print(summary_text(model.layerwise_report, ascii_only=not supports_blocks(sys.stdout)))
 
 
 def _run_compress(args: argparse.Namespace) -> int:

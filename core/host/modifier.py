@@ -38,6 +38,8 @@ class Modifier:
     needs_uncompressed_block: ClassVar[bool] = False
     #: why it needs that, as the run's ``pieces`` line gives the reason for the blocks cut ("<class> <reason>")
     block_reason: ClassVar[str] = "observes each block before compressing any of its layers"
+    #: calibration samples below which its statistics are poor (a warning says so); 0: no minimum
+    min_calibration_samples: ClassVar[int] = 0
     #: recipe presets ``<prefix>_<SCHEME>`` build this modifier with that scheme (``"GPTQ"``: ``GPTQ_W4A16``);
     #: read from the class that declares it, not inherited by subclasses
     preset_prefix: ClassVar[str | None] = None

@@ -10,13 +10,16 @@ truncated (``packing="truncate"``, right for encoders whose inputs carry [CLS]/[
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from layerwise.common.user_warnings import warn_user
 from layerwise.errors import DatasetError, require_positive
 from layerwise.host.plugin_manager import registry
 
@@ -150,10 +153,49 @@ def default_max_seq_length(model: torch.nn.Module) -> int:
     Calibration windows longer than the context would run positions the model never
     learned (and an absolute position table would be indexed out of range).
     """
+    context = context_length(model)
+    return min(DEFAULT_MAX_SEQ_LENGTH, context) if context is not None else DEFAULT_MAX_SEQ_LENGTH
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The longest input the model was built for (``max_position_embeddings`` & co.), ``None`` if unknown."""
     config = getattr(model, "config", None)
     for part in (config, getattr(config, "text_config", None)):
         for name in _CONTEXT_FIELDS:
             value = getattr(part, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return min(DEFAULT_MAX_SEQ_LENGTH, value)
-    return DEFAULT_MAX_SEQ_LENGTH
+                return value
+    return None
+
+
+def check_unread_dataset(source: Any, modifiers: list[Any]) -> None:
+    """A dataset given to a recipe that reads none: a missing file is still an error, else a warning says so."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        looks_like_file = path.suffix != "" or os.sep in str(source)
+        if looks_like_file and not path.exists():
+            raise DatasetError(f"calibration file {str(source)!r} does not exist")
+    names = ", ".join(type(m).__name__ for m in modifiers)
+    warn_user(f"the recipe ({names}) reads no calibration data, so the dataset given is not used; leave it out, or "
+              f"choose a calibrated recipe (e.g. GPTQ_W4A16)", CalibrationWarning)
+
+
+class CalibrationWarning(UserWarning):
+    """Calibration data that will run, but not as well as the user probably expects (the message says why)."""
+
+
+def warn_about_calibration(model: torch.nn.Module, max_seq_length: int | None, samples: int,
+                           minimum: tuple[str, int] | None) -> None:
+    """Say what is legal but probably a mistake: windows beyond the model's context, too few samples.
+
+    ``minimum`` is (the modifier asking, its sensible minimum of samples), from the recipe.
+    """
+    context = context_length(model)
+    if max_seq_length is not None and context is not None and max_seq_length > context:
+        warn_user(f"max_seq_length={max_seq_length} is beyond the model's context of {context} tokens: the "
+                  f"positions past {context} were never trained (an absolute position table cannot even index "
+                  f"them); use --max-seq-length {context} or less", CalibrationWarning)
+    if minimum is not None and 0 < samples < minimum[1]:
+        warn_user(f"{samples} calibration sample{'s' if samples != 1 else ''}: {minimum[0]} needs at least "
+                  f"{minimum[1]} to estimate its statistics well (each a full window of tokens); pass more "
+                  f"text or --num-samples {minimum[1]} or more", CalibrationWarning)

@@ -24,11 +24,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from layerwise.common.user_warnings import warn_user
 from layerwise.errors import LayerwiseError
 from layerwise.model_io.streaming.shards import PART_PREFIX
 
@@ -40,6 +42,10 @@ MODULE_ATTRIBUTES = ("quantization_args", "input_quantization_args", "sparsity_s
 
 class ResumeError(LayerwiseError, RuntimeError):
     """A checkpoint cannot be used (another run's, or left where a fresh run was asked for)."""
+
+
+class ResumeWarning(UserWarning):
+    """``resume=True`` found nothing to resume: the run starts from the first piece."""
 
 
 def has_checkpoint(folder: Path) -> bool:
@@ -127,9 +133,19 @@ class PieceCheckpoint:
         self.path = self.folder / STATE_FOLDER / STATE_FILE
         self.fingerprint = fingerprint
         self.saved: dict[str, Any] | None = None
+        #: when this process took over, and the seconds the interrupted run(s) had spent before
+        self.started = time.perf_counter()
+        self.earlier_seconds = 0.0
+        #: the first piece this process ran after restoring a checkpoint (0-based); None: not resumed
+        self.resumed_from: int | None = None
         if resume and self.path.is_file():
             self.saved = torch.load(self.path, weights_only=False)
             check_fingerprint(self.saved["fingerprint"], fingerprint, self.folder)
+            self.earlier_seconds = float(self.saved.get("seconds", 0.0))
+        elif resume:
+            warn_user(f"resume=True, but no interrupted run of this output left a checkpoint (no "
+                      f"'{self.folder.name}' with {STATE_FOLDER}/{STATE_FILE} beside it): starting from the first "
+                      f"piece", ResumeWarning)
 
     def save(self, finished: int, pieces: int, stream: Any, cache: Any, num_batches: int, dropped: set[int],
              lifecycle: Any) -> None:
@@ -143,7 +159,8 @@ class PieceCheckpoint:
         payload = {
             "fingerprint": self.fingerprint, "finished": finished, "cache": values, "dropped": sorted(dropped),
             "stream": {"retired": sorted(stream.retired), "covered": sorted(stream.covered),
-                       "sparsity_counts": dict(stream.sparsity_counts)},
+                       "sparsity_counts": dict(stream.sparsity_counts), "final_bytes": stream.final_bytes},
+            "seconds": self.earlier_seconds + time.perf_counter() - self.started,
             "writer": {"parts": list(stream.writer.parts), "weight_map": dict(stream.writer.weight_map),
                        "total_bytes": stream.writer.total_bytes},
             "modifiers": [modifier_state(m) for m in lifecycle.modifiers],
@@ -165,6 +182,7 @@ class PieceCheckpoint:
         stream.retired.update(saved["stream"]["retired"])
         stream.covered.update(saved["stream"]["covered"])
         stream.sparsity_counts.update(saved["stream"]["sparsity_counts"])
+        stream.final_bytes = saved["stream"].get("final_bytes", 0)  # the pieces written before, counted once
         writer = saved["writer"]
         stream.writer.restore(writer["parts"], writer["weight_map"], writer["total_bytes"])
         for part in self.folder.glob(f"{PART_PREFIX}*.safetensors"):  # written after the last checkpoint: redone
@@ -179,6 +197,7 @@ class PieceCheckpoint:
         model = lifecycle.state.model
         for name, attributes in saved["modules"].items():
             vars(model.get_submodule(name)).update(attributes)
+        self.resumed_from = saved["finished"] + 1
         return saved["finished"] + 1, set(saved["dropped"])
 
     def discard(self) -> None:

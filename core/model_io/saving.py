@@ -235,8 +235,24 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> 
     with reserve_output(path, overwrite) as tmp:
         yield tmp
         release(tmp)
-        os.chmod(tmp, default_folder_mode())
+        give_default_modes(tmp)
         _move_into_place(tmp, Path(path).expanduser().absolute(), overwrite)
+
+
+def give_default_modes(folder: Path) -> None:
+    """The folder, its subfolders and files get the modes the user's umask gives new ones.
+
+    Temporary files (``mkstemp``, used by writers that rename into place) are 0600 and the
+    temporary folder 0700: a server running as another user could not read the checkpoint.
+    """
+    folder_mode = default_folder_mode()
+    file_mode = folder_mode & 0o666
+    for root, folders, files in os.walk(folder):
+        for name in folders:
+            os.chmod(os.path.join(root, name), folder_mode)
+        for name in files:
+            os.chmod(os.path.join(root, name), file_mode)
+    os.chmod(folder, folder_mode)
 
 
 def _remove_empty_parents(folder: Path, stop: Path) -> None:

@@ -46,5 +46,14 @@ class CompressionReport:
     #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None
+    #: the piece (1-based) an interrupted run was resumed from; ``None``: run from the start in one go.
+    #: ``seconds`` and the sizes then count the interrupted run's work too
+    resumed_from_piece: int | None = None
     #: every setting of the run by name (``CompressOptions.as_dict()``): what a rerun needs to match it
     options: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """The summary ``layerwise compress`` prints, not the dataclass's field dump."""
+        from layerwise.reports.text import summary_text
+
+        return summary_text(self)

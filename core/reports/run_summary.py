@@ -9,7 +9,7 @@ folder has it exactly when the folder is complete. The file is one JSON object:
   ``model``, ``recipe`` (YAML), ``pipeline``, ``fallbacks``, ``guards_retraced``,
   ``sequential_targets``, ``modifiers``, ``compressed_modules``, ``calibration_samples``,
   ``bytes_before``, ``bytes_after``, ``layer_log`` (the per-layer records, e.g. GPTQ's
-  ``name``, ``method``, ``loss``, ``seconds``, ``samples``) and ``seconds``, which counts
+  ``name``, ``method``, ``loss``, ``seconds``, ``tokens``: calibration tokens) and ``seconds``, which counts
   the run up to the start of saving (the file is written while saving).
 
 :func:`read_summary` reads it back into a :class:`RunSummary`; unknown keys (a newer

@@ -165,19 +165,23 @@ def _shorten(label: str, width: int, ascii_only: bool) -> str:
 
 
 def layer_table(records: Sequence[Record], top: int | None = None) -> list[str]:
-    """One line per layer (layer, method, loss, seconds, samples): all in model order, or the ``top`` worst."""
+    """One line per layer (layer, method, loss, seconds, tokens): all in model order, or the ``top`` worst.
+
+    ``tokens`` are the calibration tokens the layer's statistics were gathered on (summaries written
+    before 0.1.0 called them ``samples``).
+    """
     rows = list(records)
     if top is not None:
         rows = sorted(rows, key=lambda r: -(loss_of(r) if loss_of(r) is not None else -math.inf))[:top]
     if not rows:
         return []
     width = max(len("layer"), *(len(str(r.get("name", "?"))) for r in rows))
-    lines = [f"{'layer':<{width}}  {'method':<6}  {'loss':>9}  {'time':>8}  {'samples':>7}"]
+    lines = [f"{'layer':<{width}}  {'method':<6}  {'loss':>9}  {'time':>8}  {'tokens':>7}"]
     for r in rows:
         seconds = r.get("seconds")
         time_text = f"{seconds:.3f} s" if isinstance(seconds, (int, float)) else "n/a"
         lines.append(f"{r.get('name', '?')!s:<{width}}  {r.get('method', '')!s:<6}  "
-                     f"{format_loss(loss_of(r)):>9}  {time_text:>8}  {r.get('samples', '')!s:>7}")
+                     f"{format_loss(loss_of(r)):>9}  {time_text:>8}  {r.get('tokens', r.get('samples', ''))!s:>7}")
     return lines
 
 
@@ -239,3 +243,28 @@ def memory_text(report: Any) -> str:
     if report.peak_gpu_bytes is not None:
         parts.append(f"peak GPU {report.peak_gpu_bytes / 2**30:.2f} GiB")
     return ", ".join(parts)
+
+
+def summary_text(report: Any, ascii_only: bool = True) -> str:
+    """The run summary ``layerwise compress`` prints (and ``str(model.layerwise_report)`` gives)."""
+    lines = [f"pipeline:           {report.pipeline}", *run_notes(report.fallbacks, report.guards_retraced),
+             f"modifiers:          {', '.join(report.modifiers)}"]
+    if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
+        lines.append(f"targets:            {report.targets_found}")
+    if report.pieces:
+        lines.append(f"pieces:             {report.pieces}")
+    if getattr(report, "resumed_from_piece", None):
+        lines.append(f"resumed:            from piece {report.resumed_from_piece} (an interrupted run's checkpoint; "
+                     f"time and size count the whole run)")
+    lines.append(f"modules compressed: {len(report.compressed_modules)}")
+    lines += skipped_lines(report.skipped_non_finite)
+    lines += [f"calibration:        {report.calibration_samples} samples",
+              f"time:               {time_text(report.seconds, report.accounting)}",
+              f"size:               {size_text(report.bytes_before, report.bytes_after)}",
+              f"memory:             {memory_text(report)}"]
+    if report.output_dir:
+        lines.append(f"saved to:           {report.output_dir}  (details: layerwise report {report.output_dir})")
+    chart = loss_chart(report.layer_log, ascii_only=ascii_only)
+    if chart:
+        lines += ["", *chart]
+    return "\n".join(lines)

@@ -32,11 +32,18 @@ from layerwise.host.state import CompressionState
 from layerwise.host.versions import warn_if_untested
 from layerwise.model_io.calibration_data import (
     batches_from_records,
+    check_unread_dataset,
     default_max_seq_length,
     load_records,
+    warn_about_calibration,
 )
 from layerwise.model_io.loading import load_model, load_tokenizer
-from layerwise.model_io.model_paths import check_model_path
+from layerwise.model_io.model_paths import (
+    AlreadyQuantizedError,
+    check_model_path,
+    check_not_quantized,
+    describe_quantization,
+)
 from layerwise.model_io.saving import (
     Overwrite,
     check_not_an_input,
@@ -123,6 +130,11 @@ def compress(
     execution_device = resolve_device(placement.device)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
+        check_not_quantized(model)
+    elif getattr(getattr(model, "config", None), "quantization_config", None):
+        raise AlreadyQuantizedError(f"the model passed is already quantized "
+                                    f"({describe_quantization(_as_dict(model.config.quantization_config))}): "
+                                    f"compress the original, unquantized model instead")
     if output.resume:
         _check_resumable(model, placement.weights, output_dir)
     streamed, weights_note = choose_streaming(model, "stream" if output.resume else placement.weights)
@@ -141,6 +153,10 @@ def compress(
         raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
                            f"a datasets.Dataset or tokenized samples)")
     records = load_records(dataset) if needs_data else []
+    if dataset is not None and not needs_data:
+        check_unread_dataset(dataset, modifiers)
+    if dataset is not None and not needs_data:
+        check_unread_dataset(dataset, modifiers)
     if streamed and output_dir is not None and not saver.streams:
         raise StreamingError(f"save format {output.save_format!r} cannot write a run whose weights stream from "
                              f"disk (its saver does not stream); use save_format='compressed-tensors' or "
@@ -181,6 +197,11 @@ def compress(
         batches = (batches_from_records(records, tokenizer, calibration.num_calibration_samples, seq_length,
                                         calibration.packing, source=dataset) if needs_data else [])
         calibration_samples = len(batches)
+        if needs_data:
+            minimum = max(((type(m).__name__, m.min_calibration_samples) for m in modifiers if m.requires_data),
+                          key=lambda pair: pair[1])
+            warn_about_calibration(model, calibration.max_seq_length, calibration_samples,
+                                   minimum if minimum[1] else None)
         batches = distributed.shard(batches)  # several ranks: each calibrates on its share
 
         offload, offload_note = choose_offload(placement.offload, model, batches)
@@ -234,6 +255,10 @@ def compress(
             activations=offload_note, options=options.as_dict(),
         )
         _record_peaks(report)
+        checkpoint = pipeline_options.checkpoint
+        if checkpoint is not None and checkpoint.resumed_from is not None:
+            report.resumed_from_piece = checkpoint.resumed_from + 1
+            start -= checkpoint.earlier_seconds  # the report's time is the whole run's, interruptions aside
         if writes:  # several ranks: rank 0 writes
             _save(saver, model, stream, output_dir, tokenizer, report, modifiers, output.overwrite, start)
         if stream is not None:
@@ -241,6 +266,11 @@ def compress(
         report.seconds = time.perf_counter() - start
         model.layerwise_report = report  # type: ignore[attr-defined]
         return model
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    """A transformers quantization config (an object or a dict) as a dict."""
+    return config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
 
 
 def _with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,

@@ -75,6 +75,7 @@ class AWQModifier(QuantizationModifier):
     """
 
     requires_data: ClassVar[bool] = True
+    min_calibration_samples: ClassVar[int] = 16
     preset_prefix: ClassVar[str | None] = "AWQ"
     #: smoothing changes the module whose output was cached: each block is observed whole, then re-run
     needs_uncompressed_block: ClassVar[bool] = True
@@ -234,7 +235,9 @@ class AWQModifier(QuantizationModifier):
                   AWQFallbackWarning)
 
     def _record(self, state: CompressionState, mapping: ResolvedMapping, method: str, **fields: Any) -> None:
-        record = {"smoothed": mapping.smoothed, "balance": list(mapping.balance), "method": method, **fields}
+        # named by the layer it smoothed, as GPTQ's records are by the layer solved: charts and tables read it
+        record = {"name": mapping.smoothed, "smoothed": mapping.smoothed, "balance": list(mapping.balance),
+                  "method": method, **fields}
         self.summary.append(record)
         state.log.append({"modifier": type(self).__name__, **record})
 

@@ -82,6 +82,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     """
 
     requires_data: ClassVar[bool] = True
+    min_calibration_samples: ClassVar[int] = 16
     hessian_phase: ClassVar[str] = "GPTQ Hessians"
     label: ClassVar[str] = "GPTQ"
     preset_prefix: ClassVar[str | None] = "GPTQ"
@@ -262,7 +263,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         self._done.add(name)
         samples, dropped = solved.samples, solved.dropped
         record = {"name": name, "method": method, "loss": None if math.isnan(result.loss) else result.loss,
-                  "seconds": round(solved.seconds + time.perf_counter() - start, 4), "samples": samples,
+                  "seconds": round(solved.seconds + time.perf_counter() - start, 4), "tokens": samples,
                   "dampening_frac": None if math.isnan(result.dampening_frac) else result.dampening_frac}
         if dropped:
             record["non_finite_inputs"] = dropped

@@ -64,6 +64,7 @@ class PruningModifier(Modifier):
     """
 
     requires_data: ClassVar[bool] = True
+    min_calibration_samples: ClassVar[int] = 16
     #: the file of per-layer records saved next to the model
     summary_file: ClassVar[str] = "pruning_summary.json"
 

@@ -68,6 +68,7 @@ class SmoothQuantModifier(Modifier):
     """
 
     requires_data: ClassVar[bool] = True
+    min_calibration_samples: ClassVar[int] = 8
     #: SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
         "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),

@@ -79,7 +79,7 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
 
     def solve(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
         hessian, samples, dropped = self._take_hessian(name)
-        extra = {"samples": samples, **({"non_finite_inputs": dropped} if dropped else {})}
+        extra = {"tokens": samples, **({"non_finite_inputs": dropped} if dropped else {})}
         if hessian is None or samples == 0:
             return self.fallback(name, "it saw no calibration data", extra)
         columns = weight.shape[1]

@@ -133,7 +133,7 @@ class WandaModifier(PruningModifier):
         dropped = self._non_finite.pop(name, 0)
         if dropped:  # a warning, or an error when no finite input was left
             _warn_dropped("Wanda", name, dropped, samples == 0, "input norms")
-        extra = {"samples": samples, **({"non_finite_inputs": dropped} if dropped else {})}
+        extra = {"tokens": samples, **({"non_finite_inputs": dropped} if dropped else {})}
         if total is None or samples == 0:
             return self.fallback(name, "it saw no calibration data", extra)
         score = weight.abs() * total.to(weight.device).sqrt().unsqueeze(0)

@@ -354,6 +354,8 @@ def test_compress_refuses_bad_arguments_before_loading(kwargs, error, message, t
     monkeypatch.chdir(tmp_path)
     (tmp_path / "binary.txt").write_bytes(BINARY)
     monkeypatch.setattr(compression, "load_model", _never)
+    (tmp_path / "any-model").mkdir()
+    (tmp_path / "any-model" / "config.json").write_text("{}")  # a folder, never loaded
     arguments = {"recipe": "GPTQ_W8A16", "dataset": ["w1 w2"], **kwargs}
     settings = {name: arguments.pop(name) for name in list(arguments) if name == "targets_per_subgraph"}
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):

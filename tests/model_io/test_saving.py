@@ -178,3 +178,22 @@ def test_overwrite_true_replaces_only_a_folder_layerwise_wrote(tmp_path):
 def test_an_unknown_overwrite_value_is_refused(tmp_path):
     with pytest.raises(ValueError, match="overwrite='yes'"):
         check_output_dir(tmp_path / "out", overwrite="yes")
+
+
+def test_every_saved_file_and_folder_gets_the_umask_s_mode(tmp_path):
+    import os
+    import tempfile
+
+    old = os.umask(0o022)
+    try:
+        with atomic_output_dir(tmp_path / "out") as tmp:
+            handle, name = tempfile.mkstemp(dir=tmp)  # 0600, as writers that rename into place make them
+            os.close(handle)
+            os.rename(name, tmp / "model.safetensors")
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "f.txt").write_text("x")
+            os.chmod(tmp / "sub" / "f.txt", 0o600)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
+    assert modes == {"out": 0o755, "model.safetensors": 0o644, "sub": 0o755, "f.txt": 0o644}

@@ -82,7 +82,7 @@ def test_identity_hessian_gives_round_to_nearest_bit_for_bit(fields):
     assert torch.equal(model.first.weight, reference.first.weight)
     assert torch.equal(model.first.weight_scale, reference.first.weight_scale)
     assert torch.equal(model.first.weight_zero_point, reference.first.weight_zero_point)
-    assert modifier.summary[0]["method"] == "gptq" and modifier.summary[0]["samples"] == 64
+    assert modifier.summary[0]["method"] == "gptq" and modifier.summary[0]["tokens"] == 64
 
 
 # -- real work: better than RTN, equal to the solver ------------------------------------------------
@@ -116,7 +116,7 @@ def test_modifier_result_is_the_solvers_and_conv1d_is_transposed():
     assert model[0].weight.shape == (32, 24)
     torch.testing.assert_close(model[0].weight.t(), expected.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(model[0].weight_scale, expected.scale, rtol=1e-6, atol=0)
-    assert modifier.summary[0]["samples"] == 70
+    assert modifier.summary[0]["tokens"] == 70
 
 
 @pytest.mark.parametrize("lengths", [(7, 9, 5), (300, 270)])  # the second: each input folds at once
@@ -352,7 +352,7 @@ def test_sequential_quantizes_each_layer_when_its_piece_ends():
     # layer 0's modules are quantized (and recorded) before any of layer 1's
     assert max(i for i, n in enumerate(names) if ".layers.0." in n) < min(i for i, n in enumerate(names)
                                                                           if ".layers.1." in n)
-    assert all(r["samples"] == 21 and r["seconds"] >= 0 and r["loss"] >= 0 for r in modifier.summary)
+    assert all(r["tokens"] == 21 and r["seconds"] >= 0 and r["loss"] >= 0 for r in modifier.summary)
 
 
 def test_compress_with_a_yaml_recipe_saves_a_model_transformers_reloads(tmp_path, caplog):
@@ -379,8 +379,8 @@ def test_compress_with_a_yaml_recipe_saves_a_model_transformers_reloads(tmp_path
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert sorted(changed) == sorted(n for n in before if n != "lm_head")
     summary = json.loads((out / "gptq_summary.json").read_text())
-    assert len(summary) == 14 and {"name", "loss", "seconds", "samples", "method"} <= set(summary[0])
-    assert all(r["method"] == "gptq" and r["samples"] > 0 for r in summary)
+    assert len(summary) == 14 and {"name", "loss", "seconds", "tokens", "method"} <= set(summary[0])
+    assert all(r["method"] == "gptq" and r["tokens"] > 0 for r in summary)
     assert "GPTQ model.layers.0.self_attn.q_proj: gptq loss" in caplog.text
     saved_recipe = (out / "recipe.yaml").read_text()
     assert "GPTQModifier" in saved_recipe and "dampening_frac: 0.02" in saved_recipe
@@ -470,7 +470,7 @@ def test_calibration_forward_ends_after_the_last_input_gptq_reads():
     run_pipeline(reference, expected, "sequential", propagate_error=False)
     got, want = dict(model.named_parameters()), dict(reference.named_parameters())
     assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], want["model.layers.0.mlp.down_proj.weight"])
-    assert [r["samples"] for r in modifier.summary] == [r["samples"] for r in expected.summary]
+    assert [r["tokens"] for r in modifier.summary] == [r["tokens"] for r in expected.summary]
 
 
 def test_long_inputs_of_a_layer_alone_fold_directly_into_the_same_hessian():
@@ -517,7 +517,7 @@ def test_layers_reading_one_input_are_solved_stacked_as_each_alone(fields):
         torch.testing.assert_close(getattr(model, name).weight, alone.weight, rtol=0, atol=1e-6)
         torch.testing.assert_close(getattr(model, name).weight_scale, alone.scale, rtol=1e-6, atol=0)
     records = {r["name"]: r for r in modifier.summary}
-    assert set(records) == {"q", "k", "v"} and all(r["method"] == "gptq" and r["samples"] == 256 for r in records.values())
+    assert set(records) == {"q", "k", "v"} and all(r["method"] == "gptq" and r["tokens"] == 256 for r in records.values())
     assert records["k"]["loss"] != records["q"]["loss"]  # each layer's own loss, not the stack's
 
 

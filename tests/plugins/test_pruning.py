@@ -341,7 +341,7 @@ def test_sparsegpt_then_gptq_share_one_gram_per_input(monkeypatch):
                            {"GPTQModifier": {"scheme": "W4A16", "group_size": 32}}])
     model = prune_tiny_llama(recipe)
     assert products == alone  # the same Gram products: none computed a second time for GPTQ
-    sparsegpt, gptq = ({r["name"]: r["samples"] for r in m.summary} for m in recipe)
+    sparsegpt, gptq = ({r["name"]: r["tokens"] for r in m.summary} for m in recipe)
     assert sparsegpt == gptq and len(sparsegpt) == 14
     assert "GPTQ Hessians" not in model.layerwise_report.accounting  # timed once, under SparseGPT's
 

@@ -49,7 +49,7 @@ def test_the_summary_round_trips_the_report(gptq_run):
     assert saved.layerwise_version == layerwise.__version__
     assert saved.environment["versions"]["torch"] and saved.environment["versions"]["transformers"]
     first = saved.report.layer_log[0]
-    assert {"name", "loss", "seconds", "samples"} <= set(first) and first["samples"] == 48
+    assert {"name", "loss", "seconds", "tokens"} <= set(first) and first["tokens"] == 48
 
 
 def test_the_per_layer_log_lives_in_the_summary_only(gptq_run):

@@ -129,7 +129,7 @@ def test_no_chart_without_losses():
 def test_table_lists_every_layer_or_the_worst():
     recs = records({"a.0.q": 1.0, "a.0.k": 3.0, "a.0.v": None})
     table = layer_table(recs)
-    assert table[0].split() == ["layer", "method", "loss", "time", "samples"]
+    assert table[0].split() == ["layer", "method", "loss", "time", "tokens"]
     assert [line.split()[0] for line in table[1:]] == ["a.0.q", "a.0.k", "a.0.v"]
     assert table[1].split()[1:] == ["gptq", "1.00e+00", "0.250", "s", "64"]
     assert [line.split()[0] for line in layer_table(recs, top=2)[1:]] == ["a.0.k", "a.0.q"]

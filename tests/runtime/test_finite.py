@@ -79,7 +79,7 @@ def test_a_nan_sample_is_dropped_by_name_and_the_rest_is_gptq(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, GPTQFallbackWarning)]
     records = model.layerwise_report.layer_log
     assert len(records) == 14 and all(r["method"] == "gptq" for r in records)
-    assert all(r["samples"] == 7 * 12 for r in records)  # the bad sample in none of the Hessians
+    assert all(r["tokens"] == 7 * 12 for r in records)  # the bad sample in none of the Hessians
     for module in model.modules():
         scale = getattr(module, "weight_scale", None)
         assert scale is None or bool(torch.isfinite(scale).all())

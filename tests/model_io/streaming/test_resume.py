@@ -61,9 +61,16 @@ def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_o
     original = Lifecycle.sequential_epoch_end
     monkeypatch.setattr(Lifecycle, "sequential_epoch_end", lambda self, modules: (epochs.append(modules),
                                                                                   original(self, modules))[1])
-    model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+    model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, show_progress=False,
+                               options=layerwise.CompressOptions.of(resume=True))
     total = int(model.layerwise_report.pieces.split(":")[1].split()[0])  # "layers: 13 pieces ..."
     assert len(epochs) == total - KILLED_AFTER  # the finished pieces did not run again
+    # the report is the whole run's: resumed where, the full output's size, the interrupted run's time too
+    report, uninterrupted = model.layerwise_report, json.loads((reference / "layerwise_summary.json").read_text())
+    assert report.resumed_from_piece == KILLED_AFTER + 1
+    assert report.bytes_after == uninterrupted["bytes_after"]
+    assert f"resumed:            from piece {KILLED_AFTER + 1}" in str(report)
+    assert json.loads((out / "layerwise_summary.json").read_text())["resumed_from_piece"] == KILLED_AFTER + 1
     expected, got = _saved(reference), _saved(out)
     assert sorted(expected) == sorted(got)
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
@@ -86,9 +93,14 @@ def test_a_checkpoint_is_reported_not_reused_or_deleted_without_resume(tmp_path)
     assert left.exists() and not out.exists()
 
 
-def test_resume_without_a_checkpoint_runs_from_the_start(tmp_path):
+def test_resume_without_a_checkpoint_says_so_and_runs_from_the_start(tmp_path):
+    from layerwise.model_io.resume import ResumeWarning
+
     source = _save(tmp_path / "model")
-    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+    with pytest.warns(ResumeWarning, match="no interrupted run of this output left a checkpoint"):
+        model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out",
+                                   show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+    assert model.layerwise_report.resumed_from_piece is None
     assert model.layerwise_report.weights.startswith("stream")
     assert (tmp_path / "out" / "config.json").is_file()
 
