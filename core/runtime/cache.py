@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from layerwise.runtime.devices import canonical
 from layerwise.runtime.heap import FreedBytes
 
 __all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes"]
@@ -146,7 +147,7 @@ class IntermediatesCache:
                 self.offload_device = torch.device(offload)
             except (RuntimeError, TypeError):
                 raise ValueError(f"offload must be 'cpu', 'disk' or a torch device, got {offload!r}") from None
-        self.execution_device = torch.device(execution_device) if execution_device is not None else None
+        self.execution_device = canonical(execution_device)
         self._values: dict[int, dict[str, Any]] = {}
         self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
         self._held = 0  # bytes of the values held in memory (for the trim's step)
@@ -189,9 +190,8 @@ class IntermediatesCache:
             held = sorted(self._values.get(batch, {}))
             raise KeyError(f"the cache holds no value {name!r} for batch {batch} (it holds {held}); "
                            "was it freed before its last consumer?") from None
-        if isinstance(stored, _OnDisk):
-            device = self.execution_device or "cpu"
-            return torch.load(stored.path, map_location=device, weights_only=False)
+        if isinstance(stored, _OnDisk):  # read into CPU memory, then moved like any value held there
+            return move_to(torch.load(stored.path, map_location="cpu", weights_only=False), self.execution_device)
         return move_to(stored, self.execution_device)
 
     def fetch(self, batch: int, names: Iterable[str] | None = None) -> dict[str, Any]:

@@ -77,6 +77,12 @@ class Piece:
         return list(dict.fromkeys(m for sub in self.subgraphs for m in sub.modules))
 
     @property
+    def onload_names(self) -> list[str]:
+        """Its modules plus the parameters and buffers it reads of containers run elsewhere (see the tracer's
+        ``Subgraph.onload_names``): what the execution device must hold while it runs."""
+        return list(dict.fromkeys(m for sub in self.subgraphs for m in sub.onload_names))
+
+    @property
     def input_names(self) -> list[str]:
         return list(dict.fromkeys(n for sub in self.subgraphs for n in sub.input_names))
 
@@ -185,7 +191,7 @@ class _Runner:
         for position, piece in enumerate(progress(self.pieces, "calibrating pieces", self.options.show_progress)):
             if position < self.start:
                 continue
-            with self.offloader.onloaded(piece.modules):
+            with self.offloader.onloaded(piece.onload_names):
                 entries = self._observe_entries(piece)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
                 self.compressed = self.compressed or entries
@@ -216,7 +222,7 @@ class _Runner:
                 continue
             feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
             keep = feeds_next and not propagate
-            with self.offloader.onloaded(piece.modules):
+            with self.offloader.onloaded(piece.onload_names):
                 if position < last or tail_runs:
                     self._forward(piece, keep=keep, observed=True)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
