@@ -99,3 +99,17 @@ def fake_dist(tmp_path, monkeypatch) -> Iterator[Callable[..., Path]]:
     for module in [m for m in sys.modules if m.split(".")[0] in top_level]:
         del sys.modules[module]
     reset_host()
+
+
+@pytest.fixture(autouse=os.environ.get("LAYERWISE_TEST_DEVICE") == "simulated")
+def _simulated_gpu(request) -> Iterator[None]:
+    """``LAYERWISE_TEST_DEVICE=simulated``: every test runs as on a machine with a GPU visible (the default device),
+    simulated on the CPU (:func:`layerwise.testing.simulated_device`), to find the tests that assume the CPU.
+    A module that simulates devices itself says so with ``OWN_DEVICES = True``."""
+    from layerwise.testing import simulated_device
+
+    if getattr(request.module, "OWN_DEVICES", False):
+        yield
+        return
+    with simulated_device("cuda:0", default=True):
+        yield
