@@ -163,6 +163,19 @@ class ModuleOffloader:
         if self.source is not None:
             self.source.retire(self._owners(names))
 
+    def nbytes(self, names: Iterable[str]) -> int:
+        """Bytes of the tensors :meth:`onloaded` moves for ``names`` (unloaded ones counted by their shape)."""
+        seen: set[int] = set()
+        total = 0
+        for _, module, keys in self._selection(names):
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is None or (keys is not None and key not in keys) or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     def is_noop(self) -> bool:
         """True when every tensor already rests on the execution device."""
         if self.execution_device is None:

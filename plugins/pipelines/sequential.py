@@ -47,6 +47,7 @@ from layerwise.plugin.pipelines import (
     PipelineOptions,
     inputs_held_unchanged,
     keep_temporaries_in_heap,
+    plan_placement,
 )
 
 from ._common import (
@@ -113,13 +114,25 @@ class SequentialPipeline(Pipeline):
         if not batches:
             raise PipelineFailed("sequential needs at least one calibration batch")
         device = execution_device(model, lifecycle, options)
-        with calibration_mode(model, lifecycle):
+        whole = ModuleOffloader(model, device)
+        weights, working_set = whole.nbytes([""]), _working_set(model, batches)
+        # the weights move once when they fit (then the layer cut is checked against the model itself)
+        placement = plan_placement(device, weights, weights, working_set, can_move=options.stream is None)
+        with calibration_mode(model, lifecycle), \
+                whole.onloaded([""]) if placement.weights_moved else contextlib.nullcontext():
             traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
             pieces = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
                       for k in range(len(traces.traces[0].subgraphs))]
             offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names],
                                         source=options.stream, keep_loaded=True)
-            cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
+            if not placement.weights_moved:  # the cache's budget leaves room for the largest piece's weights
+                largest = max(offloader.nbytes(p.onload_names) for p in pieces)
+                placement = plan_placement(device, weights, largest, working_set, can_move=False) \
+                    if options.stream is not None else plan_placement(device, weights, largest, working_set)
+            if hasattr(lifecycle.state, "placement"):
+                lifecycle.state.placement = placement.reason
+            cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir,
+                                       device_budget=0 if options.offload == "disk" else placement.cache_budget)
             accounting = getattr(lifecycle.state, "accounting", None)
             run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
                           accounting if accounting is not None else Accounting(),
@@ -325,6 +338,17 @@ class _Runner:
                     modules[entry.module](*args, **kwargs)
                 except _StopPiece:
                     pass
+
+
+def _working_set(model: torch.nn.Module, batches: Sequence[dict[str, Any]]) -> int:
+    """A piece's temporaries, estimated (:data:`layerwise.runtime.placement.WORKING_SET_FACTOR` times the widest
+    activation of the largest batch, float32)."""
+    from layerwise.plugin.pipelines import WORKING_SET_FACTOR
+
+    widths = [max(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    tokens = max((v.numel() for b in batches for v in b.values()
+                  if isinstance(v, torch.Tensor) and not v.is_floating_point()), default=1)
+    return WORKING_SET_FACTOR * tokens * max(widths, default=1) * 4
 
 
 def _token_wise(model: torch.nn.Module, traces: Any, assignment: list[int], batches: Sequence[dict[str, Any]],

@@ -219,3 +219,22 @@ def test_a_bert_reads_its_embeddings_buffers_and_tied_bias_on_the_device():
     assert model.layerwise_report.pipeline == "sequential"
     assert model.layerwise_report.pieces == expected.layerwise_report.pieces
     assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_model_that_fits_on_the_device_moves_once_and_its_activations_stay_there():
+    """With room on the (simulated) GPU the weights move once and no cached activation goes back to the CPU;
+    without a known budget every piece onloads its weights and caches on the CPU. Both give the CPU result."""
+    expected = build_tiny_llama()
+    layerwise.compress(expected, GPTQ_W4A16_G32, dataset=_samples(), device="cpu", show_progress=False)
+    moves = {}
+    for free in (None, 2**30):
+        model = build_tiny_llama()
+        with simulated_device("cuda:0", free_bytes=free) as gpu:
+            layerwise.compress(model, GPTQ_W4A16_G32, dataset=_samples(), device="cuda", show_progress=False)
+        gpu.check_home(model)
+        moves[free] = gpu.moves["to device"]
+        assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), model.state_dict().values()))
+    model = build_tiny_llama()
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    assert moves[2**30] <= tensors + 2 * len(_samples())  # every weight once, the token ids (and the cut's check)
+    assert moves[None] > 4 * moves[2**30]
