@@ -115,3 +115,17 @@ def register_plugin():
     yield register
     for name in names:
         host.unregister(name)
+
+
+@pytest.fixture(autouse=os.environ.get("LAYERWISE_TEST_DEVICE") == "simulated")
+def _simulated_gpu(request) -> Iterator[None]:
+    """``LAYERWISE_TEST_DEVICE=simulated``: every test runs as on a machine with a GPU visible (the default device),
+    simulated on the CPU (:func:`layerwise.testing.simulated_device`), to find the tests that assume the CPU.
+    A module that simulates devices itself says so with ``OWN_DEVICES = True``."""
+    from layerwise.testing import simulated_device
+
+    if getattr(request.module, "OWN_DEVICES", False):
+        yield
+        return
+    with simulated_device("cuda:0", default=True):
+        yield

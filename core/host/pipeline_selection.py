@@ -11,7 +11,9 @@ The choice, in order:
 
 Along a chain, a pipeline that raises :class:`~layerwise.host.pipeline.PipelineFailed`
 (e.g. the model cannot be traced) is reported with a :class:`PipelineFallbackWarning`
-naming it and the reason, and the next one runs. Inside :func:`recording_fallbacks` the
+naming it and the reason, and the next one runs (a :class:`DeviceErrorFallbackWarning`, also a
+:class:`~layerwise.runtime.devices.DeviceErrorWarning`, saying it is a bug when the reason is a tensor
+on the wrong device). Inside :func:`recording_fallbacks` the
 messages are also collected, whatever the warning filters say (``compress()`` puts them in
 its report). Out-of-memory errors, ``MemoryError``
 and ``KeyboardInterrupt`` are never caught. A pipeline that fails *after* modifiers
@@ -37,6 +39,7 @@ from layerwise.errors import LayerwiseError
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.pipeline import PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
+from layerwise.runtime.devices import DeviceErrorWarning, device_error_note, is_device_error
 
 DEFAULT_CHAIN: tuple[str, ...] = ("sequential", "layer_sequential", "basic")
 DATAFREE = "datafree"
@@ -44,6 +47,10 @@ DATAFREE = "datafree"
 
 class PipelineFallbackWarning(UserWarning):
     """A pipeline could not handle the model; the next one in the chain runs."""
+
+
+class DeviceErrorFallbackWarning(PipelineFallbackWarning, DeviceErrorWarning):
+    """A pipeline fell back because a tensor sat on the wrong device: a bug (both filters catch it)."""
 
 
 class PipelineAborted(LayerwiseError, RuntimeError):
@@ -115,9 +122,12 @@ def run_pipeline(model: torch.nn.Module, batches: Sequence[dict[str, Any]], life
             following = chain[position + 1]
             message = (f"pipeline {name!r} cannot calibrate {type(model).__name__}, falling back to {following!r}. "
                        f"Why: {exc}")
+            device_error = is_device_error(exc)
+            if device_error:
+                message += f". {device_error_note(f'Pipeline {name!r}')}"
             for messages in _recorders.get():
                 messages.append(message)
-            warn_user(message, PipelineFallbackWarning)
+            warn_user(message, DeviceErrorFallbackWarning if device_error else PipelineFallbackWarning)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -31,6 +31,8 @@ class CompressionState:
     guards_retraced: list[str] = field(default_factory=list)
     #: how the pipeline cut the model and why (``layers: 43 pieces, each run once per batch``)
     pieces: str = ""
+    #: what rested on the execution device and why (:class:`layerwise.runtime.placement.Placement`'s reason)
+    placement: str = ""
     #: seconds (and FLOPs where counted) per phase: pipelines' forwards, modifiers' own work
     accounting: Accounting = field(default_factory=Accounting)
     #: the calibration batches, for a modifier that needs a whole-model statistics pass first (OWL)

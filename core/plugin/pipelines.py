@@ -9,15 +9,22 @@ from layerwise.host.pipeline import (
 )
 from layerwise.host.pipeline_selection import PipelineAborted, run_pipeline
 from layerwise.runtime.cache import IntermediatesCache, move_to
+from layerwise.runtime.devices import (
+    DeviceErrorWarning,
+    canonical,
+    device_error_note,
+    is_device_error,
+)
 from layerwise.runtime.heap import keep_temporaries_in_heap
 from layerwise.runtime.offload import ModuleOffloader
+from layerwise.runtime.placement import WORKING_SET_FACTOR, Placement, plan_placement
 from layerwise.tracing import trace
 from layerwise.tracing.result import output_difference
 from layerwise.tracing.retrace import TracesByGuards
 from layerwise.tracing.targets import TargetError, default_targets
 
 __all__ = [
-    "IntermediatesCache", "ModuleOffloader", "Pipeline", "PipelineAborted", "PipelineFailed", "PipelineOptions",
-    "TargetError", "TracesByGuards", "default_targets", "inputs_are_held", "inputs_held_unchanged",
-    "keep_temporaries_in_heap", "move_to", "output_difference", "run_pipeline", "trace",
+    "WORKING_SET_FACTOR", "DeviceErrorWarning", "IntermediatesCache", "ModuleOffloader", "Pipeline", "PipelineAborted", "PipelineFailed", "PipelineOptions", "Placement",
+    "TargetError", "TracesByGuards", "canonical", "default_targets", "device_error_note", "inputs_are_held", "inputs_held_unchanged",
+    "is_device_error", "keep_temporaries_in_heap", "move_to", "output_difference", "plan_placement", "run_pipeline", "trace",
 ]

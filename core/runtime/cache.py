@@ -2,7 +2,11 @@
 
 Values rest on an *offload device* (CPU by default, or files on disk when the
 activations of every calibration sample do not fit in RAM) and are moved to the
-*execution device* when a subgraph fetches them. Values may be nested tuples,
+*execution device* when a subgraph fetches them. With a ``device_budget`` (bytes), values
+produced on the execution device stay there while the budget lasts (nothing to copy either
+way); beyond it they spill to the offload device: on CUDA into pinned (page-locked) CPU memory
+with asynchronous copies, which a later fetch copies back asynchronously too (the copies are
+ordered on the stream; nothing on the host reads them in between). Values may be nested tuples,
 lists, dicts, dataclasses (``ModelOutput`` included) or ``None``; tensors anywhere
 inside are moved, everything else is kept as is. :meth:`IntermediatesCache.free`
 drops values after their last consumer, so the cache never holds more than the
@@ -28,6 +32,7 @@ from typing import Any
 
 import torch
 
+from layerwise.runtime.devices import canonical
 from layerwise.runtime.heap import FreedBytes
 
 __all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes"]
@@ -96,12 +101,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def move_to(value: Any, device: torch.device | str | None) -> Any:
-    """``value`` with every tensor inside it on ``device`` (``None``: unchanged)."""
+def move_to(value: Any, device: torch.device | str | None, non_blocking: bool = False) -> Any:
+    """``value`` with every tensor inside it on ``device`` (``None``: unchanged); ``non_blocking`` copies from
+    pinned memory (or to a GPU) asynchronously."""
     if device is None:
         return value
     device = torch.device(device)
-    return _map_tensors(value, lambda t: t if t.device == device else t.to(device))
+    return _map_tensors(value, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))
+
+
+def _to_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` in CPU memory (``device``): from CUDA into pinned memory, copied asynchronously."""
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cuda" and device.type == "cpu" and torch.cuda.is_available():
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+    return tensor.to(device)
 
 
 def tensor_bytes(value: Any, device_type: str | None = None) -> int:
@@ -137,7 +153,7 @@ class IntermediatesCache:
     """
 
     def __init__(self, offload: str | torch.device = "cpu", execution_device: torch.device | str | None = None,
-                 offload_dir: str | os.PathLike | None = None) -> None:
+                 offload_dir: str | os.PathLike | None = None, device_budget: int = 0) -> None:
         self.disk = isinstance(offload, str) and offload == "disk"
         if self.disk:
             self.offload_device = torch.device("cpu")
@@ -146,7 +162,12 @@ class IntermediatesCache:
                 self.offload_device = torch.device(offload)
             except (RuntimeError, TypeError):
                 raise ValueError(f"offload must be 'cpu', 'disk' or a torch device, got {offload!r}") from None
-        self.execution_device = torch.device(execution_device) if execution_device is not None else None
+        self.execution_device = canonical(execution_device)
+        #: bytes of values kept on the execution device (a CPU execution device keeps nothing apart)
+        self.device_budget = device_budget if self._apart() else 0
+        self._on_device = 0  # bytes of values held on the execution device
+        #: values spilled to the offload device (or disk) because the device budget was spent
+        self.spilled = 0
         self._values: dict[int, dict[str, Any]] = {}
         self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
         self._held = 0  # bytes of the values held in memory (for the trim's step)
@@ -160,9 +181,24 @@ class IntermediatesCache:
             self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
 
     # -- writing ---------------------------------------------------------------------
+    def _apart(self) -> bool:
+        """Is the execution device another than where values rest (a GPU)?"""
+        return self.execution_device is not None and self.execution_device.type not in ("cpu", "meta")
+
+    def _device_bytes(self, value: Any) -> int:
+        return tensor_bytes(value, device_type=self.execution_device.type) if self._apart() else 0
+
     def put(self, batch: int, name: str, value: Any) -> None:
         """Store ``value`` as ``name`` of ``batch`` (replacing an older value of that name)."""
         self._drop(batch, name)
+        on_device = self._device_bytes(value) if self.device_budget else 0
+        if on_device and self._on_device + on_device <= self.device_budget and \
+                all(t.device == self.execution_device for t in _tensors(value)):
+            self._on_device += on_device  # it stays where it was computed
+            self._values.setdefault(batch, {})[name] = value
+            return
+        if on_device:
+            self.spilled += 1
         if self.disk:
             assert self._dir is not None
             self._counter += 1
@@ -171,7 +207,7 @@ class IntermediatesCache:
             torch.save(cpu_value, path)
             stored: Any = _OnDisk(path, os.path.getsize(path))
         else:
-            stored = move_to(value, self.offload_device)
+            stored = _map_tensors(value, lambda t: _to_host(t, self.offload_device))
             self._held += tensor_bytes(stored, device_type="cpu")
         self._values.setdefault(batch, {})[name] = stored
 
@@ -189,10 +225,9 @@ class IntermediatesCache:
             held = sorted(self._values.get(batch, {}))
             raise KeyError(f"the cache holds no value {name!r} for batch {batch} (it holds {held}); "
                            "was it freed before its last consumer?") from None
-        if isinstance(stored, _OnDisk):
-            device = self.execution_device or "cpu"
-            return torch.load(stored.path, map_location=device, weights_only=False)
-        return move_to(stored, self.execution_device)
+        if isinstance(stored, _OnDisk):  # read into CPU memory, then moved like any value held there
+            return move_to(torch.load(stored.path, map_location="cpu", weights_only=False), self.execution_device)
+        return move_to(stored, self.execution_device, non_blocking=self._apart())
 
     def fetch(self, batch: int, names: Iterable[str] | None = None) -> dict[str, Any]:
         """Named values of one batch (all of them when ``names`` is ``None``)."""
@@ -236,6 +271,7 @@ class IntermediatesCache:
             except FileNotFoundError:
                 pass
         elif stored is not None:
+            self._on_device = max(0, self._on_device - self._device_bytes(stored))
             freed = tensor_bytes(stored, device_type="cpu")
             self._held = max(0, self._held - freed)
             self._freed.add(freed, self._held)
@@ -282,4 +318,10 @@ class IntermediatesCache:
     def __repr__(self) -> str:
         where = f"disk:{self._dir}" if self.disk else str(self.offload_device)
         return (f"IntermediatesCache(batches={self.num_batches}, offload={where}, "
-                f"execution_device={self.execution_device}, bytes={self.size_bytes()})")
+                f"execution_device={self.execution_device}, bytes={self.size_bytes()}, "
+                f"on_device={self._on_device}/{self.device_budget})")
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the values kept on the execution device (within :attr:`device_budget`)."""
+        return self._on_device

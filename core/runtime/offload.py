@@ -8,12 +8,17 @@ of a ``with`` block and sends them home afterwards -- including whatever a
 modifier changed or added meanwhile (a quantized weight, ``weight_scale``).
 
 Parameters keep their identity (``param.data`` is swapped), so hooks and
-references that modifiers hold stay valid. When home and execution device are
+references that modifiers hold stay valid. A tensor two modules share (tied embeddings, BERT's
+decoder bias) goes home to where it rested before the first of them moved it. When home and execution device are
 the same (the CPU-only case) nothing moves.
 
 ``protected`` names modules that belong to *other* pieces (the sequential
 targets): onloading an ancestor of them (the whole model, to capture the first
 target's inputs) moves everything except them.
+
+A name may also be one parameter or buffer (``embeddings.token_type_ids``): then only that
+tensor moves, not its owner's other tensors nor its submodules (a piece that reads a buffer of a
+container whose layers other pieces run).
 
 With a ``source`` (:class:`~layerwise.model_io.streaming.WeightStream`) the weights rest on disk: an
 unloaded parameter is read from the checkpoint when its piece is onloaded, and
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerwise.runtime.devices import canonical
 from layerwise.runtime.placeholders import is_unloaded, unload
 
 __all__ = ["ModuleOffloader"]
@@ -53,7 +59,7 @@ class ModuleOffloader:
         self.model = model
         self.source = source
         self.keep_loaded = keep_loaded
-        self.execution_device = torch.device(execution_device) if execution_device is not None else None
+        self.execution_device = canonical(execution_device)
         self.protected = set(protected)
         self._move = move
         self._modules = dict(model.named_modules(remove_duplicate=False))
@@ -61,15 +67,28 @@ class ModuleOffloader:
     # -- which tensors --------------------------------------------------------------
     def _owners(self, names: Iterable[str]) -> list[tuple[str, torch.nn.Module]]:
         """Modules whose *direct* tensors belong to ``names`` (subtrees, minus protected ones)."""
+        return [(name, module) for name, module, _ in self._selection(names)]
+
+    def _selection(self, names: Iterable[str]) -> list[tuple[str, torch.nn.Module, set[str] | None]]:
+        """(name, module, keys) per module with direct tensors in ``names``: ``keys`` ``None`` for all of them,
+        else the parameter and buffer names one by one (a name that is a tensor, not a module)."""
         roots = list(dict.fromkeys(names))
-        out: dict[int, tuple[str, torch.nn.Module]] = {}
+        out: dict[int, tuple[str, torch.nn.Module, set[str] | None]] = {}
+        single: dict[int, tuple[str, torch.nn.Module, set[str]]] = {}
         for root in roots:
             if root not in self._modules:
-                raise KeyError(f"no module named {root!r} in {type(self.model).__name__}")
+                owner, _, key = root.rpartition(".")
+                module = self._modules.get(owner)
+                if module is None or (key not in module._parameters and key not in module._buffers):
+                    raise KeyError(f"no module, parameter or buffer named {root!r} in {type(self.model).__name__}")
+                single.setdefault(id(module), (owner, module, set()))[2].add(key)
+                continue
             for name, module in self._modules[root].named_modules(prefix=root):
                 if name != root and self._is_protected(name, root):
                     continue
-                out.setdefault(id(module), (name, module))
+                out.setdefault(id(module), (name, module, None))
+        for key, entry in single.items():
+            out.setdefault(key, entry)  # a module moved whole already holds the tensor
         return list(out.values())
 
     def _is_protected(self, name: str, root: str) -> bool:
@@ -83,18 +102,18 @@ class ModuleOffloader:
 
     # -- moving ---------------------------------------------------------------------
     def _move_direct(self, module: torch.nn.Module, device: torch.device,
-                     homes: dict[tuple[int, str, str], torch.device] | None) -> None:
+                     homes: dict[tuple[int, str, str], torch.device] | None, keys: set[str] | None = None) -> None:
         for kind, table in (("p", module._parameters), ("b", module._buffers)):
             for key, tensor in list(table.items()):
-                if tensor is None:
+                if tensor is None or (keys is not None and key not in keys):
                     continue
                 if self.source is not None and is_unloaded(tensor):
                     if homes is not None:
                         homes.setdefault((id(module), kind, key), _ON_DISK)
                     _replace(table, key, tensor, self.source.load(tensor, device))
                     continue
-                if homes is not None:  # onloading: remember where it lives
-                    homes.setdefault((id(module), kind, key), tensor.device)
+                if homes is not None:  # onloading: remember where it lives (a tied tensor: where it lived first)
+                    homes.setdefault((id(module), kind, key), homes.setdefault((id(tensor), "", ""), tensor.device))
                 if tensor.device == device:
                     continue
                 _replace(table, key, tensor, self._move(tensor.data if kind == "p" else tensor, device))
@@ -108,23 +127,23 @@ class ModuleOffloader:
         if device is None:
             yield
             return
-        owners = self._owners(names)
+        owners = self._selection(names)
         homes: dict[tuple[int, str, str], torch.device] = {}
         try:
-            for _, module in owners:
-                self._move_direct(module, device, homes)
+            for _, module, keys in owners:
+                self._move_direct(module, device, homes, keys)
             yield
         finally:
             self._send_home(owners, homes, device)
 
-    def _send_home(self, owners: list[tuple[str, torch.nn.Module]],
+    def _send_home(self, owners: list[tuple[str, torch.nn.Module, set[str] | None]],
                    homes: dict[tuple[int, str, str], torch.device], device: torch.device) -> None:
         fallback = next(iter(homes.values()), None)
-        for name, module in owners:
+        for name, module, keys in owners:
             retired = self.source is not None and self.source.is_retired(name)
             for kind, table in (("p", module._parameters), ("b", module._buffers)):
                 for key, tensor in list(table.items()):
-                    if tensor is None:
+                    if tensor is None or (keys is not None and key not in keys):
                         continue
                     # tensors a modifier added meanwhile go where their neighbours live
                     home = homes.get((id(module), kind, key), fallback)
@@ -143,6 +162,19 @@ class ModuleOffloader:
         later piece runs them. Without a source (weights in memory) nothing happens."""
         if self.source is not None:
             self.source.retire(self._owners(names))
+
+    def nbytes(self, names: Iterable[str]) -> int:
+        """Bytes of the tensors :meth:`onloaded` moves for ``names`` (unloaded ones counted by their shape)."""
+        seen: set[int] = set()
+        total = 0
+        for _, module, keys in self._selection(names):
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is None or (keys is not None and key not in keys) or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     def is_noop(self) -> bool:
         """True when every tensor already rests on the execution device."""

@@ -6,6 +6,7 @@ failure) naming the plugin, the step and the likely fix. Installed with layerwis
 plugin :mod:`layerwise.testing.pytest_plugin` offers the same as fixtures.
 """
 
+from .devices import DeviceMismatchError, SimulatedDevice, simulated_device
 from .errors import PluginCheckError
 from .modifiers import check_modifier, count_hooks, tiny_llama, token_batches
 from .patches import StepResult, check_model_patch, patch_report
@@ -13,5 +14,5 @@ from .pipelines import check_pipeline
 from .savers import check_saver
 from .tokenizers import word_tokenizer
 
-__all__ = ["PluginCheckError", "StepResult", "check_model_patch", "check_modifier", "check_pipeline", "check_saver", "count_hooks", "patch_report",
-           "tiny_llama", "token_batches", "word_tokenizer"]
+__all__ = ["DeviceMismatchError", "PluginCheckError", "SimulatedDevice", "StepResult", "check_model_patch", "check_modifier", "check_pipeline", "check_saver", "count_hooks", "patch_report",
+           "simulated_device", "tiny_llama", "token_batches", "word_tokenizer"]

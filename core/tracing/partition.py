@@ -13,6 +13,12 @@ Two ways to cut (``cut``):
 
 Values cross subgraph boundaries by node name, so a pipeline can cache them by name and
 free each after its last consumer.
+
+What a piece needs on the execution device (:attr:`Subgraph.onload_names`): the modules it calls,
+plus every parameter and buffer it reads itself (a ``get_attr``), named one by one where its owner
+is a container whose layers other pieces call (BERT's ``embeddings.token_type_ids``, a vision
+tower's ``class_embedding``). Tensors the tracer captured as constants follow the piece's inputs
+to their device when it runs.
 """
 
 from __future__ import annotations
@@ -82,6 +88,17 @@ class Subgraph:
     node_names: list[str] = field(default_factory=list, repr=False)
     #: the target calls this piece starts with (``cut="before"`` only), in graph order
     entries: list[EntryCall] = field(default_factory=list)
+    #: parameters and buffers of the model the piece reads itself (``get_attr``), by qualified name
+    attributes: list[str] = field(default_factory=list)
+    #: tensors the tracer captured as constants (attributes of :attr:`module`): moved to the inputs' device
+    constant_tensors: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def onload_names(self) -> list[str]:
+        """What must be on the execution device while the piece runs: its modules (whole subtrees), and the
+        parameters and buffers it reads whose owner is not among them (a container called elsewhere)."""
+        inside = [a for a in self.attributes if not any(a.startswith(m + ".") or not m for m in self.modules)]
+        return [*self.modules, *inside]
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Outputs of this piece from ``values`` (a mapping holding at least ``input_names``)."""
@@ -89,7 +106,19 @@ class Subgraph:
         if missing:
             raise KeyError(f"subgraph {self.index} needs values {missing} that are not in the cache; "
                            "run the subgraphs in order and keep values until their consumed_names says so")
-        return self.module(*(values[n] for n in self.input_names))
+        args = [values[n] for n in self.input_names]
+        if self.constant_tensors:
+            self._constants_to(_first_device(args))
+        return self.module(*args)
+
+    def _constants_to(self, device: torch.device | None) -> None:
+        """The captured constant tensors on ``device`` (where the inputs are); moved once per device change."""
+        if device is None:
+            return
+        for name in self.constant_tensors:
+            value = getattr(self.module, name)
+            if value.device != device:
+                setattr(self.module, name, value.to(device))
 
 
 def resolve_attr(root: Any, constants: Mapping[str, Any], target: str) -> Any:
@@ -178,15 +207,31 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
         attrs = {n.target: resolve_attr(model, constants, n.target) for n in sub.nodes if n.op in ("get_attr", "call_module")}
         module = fx.GraphModule(attrs, sub, class_name=f"Subgraph{index}")
         called = list(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
-        owners = [str(n.target).rpartition(".")[0] for n in sub.nodes
-                  if n.op == "get_attr" and not str(n.target).startswith("_lw_")]
+        read = [str(n.target) for n in sub.nodes if n.op == "get_attr" and not str(n.target).startswith("_lw_")]
+        owners = [target.rpartition(".")[0] for target in read]
+        constant_tensors = [str(n.target) for n in sub.nodes if n.op == "get_attr" and str(n.target).startswith("_lw_")
+                            and isinstance(getattr(module, str(n.target), None), torch.Tensor)]
         subgraphs.append(Subgraph(
             index=index, module=module, input_names=[n.name for n in inputs[index]], output_names=out_names,
             consumed_names=[n.name for n, i in last_use.items() if i == index],
             target_names=group_targets[index],
             modules=list(dict.fromkeys(called + [o for o in owners if o])),
-            num_nodes=len(members), node_names=[n.name for n in members], entries=list(entries[index])))
+            num_nodes=len(members), node_names=[n.name for n in members], entries=list(entries[index]),
+            attributes=list(dict.fromkeys(read)), constant_tensors=constant_tensors))
     return _without_containers(subgraphs)
+
+
+def _first_device(values: Any) -> torch.device | None:
+    """The device of the first tensor in ``values`` (nested containers searched), or ``None``."""
+    found: list[torch.device] = []
+
+    def visit(value: Any) -> Any:
+        if not found and isinstance(value, torch.Tensor):
+            found.append(value.device)
+        return value
+
+    fx.node.map_aggregate(values, visit)
+    return found[0] if found else None
 
 
 def _after_effects(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:

@@ -91,7 +91,7 @@ class TraceResult:
             self.check_guards(inputs)
         values: dict[str, Any] = dict(inputs)
         for sub in self.subgraphs:
-            with onloaded(sub.modules) if onloaded is not None else contextlib.nullcontext():
+            with onloaded(sub.onload_names) if onloaded is not None else contextlib.nullcontext():
                 values.update(sub.run(values))
             for name in sub.consumed_names:
                 values.pop(name, None)

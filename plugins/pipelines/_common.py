@@ -10,16 +10,16 @@ from typing import Any
 import torch
 
 from layerwise.plugin import Lifecycle, matches
-from layerwise.plugin.pipelines import PipelineFailed, PipelineOptions, move_to
+from layerwise.plugin.pipelines import PipelineFailed, PipelineOptions, canonical, move_to
 
 
 def execution_device(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> torch.device:
     """Where calibration runs: the options', else the state's, else where the weights are."""
     if options.execution_device is not None:
-        return torch.device(options.execution_device)
+        return canonical(options.execution_device)
     state_device = getattr(lifecycle.state, "execution_device", None)
     if state_device is not None:
-        return torch.device(state_device)
+        return canonical(state_device)
     first = next(model.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
 

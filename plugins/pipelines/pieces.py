@@ -6,6 +6,11 @@ layer inputs, and the first batch replayed through the layer pieces equals the m
 output. The block cut is traced only when the layer cut is not used (or, for a model whose
 weights are streamed or offloaded, to compare against). The choice and its reason are recorded
 on the run's state.
+
+The cut is a property of the model and the recipe, never of the device: a layer cut that fails
+because a tensor sat on the wrong device (the execution device apart from where the weights
+rest) is a bug, and falling back to blocks says so with a
+:class:`~layerwise.runtime.devices.DeviceErrorWarning` (``pieces="layers"`` makes it an error).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import torch
 
 from layerwise.plugin import InvalidArgumentError, Lifecycle, Modifier, warn_user
 from layerwise.plugin.pipelines import (
+    DeviceErrorWarning,
     ModuleOffloader,
     PipelineFailed,
     PipelineOptions,
     TracesByGuards,
+    device_error_note,
+    is_device_error,
     move_to,
     output_difference,
 )
@@ -131,6 +139,11 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
                 difference = _first_batch_difference(model, fine, blocks[0], batches[0], device, options.stream)
         except PipelineFailed as exc:
             why_not = f"cutting before the layers failed ({exc})"
+            if is_device_error(exc) and options.pieces != "layers":
+                why_not += "; a device error: a bug"
+                warn_user(f"sequential: the run is cut at blocks instead of before the layers (each block runs "
+                          f"twice, observed then compressed: another algorithm than the layer cut's). "
+                          f"{device_error_note('Cutting before the layers')}: {exc}", DeviceErrorWarning)
         else:
             if difference <= SAME_OUTPUT_TOLERANCE:
                 _warn_skipped(fine, "layer")
@@ -164,14 +177,22 @@ def _difference_from_model(model: torch.nn.Module, fine: TracesByGuards, batch: 
 
 def _first_batch_difference(model: torch.nn.Module, fine: TracesByGuards, blocks: TracesByGuards,
                             batch: dict[str, Any], device: torch.device, stream: Any = None) -> float:
-    """Relative difference of the model output replayed through both cuts (the first batch's trace of each)."""
-    targets = {t for result in (*fine.traces, *blocks.traces) for t in result.target_names}
-    offloader = ModuleOffloader(model, device, protected=targets, source=stream)
+    """Relative difference of the model output replayed through both cuts (the first batch's trace of each).
+
+    Each cut onloads its pieces with its own targets protected: a block piece onloads the whole
+    block, layers included, which the layer cut's offloader would leave where they rest (on a GPU,
+    a block then read CPU weights: the layer cut failed there).
+    """
+    def offloader(traces: TracesByGuards) -> ModuleOffloader:
+        targets = {t for result in traces.traces for t in result.target_names}
+        return ModuleOffloader(model, device, protected=targets, source=stream)
+
+    by_blocks, by_layers = offloader(blocks), offloader(fine)
 
     def compare() -> float:
-        inputs = move_to(dict(batch), offloader.execution_device)  # its guards held: it was assigned to both
-        expected = blocks.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
-        got = fine.traces[0].replay(inputs, onloaded=offloader.onloaded, guards_checked=True)
+        inputs = move_to(dict(batch), device)  # its guards held: it was assigned to both
+        expected = blocks.traces[0].replay(inputs, onloaded=by_blocks.onloaded, guards_checked=True)
+        got = fine.traces[0].replay(inputs, onloaded=by_layers.onloaded, guards_checked=True)
         return output_difference(expected, got, relative=True)
 
     return _replay_or_fail(compare)

@@ -47,6 +47,7 @@ from layerwise.plugin.pipelines import (
     PipelineOptions,
     inputs_held_unchanged,
     keep_temporaries_in_heap,
+    plan_placement,
 )
 
 from ._common import (
@@ -75,6 +76,12 @@ class Piece:
     @property
     def modules(self) -> list[str]:
         return list(dict.fromkeys(m for sub in self.subgraphs for m in sub.modules))
+
+    @property
+    def onload_names(self) -> list[str]:
+        """Its modules plus the parameters and buffers it reads of containers run elsewhere (see the tracer's
+        ``Subgraph.onload_names``): what the execution device must hold while it runs."""
+        return list(dict.fromkeys(m for sub in self.subgraphs for m in sub.onload_names))
 
     @property
     def input_names(self) -> list[str]:
@@ -107,13 +114,25 @@ class SequentialPipeline(Pipeline):
         if not batches:
             raise PipelineFailed("sequential needs at least one calibration batch")
         device = execution_device(model, lifecycle, options)
-        with calibration_mode(model, lifecycle):
+        whole = ModuleOffloader(model, device)
+        weights, working_set = whole.nbytes([""]), _working_set(model, batches)
+        # the weights move once when they fit (then the layer cut is checked against the model itself)
+        placement = plan_placement(device, weights, weights, working_set, can_move=options.stream is None)
+        with calibration_mode(model, lifecycle), \
+                whole.onloaded([""]) if placement.weights_moved else contextlib.nullcontext():
             traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
             pieces = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
                       for k in range(len(traces.traces[0].subgraphs))]
             offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names],
                                         source=options.stream, keep_loaded=True)
-            cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir)
+            if not placement.weights_moved:  # the cache's budget leaves room for the largest piece's weights
+                largest = max(offloader.nbytes(p.onload_names) for p in pieces)
+                placement = plan_placement(device, weights, largest, working_set, can_move=False) \
+                    if options.stream is not None else plan_placement(device, weights, largest, working_set)
+            if hasattr(lifecycle.state, "placement"):
+                lifecycle.state.placement = placement.reason
+            cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir,
+                                       device_budget=0 if options.offload == "disk" else placement.cache_budget)
             accounting = getattr(lifecycle.state, "accounting", None)
             run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
                           accounting if accounting is not None else Accounting(),
@@ -185,7 +204,7 @@ class _Runner:
         for position, piece in enumerate(progress(self.pieces, "calibrating pieces", self.options.show_progress)):
             if position < self.start:
                 continue
-            with self.offloader.onloaded(piece.modules):
+            with self.offloader.onloaded(piece.onload_names):
                 entries = self._observe_entries(piece)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
                 self.compressed = self.compressed or entries
@@ -216,7 +235,7 @@ class _Runner:
                 continue
             feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
             keep = feeds_next and not propagate
-            with self.offloader.onloaded(piece.modules):
+            with self.offloader.onloaded(piece.onload_names):
                 if position < last or tail_runs:
                     self._forward(piece, keep=keep, observed=True)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
@@ -319,6 +338,17 @@ class _Runner:
                     modules[entry.module](*args, **kwargs)
                 except _StopPiece:
                     pass
+
+
+def _working_set(model: torch.nn.Module, batches: Sequence[dict[str, Any]]) -> int:
+    """A piece's temporaries, estimated (:data:`layerwise.runtime.placement.WORKING_SET_FACTOR` times the widest
+    activation of the largest batch, float32)."""
+    from layerwise.plugin.pipelines import WORKING_SET_FACTOR
+
+    widths = [max(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    tokens = max((v.numel() for b in batches for v in b.values()
+                  if isinstance(v, torch.Tensor) and not v.is_floating_point()), default=1)
+    return WORKING_SET_FACTOR * tokens * max(widths, default=1) * 4
 
 
 def _token_wise(model: torch.nn.Module, traces: Any, assignment: list[int], batches: Sequence[dict[str, Any]],

@@ -248,3 +248,23 @@ def test_compress_reports_the_fallbacks():
     assert report.pipeline == "layer_sequential"
     assert len(report.fallbacks) == 1 and "falling back to 'layer_sequential'" in report.fallbacks[0]
     assert report.guards_retraced == []
+
+
+def test_a_fallback_caused_by_a_tensor_on_the_wrong_device_says_it_is_a_bug(monkeypatch):
+    from layerwise.host.pipeline_selection import DeviceErrorFallbackWarning
+    from layerwise.plugins.pipelines.sequential import SequentialPipeline
+    from layerwise.runtime.devices import DeviceErrorWarning
+
+    def wrong_device(self, model, batches, lifecycle, options):
+        try:
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        except RuntimeError as exc:
+            raise PipelineFailed(f"subgraph 0 failed to run: {exc}") from exc
+
+    monkeypatch.setattr(SequentialPipeline, "run", wrong_device)
+    model = build_tiny_llama()
+    with pytest.warns(DeviceErrorFallbackWarning, match=r"falling back to 'layer_sequential'.*wrong device.*a bug"):
+        assert run_pipeline(model, make_batches(), make_lifecycle(model, RoundingModifier()), options()) == \
+            "layer_sequential"
+    assert issubclass(DeviceErrorFallbackWarning, PipelineFallbackWarning)
+    assert issubclass(DeviceErrorFallbackWarning, DeviceErrorWarning)

@@ -132,7 +132,7 @@ def test_packed_asymmetric_folders_load_dequantized_with_the_same_outputs(tmp_pa
     model = build_tiny_llama()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layerwise.compress(model, [QuantizationModifier(scheme="W4A16_ASYM", group_size=32)], show_progress=False)
+        layerwise.compress(model, [QuantizationModifier(scheme="W4A16_ASYM", group_size=32)], show_progress=False, device="cpu")
     save_compressed(model, tmp_path / "out")
     reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
     batch = token_batches(1, 16, vocab=128)[0]

@@ -37,7 +37,7 @@ def compressed(scheme, model=None, modifier_cls=QuantizationModifier, **fields):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layerwise.compress(model, [modifier], dataset=BATCHES if modifier.requires_data else None,
-                           show_progress=False)
+                           show_progress=False, device="cpu")
     return model
 
 
@@ -125,7 +125,7 @@ def test_only_static_input_scales_need_data():
     assert not QuantizationModifier(scheme="FP8_DYNAMIC").requires_data
     assert QuantizationModifier(scheme="W8A8_STATIC").requires_data
     with pytest.raises(Exception, match="QuantizationModifier"):
-        layerwise.compress(build_tiny_llama(), "W8A8_STATIC", show_progress=False)
+        layerwise.compress(build_tiny_llama(), "W8A8_STATIC", show_progress=False, device="cpu")
 
 
 def test_activation_schemes_are_refused_on_conv1d_before_calibrating():
@@ -134,7 +134,7 @@ def test_activation_schemes_are_refused_on_conv1d_before_calibrating():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)).eval()
     with pytest.raises(RecipeError, match=r"layer 'transformer.h.0.attn.c_attn' is a transformers Conv1D .*"
                                           r"input-activation quantization is for nn.Linear layers only"):
-        layerwise.compress(model, [QuantizationModifier(scheme="W8A8", ignore=["lm_head"])], show_progress=False)
+        layerwise.compress(model, [QuantizationModifier(scheme="W8A8", ignore=["lm_head"])], show_progress=False, device="cpu")
     assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.float32  # nothing was touched
 
 
@@ -183,7 +183,7 @@ def test_two_schemes_of_two_formats_save_as_mixed_precision_and_reload(tmp_path)
     model = build_tiny_llama()
     layerwise.compress(model, [QuantizationModifier(scheme="W8A8", targets=["re:.*mlp.*"]),
                                QuantizationModifier(scheme="W4A16", group_size=32, targets=["re:.*self_attn.*"])],
-                       show_progress=False)
+                       show_progress=False, device="cpu")
     save_compressed(model, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "mixed-precision"

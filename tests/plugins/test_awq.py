@@ -39,7 +39,7 @@ def held_out() -> list[dict[str, torch.Tensor]]:
 
 def awq(model=None, **fields) -> tuple[torch.nn.Module, AWQModifier]:
     modifier = AWQModifier(group_size=32, **fields)
-    model = layerwise.compress(model or outlier_llama(), [modifier], dataset=calibration(), show_progress=False)
+    model = layerwise.compress(model or outlier_llama(), [modifier], dataset=calibration(), show_progress=False, device="cpu")
     return model, modifier
 
 
@@ -69,7 +69,7 @@ def inputs_of(model, names, batches) -> dict[str, torch.Tensor]:
 def test_every_balance_layer_errs_less_than_round_to_nearest_on_held_out_inputs():
     model, modifier = awq()
     rtn = layerwise.compress(outlier_llama(), [QuantizationModifier(scheme="W4A16_ASYM", group_size=32)],
-                             show_progress=False)
+                             show_progress=False, device="cpu")
     original = outlier_llama()
     # norm -> layers mappings: their composite norm(x) -> layer is what each model computes (up -> down
     # has act(gate) between: no such composite; up_proj's outputs, divided by that mapping's scales, are
@@ -204,7 +204,7 @@ def test_the_preset_and_a_yaml_recipe_save_a_model_that_reloads_to_the_same_outp
         **AWQModifier().to_dict()["AWQModifier"], "group_size": 32}}
 
     out = tmp_path / "awq"
-    model = layerwise.compress(outlier_llama(), RECIPE, dataset=calibration(), output_dir=out, show_progress=False)
+    model = layerwise.compress(outlier_llama(), RECIPE, dataset=calibration(), output_dir=out, show_progress=False, device="cpu")
     assert (out / "awq_summary.json").is_file()
     # transformers 5 + compressed-tensors 0.20 reload asymmetric group checkpoints (packed zero points)
     # only by dequantizing on load (as in test_compressed_tensors_saver; vllm-project/llm-compressor#1618)
@@ -239,7 +239,7 @@ def test_the_row_sample_is_bounded_evenly_spaced_and_the_mean_sees_every_token()
 def test_no_mappings_is_a_named_error():
     modifier = AWQModifier(group_size=32)
     with pytest.raises(MappingError, match="AWQModifier: no smoothing mappings: no model patch matches this model"):
-        layerwise.compress(tiny_llama(), [modifier], dataset=calibration(), show_progress=False, options=layerwise.CompressOptions.of(patch=False))
+        layerwise.compress(tiny_llama(), [modifier], dataset=calibration(), show_progress=False, options=layerwise.CompressOptions.of(patch=False), device="cpu")
     with pytest.raises(MappingError, match="AWQModifier.mappings is empty"):
         AWQModifier(mappings=[])
     with pytest.raises(MappingError, match=r"'re:.\*q_prj' match no module"):
@@ -260,4 +260,4 @@ def test_bad_fields_are_recipe_errors(fields, match):
 def test_a_group_size_that_does_not_divide_a_layer_names_the_layer_and_the_fix():
     with pytest.raises(RecipeError, match="AWQModifier: group_size 128 does not divide in_features 64 of layer "
                                           "'model.layers.0.self_attn.q_proj'; use strategy: channel, or group_size 64"):
-        layerwise.compress(tiny_llama(), "AWQ_W4A16_ASYM", dataset=calibration(), show_progress=False)
+        layerwise.compress(tiny_llama(), "AWQ_W4A16_ASYM", dataset=calibration(), show_progress=False, device="cpu")

@@ -329,7 +329,7 @@ def test_hooks_are_gone_after_compress_fails(monkeypatch):
 
     monkeypatch.setattr("layerwise.plugins.modifiers.gptq.gptq_quantize", broken)
     with pytest.raises(RuntimeError, match="solver exploded"):
-        layerwise.compress(model, modifier, dataset=make_batches(), show_progress=False)
+        layerwise.compress(model, modifier, dataset=make_batches(), show_progress=False, device="cpu")
     assert hook_count(model) == 0 and not modifier._grams
 
 
@@ -373,7 +373,7 @@ def test_compress_with_a_yaml_recipe_saves_a_model_transformers_reloads(tmp_path
     """
     out = tmp_path / "gptq"
     with caplog.at_level(logging.INFO, logger="layerwise"):
-        model = layerwise.compress(model, recipe, dataset=texts, max_seq_length=32, num_calibration_samples=6, output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=make_word_tokenizer(128)))
+        model = layerwise.compress(model, recipe, dataset=texts, max_seq_length=32, num_calibration_samples=6, output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=make_word_tokenizer(128)), device="cpu")
     assert model.layerwise_report.pipeline == "sequential"
     after = weights(model)
     changed = [n for n in before if not torch.equal(before[n], after[n])]

@@ -56,6 +56,6 @@ def test_a_recipe_picks_the_input_observer():
         model = build_tiny_llama()
         scheme = {"preset": "W8A8_STATIC", "input_activations": {"observer": name}}
         layerwise.compress(model, [QuantizationModifier(scheme=scheme)], dataset=token_batches(2, 16, vocab=128),
-                           show_progress=False)
+                           show_progress=False, device="cpu")
         scales[name] = float(model.model.layers[0].mlp.down_proj.input_scale)
     assert scales["mse"] < scales["minmax"]  # the search clips the range

@@ -276,7 +276,7 @@ def test_owl_prunes_the_block_with_outliers_least_and_keeps_the_mean_sparsity():
         for layer in (model.model.layers[2].self_attn.q_proj, model.model.layers[2].mlp.up_proj):
             layer.weight[:, :6] *= 40
     recipe = parse_recipe({"SparseGPTModifier": {"sparsity": 0.5, "owl_m": 5, "owl_lmbda": 0.08}})
-    model = layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 4), show_progress=False)
+    model = layerwise.compress(model, recipe, dataset=make_batches(lengths=(16,) * 4), show_progress=False, device="cpu")
     chosen = recipe[0].layer_sparsity
     per_block = {i: chosen[f"model.layers.{i}.self_attn.q_proj"] for i in range(4)}
     assert min(per_block, key=per_block.get) == 2
@@ -311,7 +311,7 @@ def test_wanda_scores_the_first_block_on_the_dense_model_s_inputs():
     for handle in handles:
         handle.remove()
     pruned = layerwise.compress(build_tiny_llama(), {"WandaModifier": {"sparsity": 0.5}}, dataset=batches,
-                                show_progress=False)
+                                show_progress=False, device="cpu")
     for name, layer in layers.items():  # o_proj and down_proj too: read after q/k/v and gate/up, unpruned
         x = torch.cat(inputs[name])
         expected = score_mask(layer.weight.abs() * x.norm(dim=0), MaskStructure(0, 0), 0.5)

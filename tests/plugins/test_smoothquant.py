@@ -61,7 +61,7 @@ def test_smoothing_keeps_the_function(build):
     model = build()
     before = logits(model)
     norm = model.model.layers[0].input_layernorm.weight.detach().clone()
-    layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False)
+    layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, device="cpu")
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)  # something was smoothed
     torch.testing.assert_close(logits(model), before, rtol=1e-5, atol=1e-6)
     assert count_hooks(model) == 0
@@ -78,7 +78,7 @@ def test_scales_are_the_papers(alpha):
         weight_max = torch.cat([model.get_submodule(n).weight.detach().abs() for n in mapping.balance]).amax(dim=0)
         expected[mapping.smoothed] = (maxima[mapping.smoothed].pow(alpha) / weight_max.pow(1 - alpha)).clamp(min=1e-5)
     modifier = SmoothQuantModifier(smoothing_strength=alpha)
-    layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False)
+    layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False, device="cpu")
     assert set(modifier.scales) == set(expected) and len(expected) == 8  # v_proj -> o_proj, up -> down included
     for name, scales in expected.items():
         torch.testing.assert_close(modifier.scales[name], scales, rtol=1e-5, atol=0)
@@ -88,7 +88,7 @@ def test_scales_are_the_papers(alpha):
 def test_balance_inputs_get_flatter(alpha):
     model = mha_llama()
     before = balance_input_maxima(model)
-    layerwise.compress(model, [SmoothQuantModifier(smoothing_strength=alpha)], dataset=BATCHES, show_progress=False)
+    layerwise.compress(model, [SmoothQuantModifier(smoothing_strength=alpha)], dataset=BATCHES, show_progress=False, device="cpu")
     after = balance_input_maxima(model)
     for name in before:
         flatness = (before[name].max() / before[name].mean(), after[name].max() / after[name].mean())
@@ -103,13 +103,13 @@ def test_one_calibration_run_serves_gptq_too():
     calls: list[str] = []
     counter = joint.model.layers[0].register_forward_pre_hook(lambda module, args, kwargs: calls.append(
         (args[0] if args else kwargs["hidden_states"]).device.type), with_kwargs=True)
-    layerwise.compress(joint, [SmoothQuantModifier(), GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False))
+    layerwise.compress(joint, [SmoothQuantModifier(), GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False), device="cpu")
     counter.remove()
     assert [c for c in calls if c != "meta"] == ["cpu"] * len(batches)  # one forward per batch, no second pass
 
     apart = mha_llama()
-    layerwise.compress(apart, [SmoothQuantModifier()], dataset=batches, show_progress=False)
-    layerwise.compress(apart, [GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False, pieces="blocks"))
+    layerwise.compress(apart, [SmoothQuantModifier()], dataset=batches, show_progress=False, device="cpu")
+    layerwise.compress(apart, [GPTQModifier(scheme="W8A16")], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(propagate_error=False, pieces="blocks"), device="cpu")
     quantized = [name for name, m in joint.named_modules() if hasattr(m, "weight_scale")]
     assert len(quantized) == 14
     for name in quantized:
@@ -152,14 +152,14 @@ def test_bad_mappings_are_recipe_errors():
 def test_a_model_without_mappings_is_a_named_error(patch, message):
     model = tiny_llama()
     with pytest.raises(MappingError, match=message):
-        layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, options=layerwise.CompressOptions.of(patch=patch))
+        layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, options=layerwise.CompressOptions.of(patch=patch), device="cpu")
     assert count_hooks(model) == 0
 
 
 def test_recipe_mappings_replace_the_patchs():
     model = tiny_llama()
     modifier = SmoothQuantModifier(mappings=[[["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"]])
-    layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False)
+    layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False, device="cpu")
     assert sorted(modifier.scales) == [f"model.layers.{i}.post_attention_layernorm" for i in (0, 1)]
 
 
@@ -167,7 +167,7 @@ def test_listed_after_the_quantizer_it_says_so():
     model = tiny_llama()
     with pytest.raises(RecipeError, match="list SmoothQuantModifier before the quantizing modifier"):
         layerwise.compress(model, [GPTQModifier(scheme="W8A16"), SmoothQuantModifier()], dataset=BATCHES,
-                           show_progress=False)
+                           show_progress=False, device="cpu")
     assert count_hooks(model) == 0
 
 
@@ -178,7 +178,7 @@ def test_a_tower_the_data_never_runs_is_one_warning():
     model = tiny_qwen2_vl()
     modifier = SmoothQuantModifier()
     with pytest.warns(SmoothQuantWarning) as caught:
-        layerwise.compress(model, [modifier], dataset=token_batches(vocab=200), show_progress=False)
+        layerwise.compress(model, [modifier], dataset=token_batches(vocab=200), show_progress=False, device="cpu")
     (warning,) = [w for w in caught if issubclass(w.category, SmoothQuantWarning)]
     assert str(warning.message).startswith("SmoothQuant: 4 mapping(s) not smoothed (no calibration data reached "
                                            "them): 'model.visual.blocks.0.norm1'")

@@ -1,6 +1,12 @@
-"""device=: checked before anything loads; running out of memory is a named error with the fixes."""
+"""device=: checked before anything loads; the same cut and result on every device; out of memory is named.
+
+Without a GPU, :func:`layerwise.testing.simulated_device` stands in for one: a tensor left on the
+CPU while the pipeline calibrates on the (simulated) GPU fails the run as it would on CUDA.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -9,16 +15,36 @@ import layerwise
 from layerwise import Modifier
 from layerwise.errors import InvalidArgumentError
 from layerwise.host.recipe import parse_recipe
-from layerwise.runtime.devices import CalibrationOutOfMemoryError, resolve_device
+from layerwise.runtime.devices import (
+    CalibrationOutOfMemoryError,
+    DeviceErrorWarning,
+    canonical,
+    is_device_error,
+    resolve_device,
+)
+from layerwise.testing import simulated_device
 from tests.conftest import build_tiny_llama
 
+OWN_DEVICES = True  # LAYERWISE_TEST_DEVICE=simulated leaves this module's devices to it
 GPTQ_W4A16_G32 = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n"  # groups of 128 > the tiny model's 64
+#: calibrated input scales: every later layer calibrates on quantized activations
+FP8_STATIC = "QuantizationModifier:\n  scheme: FP8\n  ignore: [lm_head]\n"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: what a CUDA kernel says when it gets a CPU weight (the layer cut's failure on an H100)
+CUDA_DEVICE_ERROR = ("Expected all tensors to be on the same device, but got mat2 is on cpu, different from other "
+                     "tensors on cuda:0 (when checking argument in method wrapper_CUDA_mm)")
+
+
+def _samples(count: int = 4, length: int = 32) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(i))}
+            for i in range(count)]
 
 
 def test_devices_a_user_can_name():
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device(None) == (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    assert resolve_device(None) == (gpu or torch.device("cpu"))  # a GPU with its index: what its tensors say
+    assert canonical("cpu") == torch.device("cpu") and canonical(None) is None
     with pytest.raises(InvalidArgumentError, match="unknown device 'banana'.*--device"):
         resolve_device("banana")
     with pytest.raises(InvalidArgumentError, match="'cpu' or 'cuda'"):
@@ -45,33 +71,108 @@ class _RunsOutOfMemory(Modifier):
 
 
 def test_out_of_memory_in_a_piece_is_named_with_the_fixes_and_nothing_is_saved(tmp_path):
+    """On the default device: the CPU here, the GPU where there is one (the message names the one used)."""
     samples = [{"input_ids": torch.randint(0, 128, (1, 16))} for _ in range(2)]
     with pytest.raises(CalibrationOutOfMemoryError) as caught:
         layerwise.compress(build_tiny_llama(), [_RunsOutOfMemory(), *parse_recipe(GPTQ_W4A16_G32)],
                            dataset=samples, output_dir=tmp_path / "out", show_progress=False)
     message = str(caught.value)
-    assert "out of memory on cpu" in message and "Tried to allocate 2.00 GiB" in message
+    assert f"out of memory on {resolve_device(None)} " in message and "Tried to allocate 2.00 GiB" in message
     for fix in ("--max-seq-length", "--num-samples", "--offload disk"):
         assert fix in message
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)  # never a fall-back to another pipeline
     assert not (tmp_path / "out").exists()
 
 
-@needs_cuda
-def test_calibrating_on_the_gpu_gives_the_cpu_result(tmp_path):
-    """GPTQ on the GPU (weights onloaded piece by piece, Hessians and solves in fp32) against the CPU run."""
-    samples = [{"input_ids": torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(i))}
-               for i in range(4)]
-    results = {}
+# -- the same algorithm on every device ----------------------------------------------------------
+@pytest.mark.parametrize("recipe", [GPTQ_W4A16_G32, FP8_STATIC], ids=["gptq", "fp8-static"])
+@pytest.mark.parametrize("pieces", ["layers", "blocks"])
+def test_calibrating_on_a_second_device_cuts_and_computes_as_on_the_cpu(recipe, pieces):
+    """The weights rest on the CPU, calibration runs on a (simulated) GPU: any tensor left behind fails.
+
+    On the CPU every value is the CPU's own, so the result equals the CPU run's bit for bit, with the
+    same cut; every weight is back home afterwards. (An H100 run cut at blocks here: each block's layers
+    stayed on the CPU while the layer cut was checked against the block cut.)
+    """
+    results, cuts = {}, {}
     for device in ("cpu", "cuda"):
         model = build_tiny_llama()
-        layerwise.compress(model, GPTQ_W4A16_G32, dataset=samples,
-                           device=device, show_progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeviceErrorWarning)
+            with simulated_device("cuda:0") as gpu:
+                layerwise.compress(model, recipe, dataset=_samples(), device=device, show_progress=False, options=layerwise.CompressOptions.of(pieces=pieces))
+        gpu.check_home(model)
+        moved = gpu.moves["to device"]
+        assert (moved > 0) == (device == "cuda")
+        results[device], cuts[device] = model.state_dict(), model.layerwise_report.pieces
+    assert cuts["cuda"] == cuts["cpu"] and cuts["cpu"].startswith(pieces)
+    assert all(torch.equal(results["cpu"][k], results["cuda"][k]) for k in results["cpu"])
+
+
+def test_a_model_already_on_the_device_is_cut_at_layers_and_gives_the_cpu_result():
+    expected = build_tiny_llama(tie_word_embeddings=True)
+    layerwise.compress(expected, GPTQ_W4A16_G32, dataset=_samples(), device="cpu", show_progress=False)
+    model = build_tiny_llama(tie_word_embeddings=True)
+    with simulated_device("cuda:0") as gpu:
+        model.to("cuda")
+        layerwise.compress(model, GPTQ_W4A16_G32, dataset=_samples(), device="cuda", show_progress=False)
+        model.to("cpu")
+    gpu.check_home(model)
+    assert model.layerwise_report.pieces == expected.layerwise_report.pieces
+    assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_device_error_that_changes_the_cut_is_a_loud_warning_naming_a_bug():
+    model = build_tiny_llama()
+    calls = []
+
+    def wrong_device_once(module, args):  # the first forward of the final norm on data: the layer cut's check
+        if type(args[0]) is torch.Tensor and args[0].device.type != "meta":  # not while tracing
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError(CUDA_DEVICE_ERROR)
+
+    model.model.norm.register_forward_pre_hook(wrong_device_once)
+    with pytest.warns(DeviceErrorWarning, match=r"cut at blocks instead of before the layers.*a bug.*wrapper_CUDA_mm"):
+        layerwise.compress(model, GPTQ_W4A16_G32, dataset=_samples(2), device="cpu", show_progress=False)
+    assert model.layerwise_report.pieces.startswith("blocks") and "a device error: a bug" in model.layerwise_report.pieces
+    calls.clear()
+    model = build_tiny_llama()
+    model.model.norm.register_forward_pre_hook(wrong_device_once)
+    with pytest.raises(InvalidArgumentError, match="pieces='layers' cannot be used.*wrapper_CUDA_mm"):
+        layerwise.compress(model, GPTQ_W4A16_G32, dataset=_samples(2), device="cpu", show_progress=False, options=layerwise.CompressOptions.of(pieces="layers"))
+
+
+def test_device_errors_are_told_apart_through_their_causes():
+    try:
+        try:
+            raise RuntimeError(CUDA_DEVICE_ERROR)
+        except RuntimeError as inner:
+            raise ValueError("replaying the first batch failed") from inner
+    except ValueError as outer:
+        assert is_device_error(outer)
+    assert not is_device_error(RuntimeError("shapes cannot be multiplied")) and not is_device_error(None)
+
+
+@needs_cuda
+def test_calibrating_on_the_gpu_gives_the_cpu_result(tmp_path):
+    """GPTQ on the GPU (weights onloaded piece by piece, Hessians and solves in fp32) against the CPU run:
+    the same cut, and at least 99 % of the quantized integers equal per layer."""
+    samples = _samples()
+    results, cuts = {}, {}
+    for device in ("cpu", "cuda"):
+        model = build_tiny_llama()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeviceErrorWarning)
+            layerwise.compress(model, GPTQ_W4A16_G32, dataset=samples,
+                               device=device, show_progress=False)
         assert all(p.device.type == "cpu" for p in model.parameters())  # weights went home after each piece
         results[device] = {n: m.weight.detach().clone() for n, m in model.named_modules()
                            if getattr(m, "quantization_args", None) is not None}
+        cuts[device] = model.layerwise_report.pieces
         if device == "cuda":
             assert model.layerwise_report.peak_gpu_bytes > 0
+    assert cuts["cuda"] == cuts["cpu"] and cuts["cpu"].startswith("layers")
     for name, weight in results["cpu"].items():
         same = (results["cuda"][name] == weight).float().mean().item()
         assert same >= 0.99, f"{name}: only {same:.4f} of the quantized weights equal the CPU run's"
@@ -88,3 +189,48 @@ def test_streamed_weights_on_the_gpu_write_the_in_memory_gpu_runs_checkpoint(tmp
         layerwise.compress(str(tmp_path / "model"), GPTQ_W4A16_G32, dataset=samples, device="cuda", output_dir=tmp_path / weights, show_progress=False, options=layerwise.CompressOptions.of(weights=weights))
     a, b = (load_file(tmp_path / w / "model.safetensors") for w in ("memory", "stream"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bert_reads_its_embeddings_buffers_and_tied_bias_on_the_device():
+    """BERT's first piece reads embeddings.token_type_ids / position_ids, buffers of a container whose layers
+    it calls (they were left on the CPU); its decoder bias is one tensor on two modules (it stayed on the GPU)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    def bert():
+        torch.manual_seed(0)
+        return BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=64)).eval()
+
+    samples = [{"input_ids": torch.randint(4, 96, (1, 12), generator=torch.Generator().manual_seed(i))}
+               for i in range(2)]
+    recipe = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  ignore: [cls.predictions.decoder]\n"
+    expected = bert()
+    layerwise.compress(expected, recipe, dataset=samples, device="cpu", show_progress=False)
+    model = bert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeviceErrorWarning)
+        with simulated_device("cuda:0") as gpu:
+            layerwise.compress(model, recipe, dataset=samples, device="cuda", show_progress=False)
+    gpu.check_home(model)
+    assert model.layerwise_report.pipeline == "sequential"
+    assert model.layerwise_report.pieces == expected.layerwise_report.pieces
+    assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_model_that_fits_on_the_device_moves_once_and_its_activations_stay_there():
+    """With room on the (simulated) GPU the weights move once and no cached activation goes back to the CPU;
+    without a known budget every piece onloads its weights and caches on the CPU. Both give the CPU result."""
+    expected = build_tiny_llama()
+    layerwise.compress(expected, GPTQ_W4A16_G32, dataset=_samples(), device="cpu", show_progress=False)
+    moves = {}
+    for free in (None, 2**30):
+        model = build_tiny_llama()
+        with simulated_device("cuda:0", free_bytes=free) as gpu:
+            layerwise.compress(model, GPTQ_W4A16_G32, dataset=_samples(), device="cuda", show_progress=False)
+        gpu.check_home(model)
+        moves[free] = gpu.moves["to device"]
+        assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), model.state_dict().values()))
+    model = build_tiny_llama()
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    assert moves[2**30] <= tensors + 2 * len(_samples())  # every weight once, the token ids (and the cut's check)
+    assert moves[None] > 4 * moves[2**30]

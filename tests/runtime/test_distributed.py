@@ -109,14 +109,14 @@ def _worker(rank: int, store: str, folder: str) -> None:
         results["claims"] = claims
         for name, recipe in OTHERS.items():
             model = build_tiny_llama()
-            layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False)
+            layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False, device="cpu")
             torch.save(weights(model), out / f"{name}-rank{rank}.pt")
 
         # weights streamed from disk on every rank, rank 0 writing: the same checkpoint as the in-memory run
         if rank == 0:
             build_tiny_llama().save_pretrained(out / "tiny-llama")
         dist.barrier()
-        layerwise.compress(str(out / "tiny-llama"), GPTQ_W4A16, dataset=batches(), num_calibration_samples=SAMPLES, output_dir=str(out / "streamed-model"), show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(str(out / "tiny-llama"), GPTQ_W4A16, dataset=batches(), num_calibration_samples=SAMPLES, output_dir=str(out / "streamed-model"), show_progress=False, options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
 
         # a rank failing inside calibration ends both with an error, and nothing is saved
         class Boom(layerwise.Modifier):
@@ -127,7 +127,7 @@ def _worker(rank: int, store: str, folder: str) -> None:
         try:
             layerwise.compress(build_tiny_llama(), [Boom(), *layerwise_recipe(GPTQ_W4A16)], dataset=batches(),
                                num_calibration_samples=SAMPLES, output_dir=str(out / "failed-model"),
-                               show_progress=False)
+                               show_progress=False, device="cpu")
             results["failure"] = "no error"
         except Exception as exc:  # noqa: BLE001 - recorded for the test to check
             results["failure"] = f"{type(exc).__name__}: {exc}"
@@ -216,7 +216,7 @@ def test_pruning_and_awq_on_two_ranks(ranks, name):
     rank0, rank1 = (torch.load(ranks / f"{name}-rank{r}.pt") for r in range(WORLD))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     model = build_tiny_llama()
-    layerwise.compress(model, OTHERS[name], dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False)
+    layerwise.compress(model, OTHERS[name], dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False, device="cpu")
     reference = weights(model)
     if name == "awq":
         for key, value in reference.items():

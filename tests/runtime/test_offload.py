@@ -79,8 +79,27 @@ def test_no_transfer_when_already_on_execution_device():
 
 
 def test_unknown_module_is_an_error():
-    with pytest.raises(KeyError, match="no module named"), ModuleOffloader(Net(), "cpu").onloaded(["nope"]):
+    with pytest.raises(KeyError, match="no module, parameter or buffer named 'nope'"), \
+            ModuleOffloader(Net(), "cpu").onloaded(["nope"]):
         pass
+
+
+def test_one_buffer_of_a_container_moves_without_its_layers():
+    """A piece that reads a container's own buffer (BERT's embeddings.token_type_ids) while its layers run in
+    other pieces: the buffer alone goes to the execution device and back."""
+    from layerwise.testing import simulated_device
+
+    net = Net()
+    net.register_buffer("table", torch.arange(4.0))
+    with simulated_device("cuda:0") as gpu:
+        offloader = ModuleOffloader(net, "cuda")  # the device with its index, as its tensors report it
+        assert offloader.execution_device == torch.device("cuda", 0)
+        with offloader.onloaded(["table"]):
+            assert net.table.device.type == "cuda" and all(p.device.type == "cpu" for p in net.parameters())
+        gpu.check_home(net)
+        net.to("cuda")
+        assert offloader.is_noop()
+        net.to("cpu")
 
 
 def test_parameter_identity_kept_when_tensor_types_allow():
@@ -99,3 +118,18 @@ def test_buffer_identity_kept_when_tensor_types_allow():
     scale = block.scale
     _replace(block._buffers, "scale", scale, torch.zeros(4))
     assert block.scale is scale and torch.equal(scale, torch.zeros(4))
+
+
+def test_a_tensor_two_modules_share_goes_home_once_both_let_go():
+    """Tied weights: onloading both owners at once (a whole-model pipeline) must not leave the shared tensor
+    on the device because the second owner found it there already."""
+    from layerwise.testing import simulated_device
+
+    net = Net()
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = net.embed.weight  # tied, as lm_head and embed_tokens
+    net.head = head
+    with simulated_device("cuda:0") as gpu:
+        with ModuleOffloader(net, "cuda").onloaded([""]):
+            assert net.head.weight.device.type == "cuda"
+        gpu.check_home(net)

@@ -30,7 +30,7 @@ def _linear_names(model):
 def test_preset_quantizes_every_linear_but_the_head():
     model = build_tiny_llama(**WIDE)
     original = {n: p.clone() for n, p in model.named_parameters()}
-    out = layerwise.compress(model, "W4A16", show_progress=False)
+    out = layerwise.compress(model, "W4A16", show_progress=False, device="cpu")
     assert out is model
     report = model.layerwise_report
     assert set(report.compressed_modules) == _linear_names(model) - {"lm_head"}
@@ -46,7 +46,7 @@ def test_folder_in_folder_out_reloads_with_transformers(tiny_llama_dir, tmp_path
     from transformers import AutoModelForCausalLM
 
     out_dir = tmp_path / "out"
-    model = layerwise.compress(str(tiny_llama_dir), "W8A16", output_dir=out_dir, show_progress=False)
+    model = layerwise.compress(str(tiny_llama_dir), "W8A16", output_dir=out_dir, show_progress=False, device="cpu")
     config = json.loads((out_dir / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert (out_dir / "recipe.yaml").is_file()
@@ -59,7 +59,7 @@ def test_folder_in_folder_out_reloads_with_transformers(tiny_llama_dir, tmp_path
 
 def test_calibrated_recipe_without_data_is_a_clear_error():
     with pytest.raises(DatasetError, match="GPTQModifier needs calibration data"):
-        layerwise.compress(build_tiny_llama(), "GPTQModifier:\n  scheme: W4A16\n", show_progress=False)
+        layerwise.compress(build_tiny_llama(), "GPTQModifier:\n  scheme: W4A16\n", show_progress=False, device="cpu")
 
 
 def test_existing_output_folder_is_never_overwritten_silently(tmp_path):
@@ -67,7 +67,7 @@ def test_existing_output_folder_is_never_overwritten_silently(tmp_path):
     out_dir.mkdir()
     (out_dir / "keep.txt").write_text("mine")
     with pytest.raises(Exception, match="overwrite"):
-        layerwise.compress(build_tiny_llama(**WIDE), "W4A16", output_dir=out_dir, show_progress=False)
+        layerwise.compress(build_tiny_llama(**WIDE), "W4A16", output_dir=out_dir, show_progress=False, device="cpu")
     assert (out_dir / "keep.txt").read_text() == "mine"
 
 
@@ -75,7 +75,7 @@ def test_gptq_recipe_on_text_data_runs_sequentially(wide_llama_dir, tmp_path):
     texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(40)) for i in range(8)]
     recipe = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
     model = layerwise.compress(str(wide_llama_dir), recipe, dataset=texts, max_seq_length=32,
-                               num_calibration_samples=8, output_dir=tmp_path / "gptq", show_progress=False)
+                               num_calibration_samples=8, output_dir=tmp_path / "gptq", show_progress=False, device="cpu")
     report = model.layerwise_report
     assert report.pipeline == "sequential"
     assert report.calibration_samples == 8
@@ -93,7 +93,7 @@ def test_targets_per_subgraph_groups_blocks_into_fewer_pieces(per_subgraph, piec
                         lambda self, modules: (seen.append(modules), original(self, modules))[1])
     batches = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
                for i in range(2)]
-    model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(targets_per_subgraph=per_subgraph, pieces="blocks"))
+    model = layerwise.compress(build_tiny_llama(**WIDE), "GPTQModifier:\n  scheme: W4A16\n", dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(targets_per_subgraph=per_subgraph, pieces="blocks"), device="cpu")
     assert model.layerwise_report.pipeline == "sequential"
     assert model.layerwise_report.pieces.startswith("blocks: ")
     assert len(seen) == pieces
@@ -115,7 +115,7 @@ def test_calibration_windows_default_to_the_models_context(wide_llama_dir, conte
     lengths = []
     model.model.layers[0].register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1]))
     texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(60)) for i in range(4)]  # 4 x 61 tokens
-    layerwise.compress(model, "GPTQ_W4A16", dataset=texts, num_calibration_samples=4, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=load_tokenizer(str(wide_llama_dir))))
+    layerwise.compress(model, "GPTQ_W4A16", dataset=texts, num_calibration_samples=4, show_progress=False, options=layerwise.CompressOptions.of(tokenizer=load_tokenizer(str(wide_llama_dir))), device="cpu")
     assert lengths and max(lengths) == min(expected, 4 * 61)
 
 
@@ -125,7 +125,7 @@ def test_sizes_count_a_tied_embedding_once_as_the_saved_folder_does(tmp_path):
     assert tied.lm_head.weight is embedding
     untied_bytes = sum(p.numel() * p.element_size() for p in build_tiny_llama(**WIDE).parameters())
     out = tmp_path / "out"
-    report = layerwise.compress(tied, "W4A16", output_dir=out, show_progress=False).layerwise_report
+    report = layerwise.compress(tied, "W4A16", output_dir=out, show_progress=False, device="cpu").layerwise_report
     assert report.bytes_before == untied_bytes - embedding.numel() * embedding.element_size()
     on_disk = sum(path.stat().st_size for path in out.glob("*.safetensors"))
     assert abs(report.bytes_after - on_disk) <= 8 * 1024  # headers and shape tensors only

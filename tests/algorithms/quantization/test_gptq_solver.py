@@ -367,3 +367,98 @@ def test_a_split_must_cover_every_row():
     w, _, h = problem(out=8)
     with pytest.raises(ValueError, match="cannot split 8 rows"):
         gptq_quantize(w, h, SCHEMES["int4 channel"]).split([4, 3])
+
+
+# -- launches: what the host issues per column ---------------------------------------------------------
+#: the calls that compute (one kernel launch each on a GPU); views, shapes and indexing are left out
+_KERNELS = {"div", "addcdiv", "add_", "round_", "clamp_", "sub_", "mul_", "addcmul", "addr_", "addmm_"}
+
+
+class _CallCounter(torch.overrides.TorchFunctionMode):
+    """Counts the computing torch calls the host issues."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.paused = 0, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused and getattr(func, "__name__", "") in _KERNELS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_per_column(args, columns=256, pruned=None, **kw):
+    w, _, h = problem(out=32, columns=columns)
+    with _CallCounter() as counter:
+        gptq_quantize(w, h, args, pruned=pruned, **kw)
+    return counter.calls / columns
+
+
+@pytest.mark.parametrize("name, most", [("int4 group 32", 5.2), ("int4 channel", 5.2), ("int4 group 32 asym", 6.2)])
+def test_the_eager_column_loop_issues_five_calls_per_column_six_asymmetric(name, most):
+    """div, round_, clamp_, addcmul, addr_ per column (an asymmetric grid adds its zero point with the division,
+    one addcdiv where it was a div and an add_, and takes it off after rounding); the rest is per sub-block."""
+    assert _calls_per_column(SCHEMES[name].replace(actorder="static"), block_size=128) <= most
+
+
+class _StandInGraphs:
+    """Records by running the loop once; a replay runs it again without the host's calls being counted, as a
+    CUDA graph replays its kernels without the host issuing them."""
+
+    def __init__(self, counter_box):
+        self.counter_box, self.recorded = counter_box, 0
+
+    def available(self, device):
+        return True
+
+    def record(self, fn, device):
+        self.recorded += 1
+        fn()
+
+        def replay():
+            counter = self.counter_box[0]
+            if counter is not None:
+                counter.paused = True
+            try:
+                fn()
+            finally:
+                if counter is not None:
+                    counter.paused = False
+        return replay
+
+
+@pytest.mark.parametrize("name, actorder", [("int4 group 32", None), ("int4 group 32 asym", "static"),
+                                            ("int8 channel", None), ("int4 tensor", "static"),
+                                            ("int4 group 32", "group")])
+def test_a_recorded_column_loop_gives_the_eager_result_and_no_call_per_column(name, actorder, monkeypatch):
+    from layerwise.algorithms.sparsity.masks import MaskStructure, magnitude_mask
+
+    args = SCHEMES[name].replace(actorder=actorder)
+    w, _, h = problem(out=40, columns=224)  # blocks of 64: three recorded, the last (32 columns) eager
+    pruned = magnitude_mask(w, MaskStructure(2, 4), 0.5)
+    w = w.masked_fill(pruned, 0.0)
+    expected = [gptq_quantize(w, h, args, block_size=64, pruned=mask) for mask in (None, pruned)]
+    box = [None]
+    stand_in = _StandInGraphs(box)
+    monkeypatch.setattr(gptq_module, "_graph_backend", stand_in)
+    monkeypatch.setattr(gptq_module, "_graph_cache", {})
+    for mask, want in zip((None, pruned), expected):
+        got = gptq_quantize(w, h, args, block_size=64, pruned=mask)
+        assert torch.equal(got.weight, want.weight) and torch.equal(got.scale, want.scale) and got.loss == want.loss
+    observed = args.strategy == "group" and actorder != "static"  # groups observed mid-block: never recorded
+    assert stand_in.recorded == (0 if observed else 2)
+    if not observed:
+        with _CallCounter() as counter:
+            box[0] = counter
+            gptq_quantize(w, h, args, block_size=64)
+        assert stand_in.recorded == 2  # the same shape again: the recorded loop is reused
+        assert counter.calls / 224 < 1.2  # the eager last block of 32 columns: ~5 each; the recorded ones: none
+
+
+def test_recording_is_off_on_the_cpu_and_when_asked(monkeypatch):
+    assert gptq_module._block_graphs(torch.device("cpu"), 8, 16, gptq_module._ColumnLoop(-8, 7, True, 16),
+                                     False) is None
+    monkeypatch.setattr(gptq_module, "_graph_backend", _StandInGraphs([None]))
+    monkeypatch.setenv(gptq_module.GRAPHS_ENV, "0")
+    assert gptq_module._block_graphs(torch.device("cuda", 0), 8, 16, gptq_module._ColumnLoop(-8, 7, True, 16),
+                                     False) is None

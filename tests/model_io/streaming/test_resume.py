@@ -53,7 +53,7 @@ def _kill_midway(tmp_path: Path, source: Path, out: Path, recipe: str) -> Path:
 def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_one(tmp_path, monkeypatch, recipe):
     source = _save(tmp_path / "model")
     reference = tmp_path / "reference"
-    layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=reference, show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
+    layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=reference, show_progress=False, options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     out = tmp_path / "out"
     left = _kill_midway(tmp_path, source, out, recipe)
 
@@ -62,7 +62,7 @@ def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_o
     monkeypatch.setattr(Lifecycle, "sequential_epoch_end", lambda self, modules: (epochs.append(modules),
                                                                                   original(self, modules))[1])
     model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, show_progress=False,
-                               options=layerwise.CompressOptions.of(resume=True))
+                               options=layerwise.CompressOptions.of(resume=True), device="cpu")
     total = int(model.layerwise_report.pieces.split(":")[1].split()[0])  # "layers: 13 pieces ..."
     assert len(epochs) == total - KILLED_AFTER  # the finished pieces did not run again
     # the report is the whole run's: resumed where, the full output's size, the interrupted run's time too
@@ -83,13 +83,13 @@ def test_a_checkpoint_is_reported_not_reused_or_deleted_without_resume(tmp_path)
     out = tmp_path / "out"
     left = _kill_midway(tmp_path, source, out, "GPTQ_W4A16")
     with pytest.raises(ResumeError, match=r"left a checkpoint in .*after piece 4 of .*--resume"):
-        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False)
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False, device="cpu")
     assert left.exists()
     # a different recipe (or data, model, options, versions) cannot continue it: what changed is named
     with pytest.raises(ResumeError, match="recipe differs"):
-        layerwise.compress(str(source), "GPTQ_W8A16", dataset=_samples(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+        layerwise.compress(str(source), "GPTQ_W8A16", dataset=_samples(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(resume=True), device="cpu")
     with pytest.raises(ResumeError, match="dataset differs"):
-        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(5), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(5), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(resume=True), device="cpu")
     assert left.exists() and not out.exists()
 
 
@@ -99,7 +99,7 @@ def test_resume_without_a_checkpoint_says_so_and_runs_from_the_start(tmp_path):
     source = _save(tmp_path / "model")
     with pytest.warns(ResumeWarning, match="no interrupted run of this output left a checkpoint"):
         model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out",
-                                   show_progress=False, options=layerwise.CompressOptions.of(resume=True))
+                                   show_progress=False, options=layerwise.CompressOptions.of(resume=True), device="cpu")
     assert model.layerwise_report.resumed_from_piece is None
     assert model.layerwise_report.weights.startswith("stream")
     assert (tmp_path / "out" / "config.json").is_file()
@@ -108,6 +108,6 @@ def test_resume_without_a_checkpoint_says_so_and_runs_from_the_start(tmp_path):
 def test_resume_needs_a_folder_and_an_output(tmp_path):
     source = _save(tmp_path / "model")
     with pytest.raises(InvalidArgumentError, match="pass output_dir"):
-        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(resume=True))
+        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(resume=True), device="cpu")
     with pytest.raises(InvalidArgumentError, match="weights streamed"):
-        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "o", options=layerwise.CompressOptions.of(resume=True, weights="memory"))
+        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "o", options=layerwise.CompressOptions.of(resume=True, weights="memory"), device="cpu")

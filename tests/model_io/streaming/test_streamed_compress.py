@@ -45,7 +45,7 @@ def test_streamed_run_writes_the_in_memory_runs_checkpoint_bit_for_bit(tmp_path,
     outputs = {}
     for weights in ("memory", "stream"):
         out = tmp_path / f"out-{weights}"
-        model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(weights=weights))
+        model = layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=out, show_progress=False, options=layerwise.CompressOptions.of(weights=weights), device="cpu")
         assert model.layerwise_report.weights.startswith(weights)
         outputs[weights] = out
     memory, streamed = _saved(outputs["memory"]), _saved(outputs["stream"])
@@ -75,7 +75,7 @@ def test_only_one_piece_is_loaded_at_a_time_and_nothing_stays_loaded(tmp_path, m
         return original(self, tensor, device)
 
     monkeypatch.setattr(WeightStream, "load", counting_load)
-    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     total = len(list(model.parameters()))
     # a decoder layer holds 9 of the model's 30 parameters; never more than one layer's (and a neighbour's)
     assert 0 < max(loaded_at_each_read) <= 12 < total
@@ -103,10 +103,10 @@ def test_auto_streams_when_the_model_would_not_fit(tmp_path, monkeypatch):
 
     source = _save(tmp_path / "model")
     monkeypatch.setattr(memory_policy, "available_memory", lambda: 1024)
-    model = layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", show_progress=False)
+    model = layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", show_progress=False, device="cpu")
     assert model.layerwise_report.weights.startswith("stream (would not fit in memory")
     monkeypatch.setattr(memory_policy, "available_memory", lambda: 2**40)
-    model = layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out2", show_progress=False)
+    model = layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out2", show_progress=False, device="cpu")
     assert model.layerwise_report.weights == "memory"
     assert model.layerwise_report.peak_rss_bytes > 0
 
@@ -114,11 +114,11 @@ def test_auto_streams_when_the_model_would_not_fit(tmp_path, monkeypatch):
 def test_bad_uses_are_named_errors_before_any_work(tmp_path):
     source = _save(tmp_path / "model")
     with pytest.raises(InvalidArgumentError, match="unknown weights 'disk'"):
-        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(weights="disk"))
+        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(weights="disk"), device="cpu")
     with pytest.raises(StreamingError, match="pass the folder instead"):
-        layerwise.compress(build_tiny_llama(), "W4A16", options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(build_tiny_llama(), "W4A16", options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     with pytest.raises(StreamingError, match="pipeline 'basic' needs every weight in memory"):
-        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), show_progress=False, options=layerwise.CompressOptions.of(weights="stream", pipeline="basic"))
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), show_progress=False, options=layerwise.CompressOptions.of(weights="stream", pipeline="basic"), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
@@ -127,7 +127,7 @@ def test_a_folder_without_safetensors_is_refused_with_the_fix(tmp_path):
     torch.save(load_file(source / "model.safetensors"), source / "pytorch_model.bin")
     (source / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*reads safetensors only"):
-        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
@@ -139,7 +139,7 @@ def test_a_checkpoint_key_the_model_has_no_place_for_is_named(tmp_path):
     tensors["model.extra.weight"] = torch.zeros(2)
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(StreamingError, match=r"no place for: 'model\.extra\.weight'.*weights='memory'"):
-        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
 
 
 def test_a_nan_weight_on_disk_fails_before_calibration(tmp_path):
@@ -150,7 +150,7 @@ def test_a_nan_weight_on_disk_fails_before_calibration(tmp_path):
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NonFiniteError, match="up_proj"):
-        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
@@ -165,7 +165,7 @@ def test_pruned_checkpoints_stream_bit_for_bit_too(tmp_path, recipe):
     """Pruned weights are written dense as their piece ends and re-encoded once every layer's structure is known."""
     source = _save(tmp_path / "model")
     for weights in ("memory", "stream"):
-        layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=tmp_path / weights, show_progress=False, options=layerwise.CompressOptions.of(weights=weights))
+        layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=tmp_path / weights, show_progress=False, options=layerwise.CompressOptions.of(weights=weights), device="cpu")
     memory, streamed = _saved(tmp_path / "memory"), _saved(tmp_path / "stream")
     assert sorted(memory) == sorted(streamed)
     assert [k for k in memory if not torch.equal(memory[k], streamed[k])] == []
@@ -197,13 +197,13 @@ def test_cached_activations_go_to_disk_when_they_would_not_fit(tmp_path, monkeyp
 
     source = _save(tmp_path / "model")
     monkeypatch.setattr(memory_policy, "available_memory", lambda: 4096)  # bytes: nothing fits
-    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="memory"))
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out", show_progress=False, options=layerwise.CompressOptions.of(weights="memory"), device="cpu")
     assert model.layerwise_report.activations.startswith("disk (auto: ~")
     monkeypatch.setattr(memory_policy, "available_memory", lambda: 2**40)
-    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out2", show_progress=False, options=layerwise.CompressOptions.of(weights="memory"))
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=tmp_path / "out2", show_progress=False, options=layerwise.CompressOptions.of(weights="memory"), device="cpu")
     assert model.layerwise_report.activations == "cpu"
     with pytest.raises(InvalidArgumentError, match="unknown offload 'ram'"):
-        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(offload="ram"))
+        layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(offload="ram"), device="cpu")
 
 
 def test_a_truncated_shard_is_named_before_any_work(tmp_path):
@@ -213,14 +213,14 @@ def test_a_truncated_shard_is_named_before_any_work(tmp_path):
     shard = sorted(source.glob("model-*.safetensors"))[1]
     os.truncate(shard, shard.stat().st_size - 100)  # an interrupted download
     with pytest.raises(CheckpointError, match=rf"'{shard.name}' is truncated or corrupt.*download it again"):
-        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"))
+        layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "out", options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
 def test_a_streamed_dry_run_writes_nothing_and_still_reports(tmp_path):
     source = _save(tmp_path / "model")
     before = sorted(p.name for p in tmp_path.iterdir())
-    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), show_progress=False, options=layerwise.CompressOptions.of(weights="stream"))
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), show_progress=False, options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
     report = model.layerwise_report
     assert report.weights.startswith("stream") and len(report.compressed_modules) == 21
     assert 0 < report.bytes_after < report.bytes_before

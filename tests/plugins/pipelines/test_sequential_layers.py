@@ -262,12 +262,12 @@ def test_compress_reports_the_cut_and_refuses_an_unknown_one():
 
     batches = make_batches(lengths=(16, 16))
     model = layerwise.compress(build_tiny_llama(), "GPTQModifier:\n  scheme: W4A16\n  strategy: channel\n",
-                               dataset=batches, show_progress=False)
+                               dataset=batches, show_progress=False, device="cpu")
     report = model.layerwise_report
     assert report.pieces.startswith("layers: 9 pieces")
     assert report.accounting["GPTQ Hessians"]["gflops_per_second"] > 0
     with pytest.raises(InvalidArgumentError, match="unknown pieces 'layer'; did you mean 'layers'"):
-        layerwise.compress(build_tiny_llama(), "W4A16", options=layerwise.CompressOptions.of(pieces="layer"))
+        layerwise.compress(build_tiny_llama(), "W4A16", options=layerwise.CompressOptions.of(pieces="layer"), device="cpu")
 
 
 def test_a_batch_lets_go_of_its_inputs_as_soon_as_its_piece_ran(monkeypatch):

@@ -134,7 +134,7 @@ def test_pruned_and_quantized_model_stays_pack_quantized_and_loads_in_transforme
     from transformers import AutoModelForCausalLM
 
     model = prune(build_tiny_llama(hidden_size=128, intermediate_size=256), TWO_FOUR)
-    layerwise.compress(model, "W4A16", output_dir=tmp_path / "out", show_progress=False)
+    layerwise.compress(model, "W4A16", output_dir=tmp_path / "out", show_progress=False, device="cpu")
     pruned = sparse_modules(model)
     assert set(quantized_modules(model)) == set(pruned)
     config = quant_config(tmp_path / "out")
