@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compress(sub)
     from layerwise.cli import env as env_cli
+    from layerwise.cli import evaluate as evaluate_cli
     from layerwise.cli import new_patch as scaffold_cli
     from layerwise.cli import plugins as plugins_cli
     from layerwise.cli import report as report_cli
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     trace_cli.add_parser(sub)
     report_cli.add_parser(sub)
+    evaluate_cli.add_parser(sub)
     plugins_cli.add_parser(sub)
     scaffold_cli.add_parser(sub)
     env_cli.add_parser(sub)

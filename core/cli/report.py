@@ -1,7 +1,7 @@
 """``layerwise report OUT_DIR``: read a run's saved summary and show it.
 
 Prints a header (model, recipe, pipeline, fallbacks, guards re-traced, time, size), the
-per-layer table and the loss chart; ``--json`` prints the saved summary as it is, ``--svg FILE``
+per-layer table and the loss chart, and the report card when the folder was evaluated; ``--json`` prints the saved summary as it is, ``--svg FILE``
 also writes the per-layer loss as an SVG bar chart. A folder without a readable summary is a
 :class:`~layerwise.reports.run_summary.SummaryError` (exit status 2, one line that says the fix).
 """
@@ -96,10 +96,28 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(chart))
         elif not records:
             print("\nno per-layer log: the modifiers of this recipe record none (round-to-nearest needs no data)")
+        _print_quality(summary, ascii_only=args.ascii or not supports_blocks(sys.stdout))
     if args.svg:
         # after --json, stdout holds only the JSON
         print(f"SVG chart written to {args.svg}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _print_quality(summary: RunSummary, ascii_only: bool) -> None:
+    """The report card, when the folder was evaluated (``layerwise eval`` / ``compress --eval``)."""
+    quality = summary.report.quality
+    if not quality:
+        print(f"\nno report card: `layerwise eval ORIGINAL {summary.path.parent if summary.path else 'OUT_DIR'} "
+              f"--dataset FILE` measures what the compression lost")
+        return
+    from layerwise.reports.quality_text import kl_charts, quality_lines
+
+    print("\nreport card (layerwise eval):")
+    print("\n".join(quality_lines(quality)))
+    charts = kl_charts(quality, ascii_only=ascii_only)
+    if charts:
+        print()
+        print("\n".join(charts))
 
 
 def _write_svg(summary: RunSummary, path: Path, scale: Scale) -> None:

@@ -10,6 +10,7 @@ truncated (``packing="truncate"``, right for encoders whose inputs carry [CLS]/[
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections.abc import Callable, Mapping
@@ -56,6 +57,33 @@ def load_records(source: Any) -> list[str] | list[Mapping[str, Any]]:
         f"no dataset loader understands {_describe(source)}; pass a list of strings, a .txt/.jsonl file, "
         f"a datasets.Dataset or tokenized samples (loaders: {', '.join(registry('datasets').names())})"
     )
+
+
+def describe_data(source: Any) -> dict[str, str]:
+    """``{"description", "sha256"}`` of calibration data, for the run summary and the model card.
+
+    A file: its name, size and the sha256 of its bytes. Texts or tokenized samples in memory: how many,
+    and the sha256 of the texts joined by blank lines (of the token ids for samples). A
+    ``datasets.Dataset``: its rows and its own fingerprint. Nothing given: ``{}``.
+    """
+    if source is None:
+        return {}
+    if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        data = Path(source).read_bytes()
+        return {"description": f"{Path(source).name} ({len(data):,} bytes)",
+                "sha256": hashlib.sha256(data).hexdigest()}
+    if hasattr(source, "column_names") and hasattr(source, "_fingerprint"):
+        return {"description": f"a datasets.Dataset of {len(source):,} rows", "sha256": str(source._fingerprint)}
+    records = load_records(source)
+    digest = hashlib.sha256()
+    if isinstance(records[0], str):
+        digest.update("\n\n".join(records).encode("utf-8"))
+        return {"description": f"{len(records):,} texts given in memory", "sha256": digest.hexdigest()}
+    for record in records:
+        ids = record.get("input_ids") if isinstance(record, Mapping) else None
+        if ids is not None:
+            digest.update(torch.as_tensor(ids).to(torch.int64).numpy().tobytes())
+    return {"description": f"{len(records):,} tokenized samples given in memory", "sha256": digest.hexdigest()}
 
 
 def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 512,

@@ -19,7 +19,9 @@ Two rules keep a user's data safe, whatever the flags:
   refused, ``overwrite`` or not;
 * **overwrite replaces only what layerwise wrote**: ``overwrite=True`` replaces a folder that
   holds :data:`OWNER_MARK` (every ``compress`` output does); any other non-empty folder needs
-  ``overwrite="any"`` (CLI: ``--overwrite-any``).
+  ``overwrite="any"`` (CLI: ``--overwrite-any``). A ``README.md`` the user wrote into a layerwise
+  output (one that is not layerwise's model card, :mod:`layerwise.reports.model_card`) is carried
+  into the folder that replaces it, in place of the new card.
 """
 
 from __future__ import annotations
@@ -274,6 +276,7 @@ def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
         target.rmdir()
         os.rename(tmp, target)
         return
+    _carry_user_readme(target, tmp)
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     old.rmdir()
     os.rename(target, old)
@@ -283,3 +286,12 @@ def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
         os.rename(old, target)  # put the previous folder back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _carry_user_readme(target: Path, tmp: Path) -> None:
+    """Keep the README.md a user wrote into a layerwise output: it replaces the new folder's card."""
+    from layerwise.reports.model_card import CARD_FILE, is_layerwise_card
+
+    readme = target / CARD_FILE
+    if written_by_layerwise(target) and readme.is_file() and not is_layerwise_card(readme):
+        shutil.copy2(readme, tmp / CARD_FILE)

@@ -46,6 +46,10 @@ class CompressionReport:
     #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None
+    #: the calibration data: ``description`` and ``sha256`` (empty when not recorded)
+    calibration_data: dict[str, Any] = field(default_factory=dict)
+    #: the report card (:meth:`layerwise.reports.quality.QualityReport.to_dict`) once the model was evaluated
+    quality: dict[str, Any] | None = None
     #: the piece (1-based) an interrupted run was resumed from; ``None``: run from the start in one go.
     #: ``seconds`` and the sizes then count the interrupted run's work too
     resumed_from_piece: int | None = None

@@ -10,7 +10,10 @@ folder has it exactly when the folder is complete. The file is one JSON object:
   ``sequential_targets``, ``modifiers``, ``compressed_modules``, ``calibration_samples``,
   ``bytes_before``, ``bytes_after``, ``layer_log`` (the per-layer records, e.g. GPTQ's
   ``name``, ``method``, ``loss``, ``seconds``, ``tokens``: calibration tokens) and ``seconds``, which counts
-  the run up to the start of saving (the file is written while saving).
+  the run up to the start of saving (the file is written while saving);
+- optional, absent from older files: ``calibration_data`` (``description``, ``sha256``) and
+  ``quality``, the report card of ``layerwise eval`` / ``compress --eval``
+  (:class:`~layerwise.reports.quality.QualityReport` as a dict), added by :func:`record_quality`.
 
 :func:`read_summary` reads it back into a :class:`RunSummary`; unknown keys (a newer
 layerwise) are ignored, missing ones are an error that says which.
@@ -79,6 +82,27 @@ def read_summary(folder: str | os.PathLike) -> RunSummary:
         raise SummaryError(f"'{path}' is not valid JSON ({exc}); the file was damaged after it was written: "
                            f"compress the model again, or restore the file from a copy") from None
     return summary_from_document(document, path)
+
+
+def record_quality(folder: str | os.PathLike, quality: dict[str, Any]) -> Path:
+    """Put ``quality`` into the summary saved in ``folder`` (replacing an earlier one); returns its path.
+
+    The file is rewritten whole through a temporary file and a rename: a reader sees the old or
+    the new summary, never half of one. Every other key stays as it was.
+    """
+    summary = read_summary(folder)  # a folder without a readable summary is a SummaryError
+    assert summary.path is not None
+    document = json.loads(summary.path.read_text(encoding="utf-8"))
+    document["quality"] = quality
+    temporary = summary.path.with_name(f".{SUMMARY_FILE}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")
+        os.replace(temporary, summary.path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise SummaryError(f"cannot update '{summary.path}': {exc.strerror or exc}; make the folder writable, "
+                           f"or pass --no-record to leave it as it is") from None
+    return summary.path
 
 
 def summary_from_document(document: Any, path: Path | None = None) -> RunSummary:

@@ -98,3 +98,19 @@ def test_texts_longer_than_the_tokenizers_limit_are_windowed_without_its_length_
     batches = calibration_batches([text], tokenizer, num_samples=4, max_seq_length=8)
     assert [b["input_ids"].shape[1] for b in batches] == [8, 8, 8, 8]
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_describe_data_names_the_source_and_hashes_it(tmp_path):
+    import hashlib
+
+    from layerwise.model_io.calibration_data import describe_data
+
+    path = tmp_path / "calib.txt"
+    path.write_text("one\n\ntwo\n")
+    assert describe_data(str(path)) == {"description": "calib.txt (9 bytes)",
+                                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert describe_data(["a", "b"]) == {"description": "2 texts given in memory",
+                                         "sha256": hashlib.sha256(b"a\n\nb").hexdigest()}
+    samples = describe_data([{"input_ids": torch.tensor([[1, 2, 3]])}])
+    assert samples["description"] == "1 tokenized samples given in memory" and len(samples["sha256"]) == 64
+    assert describe_data(None) == {}
