@@ -179,7 +179,8 @@ def compress(
                   else list(chosen_patch.ignore if chosen_patch else []))
         seq_length = calibration.max_seq_length or default_max_seq_length(model)
         batches = (batches_from_records(records, tokenizer, calibration.num_calibration_samples, seq_length,
-                                        calibration.packing, source=dataset) if needs_data else [])
+                                        calibration.packing, source=dataset,
+                                        chat_template=calibration.chat_template) if needs_data else [])
         calibration_samples = len(batches)
         batches = distributed.shard(batches)  # several ranks: each calibrates on its share
 
