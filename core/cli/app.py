@@ -45,7 +45,11 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
     p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
-    p.add_argument("--dataset", help="calibration data: .txt or .jsonl file")
+    p.add_argument("--dataset", help="calibration data: .txt or .jsonl file (text or chat 'messages' rows), or a "
+                                     "dataset name (open_platypus, ultrachat_200k, ...; needs layerwise[datasets])")
+    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                   help="chat rows ('messages') rendered with the tokenizer's chat template: auto (chat rows "
+                        "are, default), on (every row must be a chat), off (their contents as plain text)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--output-dir", help="where to save (compressed-tensors format); required with --model "
                                             "unless --no-save")
@@ -152,7 +156,8 @@ def options_from_flags(args: argparse.Namespace) -> CompressOptions:
         sequential_targets=args.targets, ignore=args.ignore, targets_per_subgraph=args.targets_per_subgraph,
         pipeline=args.pipeline, propagate_error=not args.no_propagate_error, pieces=args.pieces,
         weights=args.weights, offload=args.offload, save_format=args.save_format, resume=args.resume,
-        non_finite="skip" if args.skip_non_finite else "error", trust_remote_code=args.trust_remote_code)
+        non_finite="skip" if args.skip_non_finite else "error", trust_remote_code=args.trust_remote_code,
+        chat_template=args.chat_template)
 
 
 def _overwrite(args: argparse.Namespace) -> bool | str:

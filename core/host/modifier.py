@@ -26,6 +26,24 @@ if TYPE_CHECKING:
     from layerwise.runtime.distributed import Reducer
 
 
+@dataclasses.dataclass(frozen=True)
+class ForeignField:
+    """A field another tool's recipes give a modifier (llm-compressor's ``sequential_update``, ...).
+
+    ``ignored``: read and dropped with a warning carrying ``note`` (why nothing is lost); else refused,
+    the error carrying ``note`` (layerwise's equivalent).
+    """
+
+    note: str
+    ignored: bool = True
+
+
+#: what llm-compressor's modifiers all take for its training sessions; one-shot runs have no schedule
+SESSION_FIELDS = {name: ForeignField("a field of llm-compressor's training schedule; layerwise runs one-shot "
+                                     "compression, so there is no schedule to place the modifier in")
+                  for name in ("start", "end", "update", "index", "group")}
+
+
 @dataclasses.dataclass
 class Modifier:
     """Base of every modifier. Subclasses are dataclasses with their own fields."""
@@ -45,6 +63,12 @@ class Modifier:
     preset_prefix: ClassVar[str | None] = None
     #: presets that chain registered modifiers in one run: name -> ((modifier name, fields), ...)
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {}
+    #: fields of other tools' recipes (llm-compressor's) this modifier reads: ignored with a warning saying why,
+    #: or refused naming layerwise's equivalent (:class:`ForeignField`)
+    foreign_fields: ClassVar[dict[str, ForeignField]] = {}
+    #: how many llm-compressor ``config_groups`` a recipe may give (each becomes one instance with that scheme
+    #: and targets; the modifier needs ``scheme``, ``targets`` and ``ignore`` fields); ``None``: any number
+    max_config_groups: ClassVar[int | None] = 0
 
     def __post_init__(self) -> None:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

@@ -14,6 +14,12 @@ Every key, at any depth, must be a registered modifier, a stage or group that ho
 one, or one of :data:`METADATA_KEYS`; anything else is a :class:`RecipeNameError`
 with the closest valid name. A misspelt modifier is never dropped silently while the
 rest of the recipe runs.
+
+Recipes written for llm-compressor read as they are where layerwise can honour them: a
+modifier's ``foreign_fields`` (``sequential_update``, ``offload_hessians``, ...) are dropped
+with a :class:`ForeignFieldWarning` saying why nothing is lost, or refused naming the layerwise
+equivalent; ``config_groups`` (compressed-tensors schemes) become one modifier per group with
+that scheme and targets (:mod:`layerwise.algorithms.quantization.config_groups`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,16 @@ from typing import Any
 
 import yaml
 
+from layerwise.common.user_warnings import warn_user
 from layerwise.errors import PluginError, RecipeError, RecipeNameError, did_you_mean
 from layerwise.host.modifier import Modifier
 from layerwise.host.plugin_manager import registry
 
 RecipeLike = Modifier | list | dict | str | Path
+
+
+class ForeignFieldWarning(UserWarning):
+    """A field of another tool's recipe that layerwise reads and ignores (the message says why)."""
 
 
 #: keys that describe a recipe (as llm-compressor-style recipes carry them); read, never used
@@ -134,7 +145,7 @@ def _parse_mapping(mapping: dict, path: str) -> list[Modifier]:
     for key, value in mapping.items():
         where = f"{path}.{key}"
         if key in known:
-            modifiers.append(_build(key, value or {}, where))
+            modifiers.extend(_build_all(key, value or {}, where))
         elif key in METADATA_KEYS:
             continue
         elif not str(key).lower().endswith("modifier") and _is_group(value, known):
@@ -169,6 +180,68 @@ def _is_group(value: Any, known: list[str]) -> bool:
     named = any(k in known or k in METADATA_KEYS or str(k).lower().endswith("modifier") or did_you_mean(k, known)
                 for k in value)
     return not value or nested or named
+
+
+def _build_all(name: str, fields: Any, where: str) -> list[Modifier]:
+    """The modifier(s) a recipe entry describes: its foreign fields dropped or refused, its
+    ``config_groups`` (if any) one instance per group."""
+    cls = registry("modifiers").get(name)
+    if not isinstance(fields, dict):
+        raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
+    own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    fields = dict(fields)
+    for key, foreign in getattr(cls, "foreign_fields", {}).items():
+        if key not in fields or key in own:
+            continue
+        if not foreign.ignored:
+            raise RecipeError(f"{where}.{key}: an llm-compressor field layerwise does not take: {foreign.note}")
+        warn_user(f"{where}.{key} is ignored: {foreign.note}", ForeignFieldWarning)
+        del fields[key]
+    if "config_groups" not in fields or "config_groups" in own:
+        return [_build(name, fields, where)]
+    return _expand_config_groups(cls, name, fields, where)
+
+
+def _expand_config_groups(cls: type, name: str, fields: dict[str, Any], where: str) -> list[Modifier]:
+    from layerwise.algorithms.quantization.config_groups import (
+        exclusive_ignores,
+        read_config_groups,
+    )
+
+    limit = getattr(cls, "max_config_groups", 0)
+    if limit == 0:
+        raise RecipeError(f"{where}.config_groups: {name} quantizes nothing, so it takes no config_groups")
+    given = [k for k in ("scheme", "num_bits", "symmetric", "strategy", "group_size") if k in fields]
+    if given:
+        raise RecipeError(f"{where}: give config_groups or {', '.join(given)}, not both: each config group "
+                          f"carries its own scheme and targets")
+    if "targets" in fields:
+        raise RecipeError(f"{where}: with config_groups the targets go in each group (config_groups.<name>.targets); "
+                          f"the modifier's own targets field would be a second list")
+    groups = read_config_groups(fields.pop("config_groups"), f"{where}.config_groups")
+    if limit is not None and len(groups) > limit:
+        raise RecipeError(f"{where}.config_groups: {name} takes {limit} config group (it searches each smoothing "
+                          f"mapping for one scheme), got {len(groups)}: keep one here and quantize the other "
+                          f"layers with a QuantizationModifier or GPTQModifier after it")
+    ignore = fields.pop("ignore", None)
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore) if ignore is not None else None
+    built = []
+    for group, exclusive in zip(groups, exclusive_ignores(groups)):
+        base = ignore if ignore is not None else list(_default(cls, "ignore") or [])
+        group_fields = {**fields, "scheme": group.scheme, "targets": list(group.targets),
+                        "ignore": [*base, *exclusive]}
+        built.append(_build(name, group_fields, f"{where}.config_groups.{group.name}"))
+    return built
+
+
+def _default(cls: type, name: str) -> Any:
+    """A dataclass field's default value (``None`` when it has none)."""
+    for item in dataclasses.fields(cls):
+        if item.name == name:
+            if item.default_factory is not dataclasses.MISSING:
+                return item.default_factory()
+            return None if item.default is dataclasses.MISSING else item.default
+    return None
 
 
 def _build(name: str, fields: Any, where: str) -> Modifier:

@@ -6,14 +6,20 @@ Sources are recognised by the dataset loaders registered through
 model's tokenizer and either cut into windows of ``max_seq_length`` tokens
 (``packing="chunk"``, the usual choice for causal LMs) or one sample per document,
 truncated (``packing="truncate"``, right for encoders whose inputs carry [CLS]/[SEP]).
+
+Chat rows (``{"messages": [{"role": ..., "content": ...}, ...]}``, as llm-compressor's chat datasets
+hold them) are rendered to text with the tokenizer's chat template first (``chat_template="auto"``,
+the default; ``"on"`` requires every row to be one, ``"off"`` joins the contents as plain text), one
+row at a time as the tokens are needed: a 200,000-conversation set renders the few it uses.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,15 +94,16 @@ def describe_data(source: Any) -> dict[str, str]:
 
 def calibration_batches(source: Any, tokenizer: Any = None, num_samples: int = 512,
                         max_seq_length: int = 2048, packing: str | None = None,
-                        shuffle: bool = False, seed: int = 0) -> list[Batch]:
+                        shuffle: bool = False, seed: int = 0, chat_template: str = "auto") -> list[Batch]:
     """Up to ``num_samples`` batches of one sample each (no padding wasted on calibration)."""
     return batches_from_records(load_records(source), tokenizer, num_samples, max_seq_length, packing,
-                                shuffle, seed, source=source)
+                                shuffle, seed, source=source, chat_template=chat_template)
 
 
 def batches_from_records(records: list[str] | list[Mapping[str, Any]], tokenizer: Any = None,
                          num_samples: int = 512, max_seq_length: int = 2048, packing: str | None = None,
-                         shuffle: bool = False, seed: int = 0, *, source: Any = None) -> list[Batch]:
+                         shuffle: bool = False, seed: int = 0, *, source: Any = None,
+                         chat_template: str = "auto") -> list[Batch]:
     """:func:`calibration_batches` for records already read by :func:`load_records`.
 
     ``compress()`` reads the data before loading the model, so that a bad file is
@@ -104,7 +111,14 @@ def batches_from_records(records: list[str] | list[Mapping[str, Any]], tokenizer
     """
     require_positive(num_samples, "num_samples")
     require_positive(max_seq_length, "max_seq_length")
-    if isinstance(records[0], str):
+    if is_chat(records[0]):
+        texts: Iterable[str] = render_chats(records, tokenizer, chat_template, source)
+        samples = _tokenize(texts, tokenizer, num_samples, max_seq_length, packing)
+    elif chat_template == "on":
+        raise DatasetError(f"chat_template='on' (CLI: --chat-template on) but the calibration dataset "
+                           f"{_describe(source)} holds no chat rows ({{\"messages\": [{{\"role\": ..., "
+                           f"\"content\": ...}}]}}); give chat rows, or chat_template='auto'")
+    elif isinstance(records[0], str):
         samples = _tokenize(records, tokenizer, num_samples, max_seq_length, packing)
     else:
         samples = [_as_batch(r, max_seq_length) for r in records]
@@ -116,7 +130,42 @@ def batches_from_records(records: list[str] | list[Mapping[str, Any]], tokenizer
     return samples
 
 
-def _tokenize(texts: list[str], tokenizer: Any, num_samples: int, max_seq_length: int,
+def is_chat(record: Any) -> bool:
+    """A chat row: a mapping with ``messages`` and no model inputs."""
+    return isinstance(record, Mapping) and "messages" in record and not any(k in record for k in MODEL_INPUT_KEYS)
+
+
+def render_chats(records: Iterable[Any], tokenizer: Any, chat_template: str, source: Any = None) -> Iterable[str]:
+    """Each chat row as text, lazily: the tokenizer's chat template (``auto`` / ``on``), or the contents (``off``)."""
+    if tokenizer is None:
+        raise DatasetError("the calibration data is chat rows but the model has no tokenizer; pass tokenizer= "
+                           "(one with a chat template) or tokenized samples ({'input_ids': ...})")
+    if chat_template != "off" and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"the calibration dataset {_describe(source)} holds chat rows (messages) but the "
+                           f"tokenizer ({type(tokenizer).__name__}) has no chat template to render them with: pass a "
+                           f"tokenizer that has one (tokenizer=, e.g. the instruct model's), set tokenizer.chat_template, "
+                           f"or chat_template='off' (CLI: --chat-template off) to calibrate on the messages' contents "
+                           f"as plain text")
+    for index, record in enumerate(records):
+        if not is_chat(record):
+            raise DatasetError(f"calibration row {index} of {_describe(source)} is not a chat row like the first "
+                               f"(a mapping with 'messages'); give one kind of row")
+        messages = _messages(record["messages"], index, source)
+        if chat_template == "off":
+            yield "\n".join(m["content"] for m in messages if isinstance(m["content"], str))
+        else:
+            yield tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _messages(messages: Any, index: int, source: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
+        raise DatasetError(f"calibration row {index} of {_describe(source)}: 'messages' must be a non-empty list of "
+                           f"{{\"role\": ..., \"content\": ...}} mappings, got {_describe(messages)}")
+    return list(messages)
+
+
+def _tokenize(texts: Iterable[str], tokenizer: Any, num_samples: int, max_seq_length: int,
               packing: str | None) -> list[Batch]:
     if tokenizer is None:
         raise DatasetError("the calibration data is text but the model has no tokenizer; pass tokenizer= "
@@ -125,7 +174,7 @@ def _tokenize(texts: list[str], tokenizer: Any, num_samples: int, max_seq_length
         packing = "truncate" if getattr(tokenizer, "cls_token", None) else "chunk"
     if packing == "truncate":
         out = []
-        for text in texts[:num_samples]:
+        for text in itertools.islice(texts, num_samples):
             enc = tokenizer(text, truncation=True, max_length=max_seq_length, return_tensors="pt")
             out.append({k: v for k, v in enc.items()})
         return out

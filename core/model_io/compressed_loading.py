@@ -1,19 +1,21 @@
 """Loading a compressed-tensors folder, the sparse layouts transformers no longer reads included.
 
-compressed-tensors >= 0.15 dropped its sparse compressors, so a folder whose
-``quantization_config.sparsity_config.format`` is ``sparse-bitmask`` or ``sparse-24-bitmask``
-(what layerwise saves for a pruned, unquantized model) loads in plain transformers with its
-pruned weights *missing*: randomly initialised, with only a load report saying so.
+layerwise writes every folder in a layout plain transformers loads (pruned weights dense with a
+``dense`` sparsity_config; see :mod:`layerwise.plugins.savers.sparse`). Folders that layerwise
+0.1.0 wrote for a pruned, unquantized model are stored ``sparse-bitmask`` or ``sparse-24-bitmask``:
+compressed-tensors >= 0.15 dropped those decompressors, so plain transformers loads them with the
+pruned weights *missing* (randomly initialised, with only a load report saying so).
 :func:`load_compressed` decodes those tensors (:mod:`layerwise.algorithms.sparsity.bitmask`) into dense
 ``<layer>.weight`` tensors, drops the sparsity part of the config and builds the model from
-that state dict; every other folder (dense, pack-quantized, quantized with a ``dense``
-sparsity_config) is a plain ``from_pretrained``, packed asymmetric weights dequantized on load
-(:func:`packed_asymmetric`). :func:`layerwise.load_model`, and so
-``compress(path)``, load sparse folders the same way.
+that state dict; every other folder (dense, pack-quantized, quantized or pruned with a ``dense``
+sparsity_config) is a plain ``from_pretrained``, packed asymmetric weights of a folder that does
+not say ``dequantize`` dequantized on load (:func:`packed_asymmetric`). :func:`layerwise.load_model`,
+and so ``compress(path)``, load sparse folders the same way.
 
-The decoded layers are marked pruned again (:func:`layerwise.algorithms.sparsity.mark_sparse`, with the
-config's ``sparsity_structure``), so a later GPTQ run keeps their zeros and saving writes them
-sparse again. The whole checkpoint is read into CPU memory once while loading.
+The pruned layers are marked pruned again (:func:`layerwise.algorithms.sparsity.mark_sparse`, with the
+config's ``sparsity_structure``): decoded ones, and the ``targets`` of a ``dense`` sparsity_config on
+an unquantized folder, so a later GPTQ run keeps their zeros and a save records them again. A bitmask
+checkpoint is read into CPU memory once while loading.
 """
 
 from __future__ import annotations
@@ -85,18 +87,32 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-        return cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
+        result = cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
+        mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
+        return result
     return load_sparse(folder, loaded, model_class, **kwargs)
 
 
 def packed_asymmetric(config: Any) -> bool:
-    """Does the folder hold packed asymmetric weights (``W4A16_ASYM``, AWQ's default)? transformers with
-    compressed-tensors 0.20 cannot build those packed layers, so they load dequantized (dense weights
-    with the quantized values: the same outputs, full-precision memory)."""
+    """Does the folder hold packed asymmetric weights (``W4A16_ASYM``, AWQ's default) without saying
+    ``dequantize``? transformers 5.24 with compressed-tensors 0.20 loads those layers only through its
+    dequantize-on-load path (dense weights with the quantized values: the same outputs); layerwise
+    writes ``"dequantize": true`` into such a config, older folders lack it."""
     quant = quantization_config(config)
-    return quant.get("format") in ("pack-quantized", "mixed-precision") and any(
+    return not quant.get("dequantize") and quant.get("format") in ("pack-quantized", "mixed-precision") and any(
         not (group.get("weights") or {}).get("symmetric", True)
         for group in (quant.get("config_groups") or {}).values())
+
+
+def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:
+    """Mark the ``targets`` of a ``dense`` sparsity_config pruned again, on a model loaded from an unquantized
+    folder (its weights are the pruned ones, zeros included); returns the names marked."""
+    sparse = sparsity_config(config)
+    if not sparse or sparse.get("format") != "dense" or quantization_config(config).get("config_groups"):
+        return []
+    names = [f"{target}.weight" for target in sparse.get("targets") or [] if not str(target).startswith("re:")]
+    _mark_decoded(model, names, sparse.get("sparsity_structure"))
+    return names
 
 
 def load_sparse(folder: str | os.PathLike, config: Any, model_class: type | None = None, **kwargs: Any) -> Any:

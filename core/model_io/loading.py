@@ -28,12 +28,13 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     a name or :class:`ModelPatch` forces one, ``False`` disables patching.
     ``trust_remote_code`` stays off (and transformers never prompts for it) unless the
     caller passes ``trust_remote_code=True`` after reading the model's code.
-    A folder whose pruned weights are stored ``sparse-bitmask`` / ``sparse-24-bitmask`` is
-    decoded first (:mod:`layerwise.model_io.compressed_loading`): transformers alone would leave them random.
+    A folder whose pruned weights are stored ``sparse-bitmask`` / ``sparse-24-bitmask`` (layerwise 0.1.0) is
+    decoded first (:mod:`layerwise.model_io.compressed_loading`): transformers alone would leave them random;
+    the layers a ``dense`` sparsity_config names are marked pruned again.
     """
     import transformers
 
-    from layerwise.model_io.compressed_loading import load_sparse, sparse_format
+    from layerwise.model_io.compressed_loading import load_sparse, mark_dense_sparse, sparse_format
 
     where = str(path_or_id)
     check_model_path(where)
@@ -48,6 +49,7 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
                 cls = checkpoint_class(config, Path(where).expanduser())
                 model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
                                                   output_loading_info=True, **kwargs)
+                mark_dense_sparse(model, config)
     except ModelLoadError:
         raise
     except OSError as exc:

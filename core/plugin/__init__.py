@@ -33,7 +33,7 @@ from layerwise.errors import (
 from layerwise.host.hookspecs import hookimpl
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.model_patch import ModelPatch
-from layerwise.host.modifier import Modifier
+from layerwise.host.modifier import SESSION_FIELDS, ForeignField, Modifier
 from layerwise.host.patch_selection import apply_patch, find_patch
 from layerwise.host.pipeline import Pipeline, PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
@@ -42,7 +42,8 @@ from layerwise.host.versions import TESTED_TRANSFORMERS
 from layerwise.tracing import opaque
 
 __all__ = [
-    "TESTED_TRANSFORMERS", "AlgorithmFallbackWarning", "CompressionState", "DatasetError", "InvalidArgumentError", "LayerwiseError", "Lifecycle",
+    "SESSION_FIELDS", "TESTED_TRANSFORMERS", "AlgorithmFallbackWarning", "CompressionState", "DatasetError", "ForeignField",
+    "InvalidArgumentError", "LayerwiseError", "Lifecycle",
     "ModelPatch", "Modifier", "NonFiniteError", "Pipeline", "PipelineFailed", "PipelineOptions", "RecipeError",
     "UnknownNameError", "apply_patch", "check_choice", "did_you_mean", "find_modules", "find_patch", "get_host", "hookimpl",
     "matches", "opaque", "registry", "unmatched", "warn_user",

@@ -36,10 +36,11 @@ from layerwise.algorithms.quantization.storage import (
     set_input_quantization,
     set_quantized_weight,
 )
+from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
     "ACTORDERS", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
-    "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "expand_qparams",
+    "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
     "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_weight",
     "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
     "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",

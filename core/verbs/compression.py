@@ -195,7 +195,8 @@ def compress(
                   else list(chosen_patch.ignore if chosen_patch else []))
         seq_length = calibration.max_seq_length or default_max_seq_length(model)
         batches = (batches_from_records(records, tokenizer, calibration.num_calibration_samples, seq_length,
-                                        calibration.packing, source=dataset) if needs_data else [])
+                                        calibration.packing, source=dataset,
+                                        chat_template=calibration.chat_template) if needs_data else [])
         calibration_samples = len(batches)
         if needs_data:
             minimum = max(((type(m).__name__, m.min_calibration_samples) for m in modifiers if m.requires_data),

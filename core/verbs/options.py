@@ -38,6 +38,9 @@ from layerwise.runtime.finite import check_mode
 #: where cached activations rest between pieces (``auto``: disk when they would not fit in memory)
 OFFLOADS = ("auto", "cpu", "disk")
 PACKINGS = (None, "chunk", "truncate")
+#: how chat rows (``messages``) become text: the tokenizer's chat template when it has one (``auto``; an error
+#: when a chat row meets a tokenizer without one), always (``on``: every row must be a chat), never (``off``)
+CHAT_TEMPLATES = ("auto", "on", "off")
 
 
 def _as_tuple(value: Any) -> tuple[str, ...] | None:
@@ -74,6 +77,10 @@ class CalibrationOptions:
     patch: ModelPatch | str | bool | None = None
     #: the tokenizer for text datasets; ``None``: the model folder's
     tokenizer: Any = field(default=None, compare=False, repr=False)
+    #: chat rows (``{"messages": [{"role", "content"}, ...]}``) rendered with the tokenizer's chat template:
+    #: ``"auto"`` (chat rows are, text rows stay text), ``"on"`` (every row must be a chat), ``"off"`` (the
+    #: messages' contents joined as plain text)
+    chat_template: str = "auto"
 
     def __post_init__(self) -> None:
         require_positive(self.num_calibration_samples, "num_calibration_samples", "--num-samples")
@@ -83,6 +90,7 @@ class CalibrationOptions:
         check_pieces(self.pieces)
         if self.packing not in PACKINGS:
             raise DatasetError(f"unknown packing {self.packing!r}; valid: chunk, truncate")
+        check_choice(self.chat_template, CHAT_TEMPLATES, "chat_template", "--chat-template")
         object.__setattr__(self, "sequential_targets", _as_tuple(self.sequential_targets))
         object.__setattr__(self, "ignore", _as_tuple(self.ignore))
 

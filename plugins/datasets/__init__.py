@@ -1,4 +1,5 @@
-"""Built-in calibration-data loaders: strings, text/JSONL files, datasets.Dataset, tokenized samples."""
+"""Built-in calibration-data loaders: strings, text/JSONL files (text or chat rows), datasets.Dataset,
+tokenized samples, and datasets by llm-compressor's names (:mod:`.named`, through the optional ``datasets``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from layerwise import hookimpl
 from layerwise.plugin import DatasetError
 from layerwise.plugin.data import MODEL_INPUT_KEYS, TEXT_KEYS, DatasetLoader
+
+from .named import NAMED_LOADER
 
 
 def _is_path(source: Any, suffixes: tuple[str, ...]) -> bool:
@@ -63,9 +66,11 @@ def _texts_or_samples(records: list[Any], where: str) -> list[str] | list[Mappin
         return records
     if isinstance(first, Mapping) and _is_model_input(first):
         return records
+    if isinstance(first, Mapping) and "messages" in first:  # chat rows: rendered with the chat template later
+        return [{"messages": r.get("messages")} if isinstance(r, Mapping) else r for r in records]
     if isinstance(first, Mapping) and "text" in first:
         return [r["text"] for r in records]
-    raise DatasetError(f"records in {where} need a 'text' field or model inputs "
+    raise DatasetError(f"records in {where} need a 'text' field, chat 'messages' or model inputs "
                        f"({', '.join(MODEL_INPUT_KEYS)}); the first has "
                        f"{sorted(first) if isinstance(first, Mapping) else type(first).__name__}")
 
@@ -101,9 +106,11 @@ def _load_hf_dataset(source: Any) -> list[str] | list[Mapping[str, Any]]:
     columns = source.column_names
     if "input_ids" in columns:
         return [dict(row) for row in source]
+    if "messages" in columns:
+        return [{"messages": row["messages"]} for row in source]
     if "text" in columns:
         return list(source["text"])
-    raise DatasetError(f"the datasets.Dataset needs a 'text' or 'input_ids' column; it has {columns}")
+    raise DatasetError(f"the datasets.Dataset needs a 'text', 'messages' or 'input_ids' column; it has {columns}")
 
 
 LOADERS = (
@@ -113,6 +120,7 @@ LOADERS = (
     DatasetLoader("hf-dataset", _is_hf_dataset, _load_hf_dataset, priority=10),
     DatasetLoader("jsonl-file", lambda s: _is_path(s, (".jsonl", ".json")), _read_jsonl),
     DatasetLoader("text-file", lambda s: _is_path(s, (".txt", ".md", ".text")), _read_text_file),
+    NAMED_LOADER,
 )
 
 

@@ -30,12 +30,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import AlgorithmFallbackWarning, CompressionState, RecipeError, warn_user
+from layerwise.plugin import (
+    AlgorithmFallbackWarning,
+    CompressionState,
+    ForeignField,
+    RecipeError,
+    warn_user,
+)
 from layerwise.plugin.calibration import Accounting, NonFiniteSampleWarning, Reducer, is_finite
 from layerwise.plugin.quantization import (
     MappingError,
     ResolvedMapping,
     apply_smoothing,
+    discover_mappings,
     linear_weight,
     mappings_for_run,
     recipe_mappings,
@@ -44,6 +51,7 @@ from layerwise.plugin.quantization import (
     split_by_piece,
 )
 
+from . import llm_compressor
 from .hessians import layer_input
 from .quantization import QuantizationModifier, _in_piece
 
@@ -77,6 +85,8 @@ class AWQModifier(QuantizationModifier):
     requires_data: ClassVar[bool] = True
     min_calibration_samples: ClassVar[int] = 16
     preset_prefix: ClassVar[str | None] = "AWQ"
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.AWQ
+    max_config_groups: ClassVar[int | None] = 1
     #: smoothing changes the module whose output was cached: each block is observed whole, then re-run
     needs_uncompressed_block: ClassVar[bool] = True
     block_reason: ClassVar[str] = "smooths the norm (or Linear) whose output a block's layers read"
@@ -116,7 +126,7 @@ class AWQModifier(QuantizationModifier):
         """The mappings to search, by smoothed module: resolved on the model, each with a targeted layer."""
         owner = type(self).__name__
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
-        mappings = mappings_for_run(state.model, patch, self.mappings, owner=owner)
+        mappings = mappings_for_run(state.model, patch, self.mappings, owner=owner, discover=discover_mappings)
         _check_disjoint(owner, mappings)
         pending: dict[str, ResolvedMapping] = {}
         for mapping in mappings:

@@ -36,6 +36,7 @@ import torch
 from layerwise.plugin import (
     AlgorithmFallbackWarning,
     CompressionState,
+    ForeignField,
     NonFiniteError,
     RecipeError,
     warn_user,
@@ -53,6 +54,7 @@ from layerwise.plugin.quantization import (
 )
 from layerwise.plugin.sparsity import pruned_mask
 
+from . import llm_compressor
 from .hessians import HessianHooks
 from .quantization import QuantizationModifier, _in_piece
 
@@ -86,6 +88,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     hessian_phase: ClassVar[str] = "GPTQ Hessians"
     label: ClassVar[str] = "GPTQ"
     preset_prefix: ClassVar[str | None] = "GPTQ"
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.GPTQ
 
     block_size: int = 128
     dampening_frac: float = 0.01

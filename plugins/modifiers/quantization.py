@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from layerwise.plugin import (
     CompressionState,
+    ForeignField,
     Modifier,
     RecipeError,
     find_modules,
@@ -40,6 +41,8 @@ from layerwise.plugin.quantization import (
     weight_qparams,
 )
 
+from . import llm_compressor
+
 
 @dataclass
 class QuantizationModifier(Modifier):
@@ -50,6 +53,9 @@ class QuantizationModifier(Modifier):
     ``input_activations`` mappings), or a scheme object. ``num_bits`` / ``symmetric`` /
     ``strategy`` / ``group_size`` / ``observer``, when given, override the scheme's weight args.
     """
+
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.QUANTIZATION
+    max_config_groups: ClassVar[int | None] = None
 
     scheme: Any = "W4A16"
     targets: list[str] = field(default_factory=lambda: ["Linear"])

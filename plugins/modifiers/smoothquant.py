@@ -35,11 +35,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, Modifier, RecipeError, warn_user
+from layerwise.plugin import CompressionState, ForeignField, Modifier, RecipeError, warn_user
 from layerwise.plugin.calibration import NonFiniteSampleWarning, Reducer, is_finite, listed
 from layerwise.plugin.quantization import (
     ResolvedMapping,
     apply_smoothing,
+    discover_mappings,
     linear_weight,
     mappings_for_run,
     recipe_mappings,
@@ -47,6 +48,7 @@ from layerwise.plugin.quantization import (
     split_by_piece,
 )
 
+from . import llm_compressor
 from .hessians import HessianBank, layer_input
 from .quantization import _in_piece
 
@@ -69,6 +71,7 @@ class SmoothQuantModifier(Modifier):
 
     requires_data: ClassVar[bool] = True
     min_calibration_samples: ClassVar[int] = 8
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.SMOOTHQUANT
     #: SmoothQuant moves activation outliers into the weights, then GPTQ int8 weights with int8 inputs
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
         "SQ_GPTQ_W8A8": (("SmoothQuantModifier", {}), ("GPTQModifier", {"scheme": "W8A8"})),
@@ -99,7 +102,8 @@ class SmoothQuantModifier(Modifier):
     def resolve(self, state: CompressionState) -> dict[str, ResolvedMapping]:
         """The mappings to smooth, by smoothed module; none at all is a :class:`MappingError`."""
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
-        mappings = mappings_for_run(state.model, patch, self.mappings, owner=type(self).__name__)
+        mappings = mappings_for_run(state.model, patch, self.mappings, owner=type(self).__name__,
+                                    discover=discover_mappings)
         return {m.smoothed: m for m in mappings}
 
     # -- events ------------------------------------------------------------------------

@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState
+from layerwise.plugin import CompressionState, ForeignField
 from layerwise.plugin.calibration import HessianError, Reducer
 from layerwise.plugin.sparsity import sparsegpt_prune
 
+from . import llm_compressor
 from .hessians import HessianHooks
 from .pruning import PruningModifier
 
@@ -37,6 +38,7 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
     """
 
     summary_file: ClassVar[str] = "sparsegpt_summary.json"
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.SPARSEGPT
     hessian_phase: ClassVar[str] = "SparseGPT Hessians"
     label: ClassVar[str] = "SparseGPT"
 

@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, RecipeError
+from layerwise.plugin import CompressionState, ForeignField, RecipeError
 from layerwise.plugin.calibration import Reducer, is_finite
 from layerwise.plugin.quantization import linear_weight
 from layerwise.plugin.sparsity import score_mask
 
+from . import llm_compressor
 from .hessians import _warn_dropped, layer_input, read_last
 from .pruning import PruningModifier
 from .quantization import _in_piece
@@ -37,6 +38,7 @@ class WandaModifier(PruningModifier):
     """
 
     summary_file: ClassVar[str] = "wanda_summary.json"
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.PRUNING
 
     #: ``False`` (default): every layer of a block is scored on the block's unpruned inputs, as in
     #: the paper (each block runs twice). ``True``: on the inputs of the model pruned so far, with

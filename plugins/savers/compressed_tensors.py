@@ -19,11 +19,20 @@ The folder is written atomically (see :mod:`layerwise.model_io.saving`), and onl
 is finite (:func:`layerwise.runtime.finite.check_saved`): a NaN scale is an error, not a checkpoint.
 
 A pruned model (layers marked by :func:`layerwise.algorithms.sparsity.mark_sparse`) also gets
-``quantization_config.sparsity_config``. Without quantization its pruned weights are stored
-compressed (``<name>.weight.compressed`` / ``.bitmask`` / ``.shape`` / ``.row_offsets``, format
-``sparse-bitmask`` or ``sparse-24-bitmask``; :func:`layerwise.load_compressed` loads them, plain
-transformers no longer can); beside quantization they stay packed as above and the
-``dense`` sparsity_config only says what the zeros are. Details: :mod:`.sparse`.
+``quantization_config.sparsity_config`` with format ``dense``: the pruned weights are stored as they
+are (dense, zeros included; packed as above when quantized) and the config only says what the zeros
+are. Details, and why not the bitmask layouts: :mod:`.sparse`.
+
+What plain ``AutoModelForCausalLM.from_pretrained(folder)`` reads (transformers 5.24.0,
+compressed-tensors 0.20.0, measured in ``tests/plugins/savers/test_plain_transformers.py``): every
+format above loads to layerwise's outputs, with one exception in its compressed-tensors
+integration. For packed asymmetric weights (``W4A16_ASYM``, AWQ's default: channel or group
+strategy) it builds the empty layer with an *unpacked* ``weight_zero_point`` ``(out, groups)`` but
+then decompresses that tensor as if packed (``unpack_from_int32(..., packed_dim=0)``), so the
+packed ``(ceil(out * bits / 32), groups)`` int32 zero point that compressed-tensors writes, and vLLM
+declares, is refused as a size mismatch. The tensors stay in that layout (vLLM's); the config adds
+``"dequantize": true``, which transformers' ``CompressedTensorsConfig`` reads and compressed-tensors
+and vLLM ignore, so transformers takes its dequantize-on-load path, which decodes them correctly.
 """
 
 from __future__ import annotations
@@ -56,23 +65,10 @@ from layerwise.plugin.saving import (
     run_inputs,
     skipped_prefixes,
 )
-from layerwise.plugin.sparsity import (
-    BITMASK,
-    SPARSE_24,
-    SPARSITY_ATTR,
-    MaskStructure,
-    encoded_bytes,
-    sparse_modules,
-)
+from layerwise.plugin.sparsity import sparse_modules
 
 from .errors import SaveError
-from .sparse import (
-    DENSE,
-    build_sparsity_config,
-    check_sparse_layers,
-    encode_sparse_weights,
-    sparse_format,
-)
+from .sparse import DENSE, build_sparsity_config, check_marked_structure, check_sparse_layers
 
 __all__ = ["FORMAT", "CompressedTensorsSaver", "SaveError", "build_quantization_config", "compressed_state_dict", "quantized_tensors",
            "save_compressed", "save_streamed"]
@@ -98,12 +94,11 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
             raise SaveError(f"layer {name!r} is a transformers Conv1D (GPT-2 style); the compressed-tensors "
                             f"loader handles nn.Linear only, so this model cannot be saved in this format yet")
     check_sparse_layers(pruned)
+    check_marked_structure(pruned)
     quant_config = build_quantization_config(model, modules)
     state_dict = compressed_state_dict(model, modules)
     if pruned:
-        fmt = sparse_format(pruned, modules)
-        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, fmt)
-        state_dict = encode_sparse_weights(state_dict, pruned, fmt)
+        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, DENSE)
     check_saved(state_dict, skipped_prefixes(model))  # before anything is written
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
@@ -122,16 +117,10 @@ def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.Path
                         "'W4A16') or prune it (SparseGPT, Wanda)")
     check_sparse_layers(pruned)
     quant_config = build_quantization_config(model, modules)
-    rewrite = None
-    if pruned:
-        fmt = sparse_format(pruned, modules)
-        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, fmt, counts=stream.sparsity_counts)
-        if fmt != DENSE:  # pruned weights were written dense as their pieces ended; now the layout is known
-            keys = {f"{name}.weight" if name else "weight" for name in pruned}
-            rewrite = (keys, lambda key, weight: encode_sparse_weights({key: weight}, {key[:-len(".weight")]: None},
-                                                                       fmt, {key: weight}))
+    if pruned:  # the pruned weights were written dense as their pieces ended, which is the layout kept
+        quant_config["sparsity_config"] = build_sparsity_config(model, pruned, DENSE, counts=stream.sparsity_counts)
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
-        stream.finish(rewrite)
+        stream.finish(None)
         model.config.save_pretrained(tmp)
         generation = getattr(model, "generation_config", None)
         if generation is not None and model.can_generate():
@@ -217,7 +206,16 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
                                 quantization_status="compressed", ignore=ignore if groups else [])
     data = config.model_dump(mode="json")
     data["quant_method"] = "compressed-tensors"
+    if any(packs_zero_point(*key) for key in by_args):
+        data["dequantize"] = True  # see the module docstring: transformers' own path for packed zero points
     return data
+
+
+def packs_zero_point(args: QuantizationArgs, input_args: QuantizationArgs | None) -> bool:
+    """Is the weight's zero point stored packed (asymmetric, ``pack-quantized``, channel or group strategy)?
+    transformers 5.24 loads those layers only through its dequantize-on-load path."""
+    return (not args.symmetric and weight_format(args, input_args) == FORMAT
+            and args.strategy in ("channel", "group"))
 
 
 # -- weights -----------------------------------------------------------------------------
@@ -313,26 +311,43 @@ class CompressedTensorsSaver(Saver):
         return quantized_tensors(name, module)
 
     def saved_bytes(self, model: torch.nn.Module) -> int:
-        """Quantized weights at their bit width plus their qparams, pruned ones (not quantized) in their
-        bitmask layout, the rest as they are; a tied tensor once, as on disk."""
+        """The bytes of the tensors :func:`compressed_state_dict` writes, without encoding anything: quantized
+        weights in their stored form and their qparams (:func:`quantized_bytes`), every other tensor (pruned
+        weights included: they are stored dense) as it is; a tied tensor once, as on disk."""
         total = 0
         seen: set[tuple] = set()
         for module in model.modules():
             args = getattr(module, "quantization_args", None)
-            structure = getattr(module, SPARSITY_ATTR, None)
             for name, param in module.named_parameters(recurse=False):
                 if not first_time(param, seen):
                     continue
                 if name == "weight" and args is not None:
-                    total += param.numel() * args.num_bits // 8
-                elif name == "weight" and structure is not None:
-                    layout = SPARSE_24 if structure == MaskStructure(2, 4) else BITMASK
-                    total += encoded_bytes(linear_weight(module).detach(), layout)
+                    total += quantized_bytes(module)
                 else:
                     total += param.numel() * param.element_size()
-            if args is not None:
-                for buffer_name in ("weight_scale", "weight_zero_point", "weight_g_idx"):
-                    buffer = getattr(module, buffer_name, None)
-                    if isinstance(buffer, torch.Tensor) and first_time(buffer, seen):
-                        total += buffer.numel() * buffer.element_size()
         return total
+
+
+def quantized_bytes(module: torch.nn.Module) -> int:
+    """What :func:`quantized_tensors` writes for one quantized module, counted from shapes alone."""
+    args: QuantizationArgs = module.quantization_args
+    input_args = getattr(module, "input_quantization_args", None)
+    rows, columns = linear_weight(module).shape
+    fmt = weight_format(args, input_args)
+    if fmt == FORMAT:
+        total = rows * -(-columns * args.num_bits // 32) * 4 + 2 * 8  # int32 words, and weight_shape
+    else:
+        total = rows * columns  # int8 or float8
+    scale = module.weight_scale
+    total += scale.numel() * module.weight.element_size()  # stored in the weight's dtype
+    if not args.symmetric:
+        zero_rows = scale.shape[0] if scale.dim() else 1
+        if fmt == FORMAT and args.strategy in ("channel", "group"):
+            total += -(-zero_rows * args.num_bits // 32) * (scale.numel() // max(zero_rows, 1)) * 4
+        else:
+            total += scale.numel()  # int8
+    if input_args is not None and not input_args.dynamic:
+        total += module.input_scale.numel() * module.input_scale.element_size()
+        if not input_args.symmetric:
+            total += module.input_zero_point.numel()
+    return total

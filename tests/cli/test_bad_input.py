@@ -139,6 +139,15 @@ quant_stage:
       scheme: W4A16
 """
 BINARY = b"w1 w2 w3\n" + bytes(range(256))
+LLMC_FP4 = """\
+QuantizationModifier:
+  ignore: [lm_head]
+  config_groups:
+    group_0:
+      targets: [Linear]
+      weights: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16}
+"""
+CHAT = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n"
 
 #: (case, model folder breaker or None, flags after --model/--output-dir, fragments the error must hold);
 #: "{...}" in a flag is a file written into tmp_path first
@@ -215,6 +224,23 @@ CASES = [
      ["group_size 128 does not divide in_features 64", "strategy: channel"]),
     ("unknown --offload", None, ["--recipe", "W8A16", "--offload", "gpu"],
      ["argument --offload: invalid choice: 'gpu'"]),
+    # -- coming from llm-compressor
+    ("config group layerwise cannot express", None,
+     ["--recipe", _file("recipe.yaml", LLMC_FP4), "--dataset", _file("c.txt", TEXT)],
+     ["recipe.QuantizationModifier.config_groups.group_0.weights: type float with num_bits 4",
+      "nearest: type float, num_bits 8 (FP8"]),
+    ("llm-compressor field with a layerwise equivalent", None,
+     ["--recipe", _file("recipe.yaml", "GPTQModifier:\n  scheme: W8A16\n  sequential_targets: [LlamaDecoderLayer]\n"),
+      "--dataset", _file("c.txt", TEXT)],
+     ["recipe.GPTQModifier.sequential_targets: an llm-compressor field layerwise does not take", "(CLI: --targets)"]),
+    ("chat rows and a tokenizer without a chat template", None,
+     ["--recipe", "GPTQ_W8A16", "--dataset", _file("chat.jsonl", CHAT)],
+     ["holds chat rows (messages) but the tokenizer", "no chat template", "--chat-template off"]),
+    ("--chat-template on with text rows", None,
+     ["--recipe", "GPTQ_W8A16", "--dataset", _file("c.txt", TEXT), "--chat-template", "on"],
+     ["chat_template='on' (CLI: --chat-template on) but", "holds no chat rows"]),
+    ("unknown --chat-template", None, ["--recipe", "W8A16", "--chat-template", "yes"],
+     ["argument --chat-template: invalid choice: 'yes'"]),
 ]
 
 

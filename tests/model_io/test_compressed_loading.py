@@ -1,4 +1,4 @@
-"""load_compressed: sparse folders decoded (sharded too), everything else plain from_pretrained, named errors."""
+"""load_compressed: old bitmask folders decoded (sharded too), everything else plain from_pretrained, named errors."""
 
 import json
 
@@ -11,7 +11,7 @@ from layerwise.algorithms.sparsity import sparse_modules
 from layerwise.errors import ModelLoadError
 from layerwise.model_io.compressed_loading import dense_config, sparse_format
 from tests.conftest import build_tiny_llama
-from tests.plugins.savers.test_sparse_saving import logits, prune, save
+from tests.plugins.savers.test_sparse_saving import logits, prune, write_legacy
 
 UP = "model.layers.0.mlp.up_proj.weight"
 
@@ -23,8 +23,8 @@ def pruned():
 
 @pytest.fixture
 def sparse_dir(tmp_path, pruned):
-    save(pruned, tmp_path / "sparse")
-    return tmp_path / "sparse"
+    """A pruned model's folder as layerwise 0.1.0 wrote it (sparse-bitmask)."""
+    return write_legacy(tmp_path / "sparse", pruned)
 
 
 def read(folder, name="model.safetensors"):
@@ -119,8 +119,8 @@ def test_quantized_bitmask_folders_are_refused(sparse_dir):
 
 
 def test_packed_asymmetric_folders_load_dequantized_with_the_same_outputs(tmp_path):
-    # transformers + compressed-tensors 0.20 cannot build packed asymmetric layers: load_compressed
-    # asks for the dequantizing load by itself (W4A16_ASYM is AWQ's default)
+    # transformers + compressed-tensors 0.20 load packed asymmetric layers only dequantized: layerwise writes
+    # "dequantize": true, and load_compressed asks for it by itself for older folders without it
     import warnings
 
     import layerwise
@@ -134,6 +134,10 @@ def test_packed_asymmetric_folders_load_dequantized_with_the_same_outputs(tmp_pa
         warnings.simplefilter("ignore")
         layerwise.compress(model, [QuantizationModifier(scheme="W4A16_ASYM", group_size=32)], show_progress=False, device="cpu")
     save_compressed(model, tmp_path / "out")
+    config_path = tmp_path / "out" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["quantization_config"]["dequantize"]  # as layerwise 0.1.0 wrote it
+    config_path.write_text(json.dumps(config))
     reloaded = layerwise.load_compressed(tmp_path / "out", model_class=type(model)).eval()
     batch = token_batches(1, 16, vocab=128)[0]
     with torch.no_grad():

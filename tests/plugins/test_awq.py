@@ -236,9 +236,13 @@ def test_the_row_sample_is_bounded_evenly_spaced_and_the_mean_sees_every_token()
 
 
 # -- errors ----------------------------------------------------------------------------------------
-def test_no_mappings_is_a_named_error():
+def test_no_mappings_is_a_named_error(monkeypatch):
+    from layerwise.tracing import smoothing_layout
+
+    monkeypatch.setattr(smoothing_layout, "CANDIDATES", ((("re:.*nothing_like_it",), "re:.*input_layernorm"),))
     modifier = AWQModifier(group_size=32)
-    with pytest.raises(MappingError, match="AWQModifier: no smoothing mappings: no model patch matches this model"):
+    with pytest.raises(MappingError, match="AWQModifier: no smoothing mappings: no model patch matches this model, "
+                                           "and none was found from the layout of LlamaForCausalLM"):
         layerwise.compress(tiny_llama(), [modifier], dataset=calibration(), show_progress=False, options=layerwise.CompressOptions.of(patch=False), device="cpu")
     with pytest.raises(MappingError, match="AWQModifier.mappings is empty"):
         AWQModifier(mappings=[])

@@ -30,18 +30,6 @@ def save(model, out, **kwargs):
     return registry("savers").get("compressed-tensors")(model, out, **kwargs)
 
 
-def load_kwargs(scheme):
-    # transformers 5.x + compressed-tensors 0.20 build the empty model with unpacked zero
-    # points, so asymmetric group/channel checkpoints (packed zero points, as compressed-tensors
-    # itself writes them) load only through the dequantize-on-load path
-    # (upstream: vllm-project/llm-compressor#1618)
-    if scheme.endswith("ASYM"):
-        from transformers import CompressedTensorsConfig
-
-        return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-    return {}
-
-
 def check_packed(out, model, bits, symmetric):
     modules = quantized_modules(model)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -77,7 +65,7 @@ def test_tiny_llama_reloads_with_the_same_outputs(tmp_path, scheme, bits, symmet
     assert scheme in (out / "recipe.yaml").read_text()
     check_packed(out, model, bits, symmetric)
 
-    reloaded = AutoModelForCausalLM.from_pretrained(out, **load_kwargs(scheme)).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = model(ids).logits, reloaded(ids).logits
@@ -98,7 +86,7 @@ def test_minilm_reloads_with_the_same_outputs(tmp_path, minilm_path, scheme, bit
     out = tmp_path / "minilm"
     save(model, out, tokenizer=tokenizer)
     check_packed(out, model, bits, symmetric)
-    reloaded = AutoModel.from_pretrained(out, **load_kwargs(scheme)).eval()
+    reloaded = AutoModel.from_pretrained(out).eval()
     batch = tokenizer(["a quantized sentence encoder", "saved and loaded back"], padding=True,
                       return_tensors="pt")
     with torch.no_grad():

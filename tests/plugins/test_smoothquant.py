@@ -146,10 +146,21 @@ def test_bad_mappings_are_recipe_errors():
 
 
 @pytest.mark.parametrize("patch, message", [
-    (False, "no smoothing mappings: no model patch matches this model"),
-    (dataclasses.replace(LLAMA, smoothing_mappings=()), "the model patch 'llama' declares no smoothing_mappings"),
+    (False, "no smoothing mappings: no model patch matches this model, and none was found from the layout"),
+    (dataclasses.replace(LLAMA, smoothing_mappings=()), "the model patch 'llama' declares no smoothing_mappings, "
+                                                        "and none was found"),
 ])
-def test_a_model_without_mappings_is_a_named_error(patch, message):
+def test_a_model_without_mappings_finds_them_from_its_layout_or_is_a_named_error(patch, message, monkeypatch):
+    from layerwise.tracing import smoothing_layout
+
+    model = tiny_llama()  # Llama's layout: the mappings are found and proven, as the patch declares them
+    modifier = SmoothQuantModifier()
+    layerwise.compress(model, [modifier], dataset=BATCHES, show_progress=False,
+                       options=layerwise.CompressOptions.of(patch=patch))
+    with_patch = SmoothQuantModifier()
+    layerwise.compress(tiny_llama(), [with_patch], dataset=BATCHES, show_progress=False)
+    assert sorted(modifier.scales) == sorted(with_patch.scales)
+    monkeypatch.setattr(smoothing_layout, "CANDIDATES", ((("re:.*nothing_like_it",), "re:.*input_layernorm"),))
     model = tiny_llama()
     with pytest.raises(MappingError, match=message):
         layerwise.compress(model, [SmoothQuantModifier()], dataset=BATCHES, show_progress=False, options=layerwise.CompressOptions.of(patch=patch), device="cpu")

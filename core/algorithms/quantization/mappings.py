@@ -20,7 +20,7 @@ skipped with its reason.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,11 +161,27 @@ def _width_mismatch(model: torch.nn.Module, name: str, module: torch.nn.Module, 
 
 
 def mappings_for_run(model: torch.nn.Module, patch: Any, mappings: Sequence[Mapping] | None, *,
-                     owner: str) -> tuple[ResolvedMapping, ...]:
-    """What a smoothing modifier works on: its recipe's ``mappings``, else the applied patch's, resolved
-    (skipped ones logged); no mapping left at all is a :class:`MappingError` with the reasons."""
+                     owner: str, discover: Callable[[torch.nn.Module], Any] | None = None
+                     ) -> tuple[ResolvedMapping, ...]:
+    """What a smoothing modifier works on: its recipe's ``mappings``, else the applied patch's, else (with
+    ``discover``, e.g. :func:`layerwise.tracing.smoothing_layout.discover_mappings`) those found from the
+    model's layout and proven exact; resolved (skipped ones logged). No mapping left at all is a
+    :class:`MappingError` with the reasons."""
     given = mappings if mappings is not None else (patch.smoothing_mappings if patch is not None else ())
     patch_name = patch.name if patch is not None and mappings is None else None
+    if not given and mappings is None and discover is not None:
+        found = discover(model)
+        if not found.mappings:
+            where = f"the model patch {patch_name!r} declares no smoothing_mappings" if patch_name else \
+                "no model patch matches this model"
+            raise MappingError(f"{owner}: no smoothing mappings: {where}, and none was found from the layout of "
+                               f"{type(model).__name__} ({found.why_none()}). Pass mappings in the recipe, e.g. "
+                               f"mappings: [[[\"re:.*q_proj\", \"re:.*k_proj\", \"re:.*v_proj\"], "
+                               f"\"re:.*input_layernorm\"]], or add smoothing_mappings to a patch (GUIDE.md, "
+                               f"'Smoothing mappings')")
+        given = found.mappings
+        log.info("%s: no smoothing mappings given; found %d from the layout of %s, each proven exact on a tiny "
+                 "twin", owner, len(given), type(model).__name__)
     resolution = resolve_mappings(model, given, owner=owner, patch_name=patch_name)
     for name, why in resolution.skipped:
         log.info("%s: %s is not smoothed: %s", owner, name, why)

@@ -160,9 +160,9 @@ PRUNE_24_W4A16 = ("- SparseGPTModifier:\n    sparsity: 0.5\n    mask_structure: 
                   "    ignore: [lm_head]\n- GPTQModifier:\n    scheme: W4A16\n    ignore: [lm_head]\n")
 
 
-@pytest.mark.parametrize("recipe", [PRUNE_50, PRUNE_24, PRUNE_24_W4A16], ids=["sparse-bitmask", "2:4", "2:4+W4A16"])
+@pytest.mark.parametrize("recipe", [PRUNE_50, PRUNE_24, PRUNE_24_W4A16], ids=["unstructured", "2:4", "2:4+W4A16"])
 def test_pruned_checkpoints_stream_bit_for_bit_too(tmp_path, recipe):
-    """Pruned weights are written dense as their piece ends and re-encoded once every layer's structure is known."""
+    """Pruned weights are written dense as their piece ends, the layout kept; the config is written at the end."""
     source = _save(tmp_path / "model")
     for weights in ("memory", "stream"):
         layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=tmp_path / weights, show_progress=False, options=layerwise.CompressOptions.of(weights=weights), device="cpu")

@@ -1,4 +1,4 @@
-"""Pruned models save as real sparse compressed-tensors checkpoints and load back exactly."""
+"""Pruned models save dense with a sparsity_config that plain transformers loads; old bitmask folders still load."""
 
 import json
 
@@ -51,48 +51,86 @@ def true_sparsity(modules):
     return zeros / sum(m.weight.numel() for m in modules.values())
 
 
+def write_legacy(folder, model, fmt=None):
+    """A folder as layerwise 0.1.0 wrote a pruned, unquantized model: its pruned weights encoded ``sparse-bitmask``
+    (``sparse-24-bitmask`` when every pruned layer is 2:4), the sparsity_config's format saying so."""
+    from safetensors.torch import save_file
+
+    from layerwise.algorithms.sparsity.bitmask import BITMASK, ENCODERS, SPARSE_24
+
+    pruned = sparse_modules(model)
+    fmt = fmt or (SPARSE_24 if all(m.sparsity_structure == TWO_FOUR for m in pruned.values()) else BITMASK)
+    save(model, folder)
+    state = tensors(folder)
+    for name in pruned:
+        weight = state.pop(f"{name}.weight")
+        state.update({f"{name}.weight.{part}": t for part, t in ENCODERS[fmt](weight).items()})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["sparsity_config"]["format"] = fmt
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unstructured_model_is_saved_as_bitmask_and_reloads_exactly(tmp_path, dtype):
+def test_a_pruned_model_is_saved_dense_and_loads_in_plain_transformers(tmp_path, dtype):
+    from transformers import AutoModelForCausalLM
+
     model = prune(build_tiny_llama().to(dtype))
     save(model, tmp_path / "out")
     saved = tensors(tmp_path / "out")
     for name, module in sparse_modules(model).items():
-        weight = module.weight.detach()
-        assert f"{name}.weight" not in saved
-        assert saved[f"{name}.weight.shape"].tolist() == list(weight.shape)
-        assert saved[f"{name}.weight.compressed"].dtype == dtype
-        assert torch.equal(saved[f"{name}.weight.compressed"], weight[weight != 0])
-        assert saved[f"{name}.weight.bitmask"].dtype == torch.uint8
-        assert saved[f"{name}.weight.row_offsets"].dtype == torch.int32
-    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight)  # not pruned: saved as usual
+        assert torch.equal(saved[f"{name}.weight"], module.weight.detach())  # zeros and all, the model's dtype
+    assert not [key for key in saved if key.endswith((".bitmask", ".compressed", ".row_offsets"))]
+    config = quant_config(tmp_path / "out")
+    assert config["format"] == "dense" and not config["config_groups"] and "dequantize" not in config
+    assert config["sparsity_config"]["format"] == "dense"
 
-    reloaded = layerwise.load_compressed(tmp_path / "out")
-    assert type(reloaded) is type(model) and reloaded.dtype == dtype
     expected = dict(model.named_parameters())
-    assert all(torch.equal(p, expected[n]) for n, p in reloaded.named_parameters())
-    if dtype == torch.float32:  # in bf16 transformers keeps the rotary inv_freq in fp32 on load, .to() did not
-        assert torch.equal(logits(reloaded), logits(model))
-    assert {n: m.sparsity_structure for n, m in sparse_modules(reloaded).items()} == {
-        n: UNSTRUCTURED for n in sparse_modules(model)}  # marked again: GPTQ keeps the zeros, a save stays sparse
-    assert "quantization_config" not in reloaded.config.to_dict()  # nothing quantized: no config left
+    for reloaded in (AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=dtype),
+                     layerwise.load_compressed(tmp_path / "out")):
+        assert type(reloaded) is type(model) and reloaded.dtype == dtype
+        assert all(torch.equal(p, expected[n]) for n, p in reloaded.named_parameters())
+        if dtype == torch.float32:  # in bf16 transformers keeps the rotary inv_freq in fp32 on load, .to() did not
+            assert torch.equal(logits(reloaded), logits(model))
+    marked = layerwise.load_compressed(tmp_path / "out")
+    assert {n: m.sparsity_structure for n, m in sparse_modules(marked).items()} == {
+        n: UNSTRUCTURED for n in sparse_modules(model)}  # marked again: GPTQ keeps the zeros, a save records them
     via_layerwise = layerwise.load_model(tmp_path / "out")  # what compress(path) and the CLI use
     assert via_layerwise.dtype == dtype and set(sparse_modules(via_layerwise)) == set(sparse_modules(model))
     assert all(torch.equal(p, expected[n]) for n, p in via_layerwise.named_parameters())
 
 
-def test_two_four_model_is_saved_as_sparse_24_and_reloads_exactly(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bitmask_folder_of_layerwise_0_1_0_still_loads_exactly(tmp_path, dtype):
+    model = prune(build_tiny_llama().to(dtype))
+    write_legacy(tmp_path / "old", model)
+    reloaded = layerwise.load_compressed(tmp_path / "old")
+    assert type(reloaded) is type(model) and reloaded.dtype == dtype
+    expected = dict(model.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in reloaded.named_parameters())
+    assert {n: m.sparsity_structure for n, m in sparse_modules(reloaded).items()} == {
+        n: UNSTRUCTURED for n in sparse_modules(model)}
+    assert "quantization_config" not in reloaded.config.to_dict()  # nothing quantized: no config left
+    via_layerwise = layerwise.load_model(tmp_path / "old")
+    assert set(sparse_modules(via_layerwise)) == set(sparse_modules(model))
+    assert all(torch.equal(p, expected[n]) for n, p in via_layerwise.named_parameters())
+
+
+def test_a_two_four_model_says_2_of_4_and_its_old_sparse_24_folder_still_loads(tmp_path):
     model = prune(build_tiny_llama(), TWO_FOUR)
     save(model, tmp_path / "out")
     config = quant_config(tmp_path / "out")["sparsity_config"]
-    assert config["format"] == "sparse-24-bitmask" and config["sparsity_structure"] == "2:4"
+    assert config["format"] == "dense" and config["sparsity_structure"] == "2:4"
     assert config["global_sparsity"] == pytest.approx(0.5, abs=1e-6)
-    saved = tensors(tmp_path / "out")
+    old = write_legacy(tmp_path / "old", model)
+    assert quant_config(old)["sparsity_config"]["format"] == "sparse-24-bitmask"
     up = model.model.layers[0].mlp.up_proj.weight
-    assert tuple(saved["model.layers.0.mlp.up_proj.weight.compressed"].shape) == (up.shape[0], up.shape[1] // 2)
-    assert "model.layers.0.mlp.up_proj.weight.row_offsets" not in saved
-    reloaded = layerwise.load_compressed(tmp_path / "out")
-    assert torch.equal(logits(reloaded), logits(model))
-    assert {m.sparsity_structure for m in sparse_modules(reloaded).values()} == {TWO_FOUR}
+    assert tuple(tensors(old)["model.layers.0.mlp.up_proj.weight.compressed"].shape) == (up.shape[0], up.shape[1] // 2)
+    for folder in (tmp_path / "out", old):
+        reloaded = layerwise.load_compressed(folder)
+        assert torch.equal(logits(reloaded), logits(model))
+        assert {m.sparsity_structure for m in sparse_modules(reloaded).values()} == {TWO_FOUR}
 
 
 def test_sparsity_config_says_what_was_pruned(tmp_path):
@@ -100,7 +138,7 @@ def test_sparsity_config_says_what_was_pruned(tmp_path):
     from compressed_tensors.quantization import QuantizationConfig
 
     model = prune(build_tiny_llama(), TWO_FOUR, only="mlp")
-    prune(model, UNSTRUCTURED, 0.3, only="q_proj")  # mixed structures: bitmask, "unstructured"
+    prune(model, UNSTRUCTURED, 0.3, only="q_proj")  # mixed structures: "unstructured"
     pruned = sparse_modules(model)
     save(model, tmp_path / "out")
     config = quant_config(tmp_path / "out")
@@ -108,7 +146,7 @@ def test_sparsity_config_says_what_was_pruned(tmp_path):
     assert not config["config_groups"]
     QuantizationConfig.model_validate(config)
     sparsity = config["sparsity_config"]
-    assert SparsityCompressionConfig.load_from_registry(sparsity["format"], **sparsity).format == "sparse-bitmask"
+    assert SparsityCompressionConfig.load_from_registry(sparsity["format"], **sparsity).format == "dense"
     assert sparsity["sparsity_structure"] == "unstructured"
     assert sparsity["targets"] == list(pruned) and len(pruned) == 8  # 3 mlp + q_proj, 2 layers
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -116,18 +154,19 @@ def test_sparsity_config_says_what_was_pruned(tmp_path):
     assert abs(sparsity["global_sparsity"] - true_sparsity(pruned)) < 1e-6
 
 
-def test_the_pruned_layers_take_little_more_than_half_their_dense_bytes(tmp_path):
-    dense = build_tiny_llama(hidden_size=128, intermediate_size=256)
-    dense.save_pretrained(tmp_path / "dense")
-    model = prune(build_tiny_llama(hidden_size=128, intermediate_size=256))
-    save(model, tmp_path / "sparse")
-    saved = tensors(tmp_path / "sparse")
-    for name, module in sparse_modules(model).items():
-        stored = sum(t.numel() * t.element_size() for key, t in saved.items() if key.startswith(f"{name}.weight."))
-        dense_bytes = module.weight.numel() * module.weight.element_size()
-        assert stored < 0.6 * dense_bytes, (name, stored, dense_bytes)  # 0.5 values + 1/32 bitmask + offsets
-    size = {kind: (tmp_path / kind / "model.safetensors").stat().st_size for kind in ("dense", "sparse")}
-    assert size["sparse"] < 0.75 * size["dense"]  # embeddings and lm_head stay dense
+@pytest.mark.parametrize("scheme", [None, "W4A16", "W4A16_ASYM", "W8A16", "W8A8_STATIC", "FP8", "FP8_BLOCK"])
+def test_the_saver_s_byte_count_is_what_it_writes(tmp_path, scheme):
+    # pruned weights are stored dense: the run summary's size says so (it said ~0.55x when they were bitmasks);
+    # quantized ones count exactly their packed words, scales and zero points as written
+    from layerwise.testing import token_batches
+
+    saver = registry("savers").get("compressed-tensors")
+    model = prune(build_tiny_llama(hidden_size=128, intermediate_size=256), TWO_FOUR)
+    if scheme is not None:
+        layerwise.compress(model, scheme, dataset=token_batches(2, 16, vocab=128), show_progress=False)
+    saver.save(model, tmp_path / "out")
+    written = sum(t.numel() * t.element_size() for t in tensors(tmp_path / "out").values())
+    assert saver.saved_bytes(model) == written
 
 
 def test_pruned_and_quantized_model_stays_pack_quantized_and_loads_in_transformers(tmp_path):
@@ -171,8 +210,8 @@ def test_a_weight_that_is_not_what_its_mark_says_writes_nothing(tmp_path):
     module = model.model.layers[1].self_attn.o_proj
     with torch.no_grad():
         module.weight[0, :4] = 1.0  # a run of 4 nonzeros in a layer marked 2:4
-    with pytest.raises(SaveError, match=r"'model.layers.1.self_attn.o_proj' cannot be saved as sparse-24-bitmask.*"
-                                        r"row 0, columns 0-3.*MaskStructure\(0, 0\)"):
+    with pytest.raises(SaveError, match=r"'model.layers.1.self_attn.o_proj' is marked 2:4 but 1 run\(s\) of 4 columns "
+                                        r"hold fewer than 2 zeros .*row 0, columns 0-3.*MaskStructure\(0, 0\)"):
         save(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
@@ -181,6 +220,6 @@ def test_a_non_finite_pruned_weight_writes_nothing(tmp_path):
     model = prune(build_tiny_llama())
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"'model.layers.0.mlp.up_proj.weight.compressed'"):
+    with pytest.raises(NonFiniteError, match=r"'model.layers.0.mlp.up_proj.weight'"):
         save(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

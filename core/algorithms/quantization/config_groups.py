@@ -1,0 +1,215 @@
+"""llm-compressor's ``config_groups`` as layerwise schemes.
+
+A ``QuantizationModifier`` / ``GPTQModifier`` recipe written for llm-compressor may describe its
+quantization as compressed-tensors ``QuantizationScheme`` mappings instead of a preset::
+
+    config_groups:
+      group_0:
+        targets: [Linear]
+        weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
+        input_activations: null
+        output_activations: null
+
+:func:`read_config_groups` turns each group into a :class:`~layerwise.algorithms.quantization.args.QuantizationScheme`
+with compressed-tensors' defaults and inference rules (``num_bits`` 8, symmetric, the strategy from
+``group_size``: none -> ``tensor``, > 0 -> ``group``, -1 -> ``channel``; ``actorder: weight`` is
+layerwise's ``static``). What layerwise cannot express (float4, ``tensor_group``, output
+activations, observer arguments, scale dtypes, ...) is a :class:`~layerwise.errors.RecipeError`
+naming the field, where it is, and the nearest thing layerwise does. A group's ``format`` is
+ignored with a warning: the saver picks the storage format from the scheme, as llm-compressor
+infers it.
+
+Where two groups' targets match one layer, compressed-tensors quantizes it with the more specific
+target (a qualified name, then a ``re:`` pattern, then a class name); :func:`exclusive_ignores`
+gives each group the other groups' targets to leave out so that the same holds (between two groups
+equally specific, the first one listed wins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from layerwise.algorithms.quantization.args import BITS, QuantizationArgs, QuantizationScheme
+from layerwise.common.user_warnings import warn_user
+from layerwise.errors import RecipeError
+
+#: the fields of a compressed-tensors QuantizationScheme (one config group)
+GROUP_FIELDS = ("targets", "weights", "input_activations", "output_activations", "format")
+#: the fields of a compressed-tensors QuantizationArgs
+ARGS_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+               "scale_dtype", "zp_dtype", "observer", "observer_kwargs")
+#: compressed-tensors / llm-compressor observer names -> layerwise's, for (weights, static activations).
+#: llm-compressor's ``minmax`` moves the activation range by a constant per batch; ``static_minmax`` keeps
+#: the widest range seen. A weight is observed once, so every min-max flavour is ``minmax`` there.
+OBSERVERS = {
+    "minmax": ("minmax", "moving_average_minmax"),
+    "static_minmax": ("minmax", "minmax"),
+    "memoryless_minmax": ("minmax", "minmax"),
+    "memoryless": ("minmax", "minmax"),
+    "moving_average_minmax": ("minmax", "moving_average_minmax"),
+    "mse": ("mse", "mse"),
+    "memoryless_mse": ("mse", "mse"),
+}
+#: actorder values compressed-tensors writes -> layerwise's
+ACTORDERS = {"weight": "static", "static": "static", "group": "group", "dynamic": "group"}
+#: how specific a target is, compressed-tensors' order: a qualified name, a ``re:`` pattern, a class name
+_EXACT, _REGEX, _CLASS = 0, 1, 2
+
+
+class ConfigGroupWarning(UserWarning):
+    """A config-group field layerwise reads and ignores (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One config group: its name, its targets and the layerwise scheme it maps to."""
+
+    name: str
+    targets: tuple[str, ...]
+    scheme: QuantizationScheme
+
+
+def read_config_groups(groups: Any, where: str) -> list[ConfigGroup]:
+    """The config groups of a recipe, each as a layerwise scheme; ``where`` names the field in errors."""
+    if not isinstance(groups, Mapping) or not groups:
+        raise RecipeError(f"{where}: config_groups is a mapping of group names to schemes, e.g. "
+                          f"{{group_0: {{targets: [Linear], weights: {{num_bits: 4, group_size: 128}}}}}}; got {groups!r}")
+    return [_group(str(name), group, f"{where}.{name}") for name, group in groups.items()]
+
+
+def _group(name: str, group: Any, where: str) -> ConfigGroup:
+    if not isinstance(group, Mapping):
+        raise RecipeError(f"{where}: a config group is a mapping with targets and weights, got {group!r}")
+    unknown = [k for k in group if k not in GROUP_FIELDS]
+    if unknown:
+        raise RecipeError(f"{where}: unknown config-group field(s) {', '.join(map(repr, unknown))}; valid fields: "
+                          f"{', '.join(GROUP_FIELDS)}")
+    targets = group.get("targets")
+    targets = [targets] if isinstance(targets, str) else targets
+    if not targets or not all(isinstance(t, str) for t in targets):
+        raise RecipeError(f"{where}.targets: give the layers this group quantizes, e.g. targets: [Linear]; got "
+                          f"{group.get('targets')!r}")
+    if group.get("output_activations") is not None:
+        raise RecipeError(f"{where}.output_activations: layerwise quantizes weights and layer inputs only, not "
+                          f"outputs; nearest: input_activations (the next layer quantizes what this one produces), "
+                          f"or leave output_activations out")
+    if group.get("weights") is None:
+        raise RecipeError(f"{where}.weights: layerwise quantizes weights, with or without the inputs; a group "
+                          f"without weights (activations only) cannot be expressed: add weights, e.g. "
+                          f"weights: {{num_bits: 8, strategy: channel}} (W8A8)")
+    if group.get("format") is not None:
+        warn_user(f"{where}.format {group['format']!r} is ignored: layerwise stores each scheme in the format "
+                  f"compressed-tensors infers for it (pack-quantized, int-quantized or float-quantized)",
+                  ConfigGroupWarning)
+    weights = ct_args(group["weights"], f"{where}.weights", "weights")
+    inputs = group.get("input_activations")
+    activations = None if inputs is None else ct_args(inputs, f"{where}.input_activations", "input_activations")
+    try:
+        scheme = QuantizationScheme(weights, tuple(targets), activations)
+    except RecipeError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    return ConfigGroup(name, tuple(targets), scheme)
+
+
+def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
+    """compressed-tensors QuantizationArgs fields (weights or input activations) as layerwise's args."""
+    if not isinstance(data, Mapping):
+        raise RecipeError(f"{where}: quantization args are a mapping (num_bits, type, symmetric, strategy, "
+                          f"group_size, ...), got {data!r}")
+    unknown = [k for k in data if k not in ARGS_FIELDS]
+    if unknown:
+        raise RecipeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; compressed-tensors' "
+                          f"quantization args are {', '.join(ARGS_FIELDS)}")
+    kind = str(data.get("type", "int")).lower()
+    bits = data.get("num_bits", 8)
+    if kind not in ("int", "float"):
+        raise RecipeError(f"{where}.type {data['type']!r}: layerwise quantizes to int or float (float8 e4m3)")
+    if kind == "float" and bits != 8:
+        raise RecipeError(f"{where}: type float with num_bits {bits} (NVFP4 / MXFP4-style float{bits}) cannot be "
+                          f"expressed in layerwise; nearest: type float, num_bits 8 (FP8, FP8_DYNAMIC) or "
+                          f"type int, num_bits 4 (W4A16)")
+    if kind == "int" and bits not in BITS:
+        nearest = min(BITS, key=lambda b: (abs(b - bits), -b)) if isinstance(bits, int) else 8
+        raise RecipeError(f"{where}.num_bits {bits!r}: layerwise quantizes integers to "
+                          f"{', '.join(map(str, BITS))} bits; nearest: num_bits: {nearest}")
+    for field, fix in (("scale_dtype", "scales are stored in the weight's dtype"),
+                       ("zp_dtype", "zero points are stored int8 (packed into int32 for int4 weights)")):
+        if data.get(field) is not None:
+            raise RecipeError(f"{where}.{field} {data[field]!r} cannot be chosen in layerwise: {fix}; leave it out "
+                              f"(load the model in the dtype you want the scales in)")
+    if data.get("observer_kwargs"):
+        raise RecipeError(f"{where}.observer_kwargs: layerwise's observers take no arguments; leave them out, or "
+                          f"pick another observer (minmax, moving_average_minmax, mse: the clipping that "
+                          f"minimises the error)")
+    dynamic = data.get("dynamic", False)
+    if isinstance(dynamic, str):
+        raise RecipeError(f"{where}.dynamic {dynamic!r} (per-group scales of NVFP4's tensor_group) cannot be "
+                          f"expressed in layerwise; nearest: dynamic: true with strategy token or group")
+    if role == "weights" and dynamic:
+        raise RecipeError(f"{where}.dynamic: weights are quantized once, dynamic is for input_activations; "
+                          f"leave it out of weights")
+    strategy = data.get("strategy")
+    group_size = data.get("group_size")
+    if strategy is None:  # compressed-tensors infers the strategy from the group size
+        strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    strategy = str(strategy).lower()
+    if strategy in ("tensor_group", "attn_head"):
+        nearest = "strategy: group" if strategy == "tensor_group" else "strategy: channel"
+        raise RecipeError(f"{where}.strategy {strategy!r} cannot be expressed in layerwise; nearest: {nearest}")
+    if strategy == "group" and group_size == -1:
+        raise RecipeError(f"{where}: group_size -1 means one scale per channel: write strategy: channel")
+    actorder = data.get("actorder")
+    if actorder is True:
+        raise RecipeError(f"{where}.actorder true is the removed 'group' ordering in compressed-tensors; write "
+                          f"actorder: weight (layerwise's static: same format, no group index) or leave it out")
+    if actorder is False:
+        actorder = None
+    if actorder is not None:
+        if str(actorder).lower() not in ACTORDERS:
+            raise RecipeError(f"{where}.actorder {actorder!r}: valid are {', '.join(ACTORDERS)} (or null)")
+        actorder = ACTORDERS[str(actorder).lower()]
+    observer = data.get("observer")
+    static = role == "weights" or not dynamic
+    if observer is None:
+        observer = "minmax"
+    elif str(observer) in OBSERVERS:
+        observer = OBSERVERS[str(observer)][0 if role == "weights" else 1] if static else "minmax"
+    fields: dict[str, Any] = {"num_bits": bits, "type": kind, "symmetric": data.get("symmetric", True),
+                              "strategy": strategy, "group_size": group_size if strategy == "group" else None,
+                              "observer": observer, "actorder": actorder, "dynamic": bool(dynamic)}
+    if data.get("block_structure") is not None:
+        block = data["block_structure"]
+        if isinstance(block, str):  # compressed-tensors still reads the old "128x128"
+            try:
+                block = [int(x) for x in block.lower().split("x")]
+            except ValueError:
+                raise RecipeError(f"{where}.block_structure {block!r}: write [rows, columns]") from None
+        fields["block_structure"] = tuple(block)
+    try:
+        args = QuantizationArgs.from_dict(fields)
+        args.check_for(role)
+    except RecipeError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    return args
+
+
+def exclusive_ignores(groups: list[ConfigGroup]) -> list[list[str]]:
+    """Per group, the other groups' targets it must leave out, so that no layer is quantized twice.
+
+    A group yields to one whose least specific target is more specific than its own (a name over a
+    ``re:`` pattern over a class name), and, between equals, to the groups listed before it.
+    """
+    ranks = [max(_specificity(t) for t in group.targets) for group in groups]
+    ignores: list[list[str]] = []
+    for i, group in enumerate(groups):
+        yields_to = [j for j in range(len(groups)) if j != i and (ranks[j] < ranks[i] or (ranks[j] == ranks[i] and j < i))]
+        ignores.append([target for j in yields_to for target in groups[j].targets])
+    return ignores
+
+
+def _specificity(target: str) -> int:
+    if target.startswith("re:"):
+        return _REGEX
+    return _CLASS if target[:1].isupper() and "." not in target else _EXACT

@@ -1,0 +1,55 @@
+"""The fields llm-compressor's recipes give its modifiers that layerwise's do not have, as data.
+
+Each is a :class:`~layerwise.plugin.ForeignField`: ignored with a warning that says why nothing is
+lost, or refused with the layerwise equivalent named. The modifiers set ``foreign_fields`` from
+these tables; the recipe reader (:mod:`layerwise.host.recipe`) applies them.
+"""
+
+from __future__ import annotations
+
+from layerwise.plugin import SESSION_FIELDS, ForeignField
+
+_SEQUENTIAL_TARGETS = ForeignField(
+    "the blocks calibrated one at a time are a run option in layerwise: "
+    "compress(..., options=CompressOptions.of(sequential_targets=[...])) (CLI: --targets)", ignored=False)
+_SEQUENTIAL_UPDATE = ForeignField(
+    "layerwise always calibrates each layer on the inputs the layers already compressed produce "
+    "(llm-compressor's sequential_update: true), so there is nothing to switch")
+_OFFLOAD_HESSIANS = ForeignField(
+    "layerwise keeps each Hessian as a float32 upper triangle, shared by the layers that read one input, and "
+    "frees it as soon as its layer is solved; cached activations go to disk with the option offload='disk'")
+_KV_CACHE = ForeignField(
+    "layerwise does not quantize the KV cache; leave kv_cache_scheme out (vLLM quantizes it at serving "
+    "time: --kv-cache-dtype fp8)", ignored=False)
+
+QUANTIZATION = {
+    **SESSION_FIELDS,
+    "kv_cache_scheme": _KV_CACHE,
+    "bypass_divisibility_checks": ForeignField(
+        "layerwise checks before calibrating that each group size divides its layer; put a layer it does not "
+        "divide in ignore, or use strategy: channel", ignored=False),
+}
+GPTQ = {**QUANTIZATION, "sequential_update": _SEQUENTIAL_UPDATE, "offload_hessians": _OFFLOAD_HESSIANS,
+        "sequential_targets": _SEQUENTIAL_TARGETS}
+AWQ = {**QUANTIZATION, "sequential_targets": _SEQUENTIAL_TARGETS, "offload_device": ForeignField(
+    "layerwise keeps one block's search samples in memory at a time (search_tokens caps them), on the "
+    "device calibration runs on")}
+SMOOTHQUANT = {
+    **SESSION_FIELDS,
+    "num_calibration_steps": ForeignField(
+        "SmoothQuant reads every calibration sample of the run (num_calibration_samples)"),
+    "ignore": ForeignField(
+        "SmoothQuantModifier smooths the mappings it is given: choose them with mappings (or leave layers "
+        "unquantized with the run's ignore option)", ignored=False),
+    "calibration_function": ForeignField(
+        "layerwise feeds the calibration batches to the model's own forward; give tokenized samples as the "
+        "dataset if the model needs other inputs", ignored=False),
+}
+PRUNING = {
+    **SESSION_FIELDS,
+    "sequential_update": _SEQUENTIAL_UPDATE,
+    "sequential_targets": _SEQUENTIAL_TARGETS,
+    "preserve_sparsity_mask": ForeignField(
+        "a layer layerwise pruned keeps its zeros through every later modifier (GPTQ quantizes them to 0)"),
+}
+SPARSEGPT = {**PRUNING, "offload_hessians": _OFFLOAD_HESSIANS}
