@@ -40,7 +40,7 @@ refresh = _load_refresh_script()
 #: every example the guide promises; removing one from GUIDE.md must be a conscious change here
 EXAMPLES = {"tiny-folders", "trace-api", "targets", "discovery", "autowrap", "robust", "opaque", "dtypes", "shapes",
             "guards", "model-patch", "modifier", "pipeline", "recipes", "sparse", "pruning", "smoothquant",
-            "streaming"}
+            "streaming", "evaluate"}
 
 TESTS = refresh.guide_blocks("test")
 OUTPUTS = refresh.guide_blocks("output")
