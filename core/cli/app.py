@@ -76,6 +76,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                         "and written to the output as each piece is done (stream), or auto: stream when the "
                         "model would not fit in memory (default)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
+    p.add_argument("--eval", metavar="FILE", dest="eval_dataset",
+                   help="after saving, evaluate the output against the model on FILE's held-out text (perplexity, "
+                        "KL divergence, agreement; what `layerwise eval` does) and record it in the model card")
     p.add_argument("--save-format", default="compressed-tensors", metavar="NAME",
                    help="the output format: a registered saver (`layerwise plugins` lists them; "
                         "default compressed-tensors)")
@@ -145,6 +148,15 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
         _print_summary(model)
+        if args.eval_dataset and args.output_dir:
+            from layerwise.reports.quality_text import quality_lines
+            from layerwise.verbs.evaluation import evaluate_output
+
+            del model  # the saved output is what is evaluated, loaded as a user would
+            quality = evaluate_output(args.output_dir, args.model, args.eval_dataset,
+                                      trust_remote_code=args.trust_remote_code)
+            print()
+            print("\n".join(quality_lines(quality)))
     return 0
 
 
