@@ -1,6 +1,7 @@
 """Task accuracy through lm-evaluation-harness (the optional ``[eval]`` extra), from local data only.
 
-A small bridge: the loaded model and its tokenizer are wrapped in lm-eval's ``HFLM`` and passed to
+A small bridge (run for real with lm-eval 0.4.13 on a local multiple-choice task; the tests use a
+stand-in): the loaded model and its tokenizer are wrapped in lm-eval's ``HFLM`` and passed to
 ``lm_eval.simple_evaluate`` with the task names asked for. No hub at run time: the harness runs with
 ``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` set, so a task's data must already be on this machine
 (in the datasets cache, or named by a task YAML in ``task_path`` whose ``dataset_path`` is a local
@@ -20,9 +21,11 @@ import torch
 
 from layerwise.errors import InvalidArgumentError, LayerwiseError
 
-#: what ``pip install 'layerwise[eval]'`` brings (pinned in constraints.txt)
+#: what ``pip install 'layerwise[eval]'`` brings (pinned in constraints.txt; HFLM needs accelerate)
 EXTRA = "eval"
 DISTRIBUTION = "lm-eval"
+#: numbers in lm-eval's results that are not metrics
+NOT_METRICS = ("sample_len",)
 
 
 class TaskEvaluationError(LayerwiseError):
@@ -49,9 +52,9 @@ def lm_eval_modules() -> tuple[Any, Any, Any]:
         from lm_eval.tasks import TaskManager
     except ImportError as exc:
         raise TaskEvaluationError(
-            f"task accuracy (--tasks) needs lm-evaluation-harness, which is not installed ({exc}): "
-            f"pip install -c constraints.txt 'layerwise[{EXTRA}]' (it brings {DISTRIBUTION}), or leave --tasks out "
-            f"for perplexity, KL divergence and agreement alone") from None
+            f"task accuracy (--tasks) needs lm-evaluation-harness with its Hugging Face backend, which cannot be "
+            f"imported ({exc}): pip install -c constraints.txt 'layerwise[{EXTRA}]' (it brings {DISTRIBUTION}[hf]), "
+            f"or leave --tasks out for perplexity, KL divergence and agreement alone") from None
     return lm_eval, HFLM, TaskManager
 
 
@@ -76,7 +79,8 @@ def task_accuracy(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str], 
                 f"with task YAML files whose dataset_path is a local folder") from exc
     results = (output or {}).get("results") or {}
     return {task: {metric: float(value) for metric, value in metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                   and metric not in NOT_METRICS}
             for task, metrics in results.items()}
 
 

@@ -19,7 +19,7 @@ from layerwise.reports.task_accuracy import (
 
 def test_without_lm_eval_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    with pytest.raises(TaskEvaluationError, match=r"pip install -c constraints.txt 'layerwise\[eval\]'.*lm-eval"):
+    with pytest.raises(TaskEvaluationError, match=r"pip install -c constraints.txt 'layerwise\[eval\]'.*lm-eval\[hf\]"):
         lm_eval_modules()
 
 
@@ -49,7 +49,7 @@ def fake_lm_eval(monkeypatch):
         if kwargs["tasks"] == ["missing"]:
             raise ConnectionError("Couldn't reach the hub")
         return {"results": {"arc_easy": {"alias": "arc_easy", "acc,none": 0.5, "acc_stderr,none": 0.01,
-                                         "broken": float("nan")}}}
+                                         "broken": float("nan"), "sample_len": 20}}}
 
     root = types.ModuleType("lm_eval")
     root.simple_evaluate = simple_evaluate
