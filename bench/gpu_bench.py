@@ -13,8 +13,16 @@ weights, the cached activations of every sample at a cut, the largest layer's He
 ``--quality``: tiny-llama-doc GPTQ W4A16 calibrated on ``--device`` and on the CPU, perplexity of
 both (the protocol of ``bench/gptq_bench.py``).
 
+Each tool's process is stopped after ``--time-limit`` seconds (a tool that hangs or crawls is
+reported as timed out, the other still runs). The distance to the physical limit: the FLOPs of the
+forwards at the bf16 peak, of the Hessians and the solves at the fp32 peak, all measured in the same
+process, summed into the time a run could take at best, against the time it took.
+``--profile`` runs layerwise under the torch profiler and adds: the kernels launched (on the CPU: the
+operators run) per GPTQ solve, and the time in host-device copies (``Memcpy HtoD`` / ``DtoH``).
+
     LLMCOMPRESSOR_PYTHON=/opt/llmc/bin/python python bench/gpu_bench.py --shape 3b --llmcompressor --quality
     python bench/gpu_bench.py --shape tiny --samples 4 --seq-len 64 --device cpu --quality  # smoke test, no GPU
+    python bench/gpu_bench.py --shape tiny --samples 4 --seq-len 64 --device cpu --profile  # the profile's smoke test
 """
 
 from __future__ import annotations
@@ -103,7 +111,9 @@ def forward_flops(config, tokens: int, seq_len: int) -> float:
     return 2.0 * layers * tokens * linear + layers * tokens * attention
 
 
-def child_layerwise(folder: str, device: str, samples: int, seq_len: int) -> None:
+def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profile: bool = False) -> None:
+    import contextlib
+
     import torch
     from transformers import AutoConfig
 
@@ -115,9 +125,11 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int) -> Non
     batches = [{"input_ids": torch.tensor([r])} for r in rows]
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
+    profiler = _profiler(device) if profile else contextlib.nullcontext()
     start = time.perf_counter()
-    model = layerwise.compress(folder, RECIPE, dataset=batches, num_calibration_samples=samples,
-                               max_seq_length=seq_len, device=device, show_progress=False)
+    with profiler:
+        model = layerwise.compress(folder, RECIPE, dataset=batches, num_calibration_samples=samples,
+                                   max_seq_length=seq_len, device=device, show_progress=False)
     seconds = time.perf_counter() - start
     report = model.layerwise_report
     tokens = samples * seq_len
@@ -126,7 +138,58 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int) -> Non
               "pieces": report.pieces, "accounting": report.accounting, "matmul_peak_tflops": peaks,
               "forward_flops": forward_flops(config, tokens, seq_len), "piece_gb": piece_gb(config, tokens),
               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+    if profile:
+        result["profile"] = profile_summary(profiler, report.accounting)
     print("RESULT " + json.dumps(result))
+
+
+def _profiler(device: str):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    return profile(activities=activities)
+
+
+#: profiler events that are host-device copies (CUDA's own names, and the operator that issues them)
+COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
+
+
+def profile_summary(profiler, accounting: dict) -> dict:
+    """Kernels launched per GPTQ solve (on the CPU: operators run) and seconds in host-device copies."""
+    events = profiler.events()
+    device_kernels = [e for e in events if getattr(e, "device_type", None) is not None
+                      and str(e.device_type).endswith("CUDA")]
+    kernels = len(device_kernels) if device_kernels else sum(1 for e in events if e.name.startswith("aten::"))
+    copies = [e for e in device_kernels if e.name.startswith(COPY_EVENTS)]
+    copy_seconds = sum(_device_us(e) for e in copies) / 1e6
+    solves = accounting.get("GPTQ solves", {})
+    in_solves = _launched_in_solves(events, bool(device_kernels))
+    return {"kernels": kernels, "on_gpu": bool(device_kernels), "copies": len(copies), "copy_seconds": copy_seconds,
+            "solves": solves.get("calls", 0), "solve_seconds": solves.get("seconds", 0.0),
+            "kernels_per_solve": (in_solves / solves["calls"]) if solves.get("calls") else None}
+
+
+def _device_us(event) -> float:
+    for name in ("device_time_total", "cuda_time_total", "self_device_time_total"):
+        value = getattr(event, name, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def _launched_in_solves(events, on_gpu: bool) -> int:
+    """Kernels (CPU: operators) launched from inside ``gptq_quantize``: the profiler's ranges are nested by time,
+    so every launch between the start and end of a solve's ``record_function`` range counts."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == SOLVE_RANGE]
+    if not ranges:
+        return 0
+    launches = [e for e in events if (e.name.startswith(("cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel"))
+                                      if on_gpu else e.name.startswith("aten::"))]
+    return sum(1 for e in launches if any(a <= e.time_range.start <= b for a, b in ranges))
+
+
+#: the profiler range each GPTQ solve runs in (``bench/gpu_bench.py --profile`` counts the launches inside)
+SOLVE_RANGE = "gptq_quantize"
 
 
 def piece_gb(config, tokens: int) -> dict[str, float]:
@@ -179,10 +242,28 @@ def child_quality(device: str) -> None:
     print("RESULT " + json.dumps({"device": device, "ppl": perplexity(model.to("cpu"), held_out)}))
 
 
-def run(cmd: list[str], what: str) -> dict:
+def run(cmd: list[str], what: str, time_limit: float | None = None) -> dict | None:
+    """The child's RESULT line, or ``None`` when it ran past ``time_limit`` seconds (said on stderr)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                              timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        print(f"{what}: stopped after the time limit of {time_limit:.0f} s", file=sys.stderr)
+        return None
     return _result_line(proc, what)
+
+
+def physical_limit(lw: dict) -> dict[str, float]:
+    """Seconds each phase would take at the matmul peak measured in the run: the forwards' FLOPs at bf16, the
+    Hessians' and the solves' at fp32 (TF32 off); their sum is the run's physical limit."""
+    acc, peaks = lw["accounting"], lw["matmul_peak_tflops"]
+    limit = {"forwards": lw["forward_flops"] / (peaks["bf16"] * 1e12)}
+    for phase, name in (("GPTQ Hessians", "Hessians"), ("GPTQ solves", "solves")):
+        flops = acc.get(phase, {}).get("flops") or 0.0
+        limit[name] = flops / (peaks["fp32"] * 1e12)
+    limit["total"] = sum(limit.values())
+    return limit
 
 
 def report(lw: dict, llmc: dict | None) -> list[str]:
@@ -207,9 +288,27 @@ def report(lw: dict, llmc: dict | None) -> list[str]:
         rate = hessian["flops"] / hessian["seconds"] / 1e12
         lines.append(f"| Hessians (fp32) | {hessian['seconds']:.1f} | {hessian['flops'] / 1e12:.1f} | {rate:.1f} | "
                      f"{rate / peaks['fp32']:.0%} of fp32 |")
+    solve = acc.get("GPTQ solves", {})
+    if solve.get("seconds"):
+        rate = (solve.get("flops") or 0.0) / solve["seconds"] / 1e12
+        lines.append(f"| solves (fp32) | {solve['seconds']:.1f} | {(solve.get('flops') or 0.0) / 1e12:.2f} | "
+                     f"{rate:.2f} | {rate / peaks['fp32']:.0%} of fp32 |")
+    limit = physical_limit(lw)
+    lines += ["", f"physical limit (every phase at the measured peak): {limit['total']:.2f} s (forwards "
+                  f"{limit['forwards']:.2f}, Hessians {limit['Hessians']:.2f}, solves {limit['solves']:.2f}); "
+                  f"this run: {lw['seconds']:.1f} s, {lw['seconds'] / max(limit['total'], 1e-9):.0f}x the limit"]
     piece = lw["piece_gb"]
     lines += ["", f"one piece at most: {sum(piece.values()):.2f} GB (layer weights {piece['layer_weights']:.2f}, "
                   f"cached activations {piece['cached_activations']:.2f}, largest Hessian {piece['largest_hessian']:.2f})"]
+    profiled = lw.get("profile")
+    if profiled:
+        what = "kernels launched" if profiled["on_gpu"] else "operators run (CPU: no kernels)"
+        per_solve = profiled["kernels_per_solve"]
+        lines += ["", f"profile: {profiled['kernels']} {what}"
+                      + (f", {per_solve:.0f} per GPTQ solve ({profiled['solves']} solves, "
+                         f"{profiled['solve_seconds']:.1f} s)" if per_solve else "")
+                      + (f"; host-device copies: {profiled['copies']} taking {profiled['copy_seconds']:.2f} s"
+                         if profiled["on_gpu"] else "")]
     return lines
 
 
@@ -222,27 +321,37 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/layerwise-gpu-bench")
     parser.add_argument("--llmcompressor", action="store_true", help="run llm-compressor (LLMCOMPRESSOR_PYTHON)")
     parser.add_argument("--quality", action="store_true", help="tiny-llama-doc perplexity: --device vs cpu")
+    parser.add_argument("--time-limit", type=float, default=3600.0,
+                        help="seconds each tool's process may run (default 3600)")
+    parser.add_argument("--profile", action="store_true",
+                        help="layerwise under the torch profiler: kernels per GPTQ solve, time in host-device copies")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        {"layerwise": lambda: child_layerwise(rest[0], rest[1], int(rest[2]), int(rest[3])),
+        {"layerwise": lambda: child_layerwise(rest[0], rest[1], int(rest[2]), int(rest[3]), "profile" in rest[4:]),
          "llmc": lambda: child_llmcompressor(rest[0], int(rest[1]), int(rest[2])),
          "quality": lambda: child_quality(rest[0])}[kind]()
         return
     folder = save_model(args.shape, Path(args.work) / f"llama-{args.shape}-bf16")
     script = str(Path(__file__).resolve())
     lw = run([sys.executable, script, "--child", "layerwise", str(folder), args.device, str(args.samples),
-              str(args.seq_len)], "layerwise")
+              str(args.seq_len), *(["profile"] if args.profile else [])], "layerwise", args.time_limit)
     llmc = None
     if args.llmcompressor:
         llmc = run([os.environ["LLMCOMPRESSOR_PYTHON"], script, "--child", "llmc", str(folder), str(args.samples),
-                    str(args.seq_len)], "llm-compressor")
+                    str(args.seq_len)], "llm-compressor", args.time_limit)
     print(f"## GPTQ W4A16 g128 on {args.device}: {args.shape} bf16, {args.samples} x {args.seq_len} tokens\n")
-    print("\n".join(report(lw, llmc)))
+    if lw is None:
+        print(f"layerwise ran past the time limit ({args.time_limit:.0f} s)"
+              + (f"; llm-compressor: {llmc['seconds']:.1f} s" if llmc else ""))
+    else:
+        print("\n".join(report(lw, llmc)))
     if args.quality:
-        here, cpu = (run([sys.executable, script, "--child", "quality", d], f"quality on {d}")
+        here, cpu = (run([sys.executable, script, "--child", "quality", d], f"quality on {d}", args.time_limit)
                      for d in (args.device, "cpu"))
+        if here is None or cpu is None:
+            return
         print(f"\ntiny-llama-doc perplexity: {here['ppl']:.3f} calibrated on {args.device}, {cpu['ppl']:.3f} on the "
               f"CPU ({here['ppl'] / cpu['ppl'] - 1:+.2%}; target within 0.2 %)")
 

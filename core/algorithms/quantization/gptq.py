@@ -142,6 +142,16 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
     Raises :class:`GPTQError` when the Hessian has non-finite entries or cannot be
     factorised; the caller decides what to do (round-to-nearest, usually).
     """
+    with torch.profiler.record_function(PROFILER_RANGE):  # a profiler counts the launches inside (gpu_bench)
+        return _gptq_quantize(weight, hessian, args, observer, block_size, dampening_frac, scale_dtype, pruned)
+
+
+#: the profiler range each solve runs in (``bench/gpu_bench.py --profile`` counts the kernels launched inside)
+PROFILER_RANGE = "gptq_quantize"
+
+
+def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, observer: Any, block_size: int,
+                   dampening_frac: float, scale_dtype: torch.dtype | None, pruned: Tensor | None) -> GPTQResult:
     _check_weight(weight, args)
     rows, columns = weight.shape
     if tuple(hessian.shape) != (columns, columns):
