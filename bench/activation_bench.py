@@ -181,7 +181,7 @@ def _embedding_eval():
     """``core/reports/embedding_eval.py`` (torch only), loaded by path: the same code under either Python."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_embedding_eval", ROOT / "core" / "embedding_eval.py")
+    spec = importlib.util.spec_from_file_location("_bench_embedding_eval", ROOT / "core" / "reports" / "embedding_eval.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)

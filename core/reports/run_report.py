@@ -46,6 +46,8 @@ class CompressionReport:
     #: the process's peak resident memory so far (bytes), and the GPU's peak allocation when one ran
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None
+    #: what rested on the execution device and why (weights moved once, or onloaded piece by piece)
+    placement: str = ""
     #: the calibration data: ``description`` and ``sha256`` (empty when not recorded)
     calibration_data: dict[str, Any] = field(default_factory=dict)
     #: the report card (:meth:`layerwise.reports.quality.QualityReport.to_dict`) once the model was evaluated

@@ -253,6 +253,8 @@ def summary_text(report: Any, ascii_only: bool = True) -> str:
         lines.append(f"targets:            {report.targets_found}")
     if report.pieces:
         lines.append(f"pieces:             {report.pieces}")
+    if getattr(report, "placement", ""):
+        lines.append(f"placement:          {report.placement}")
     if getattr(report, "resumed_from_piece", None):
         lines.append(f"resumed:            from piece {report.resumed_from_piece} (an interrupted run's checkpoint; "
                      f"time and size count the whole run)")

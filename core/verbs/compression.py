@@ -34,6 +34,7 @@ from layerwise.model_io.calibration_data import (
     batches_from_records,
     check_unread_dataset,
     default_max_seq_length,
+    describe_data,
     load_records,
     warn_about_calibration,
 )
@@ -251,7 +252,8 @@ def compress(
             targets_found=targets_found, targets_source=choice.source,
             model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
             fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
-            pieces=state.pieces, accounting=state.accounting.as_dict(),
+            pieces=state.pieces, accounting=state.accounting.as_dict(), placement=state.placement,
+            calibration_data=describe_data(dataset) if needs_data else {},
             weights=f"stream ({weights_note})" if stream is not None else "memory",
             activations=offload_note, options=options.as_dict(),
         )

@@ -12,6 +12,7 @@ from layerwise.errors import InvalidArgumentError
 from layerwise.reports.task_accuracy import TaskEvaluationError
 from layerwise.verbs import evaluation
 from tests.conftest import build_tiny_llama
+from tests.plugins.savers.test_sparse_saving import write_legacy
 from tests.reports.test_quality import word_texts
 
 WANDA = "WandaModifier:\n  sparsity: 0.5\n  ignore: [lm_head]\n"
@@ -22,9 +23,9 @@ def pruned(tiny_llama_dir, tmp_path):
     """A Wanda-pruned tiny Llama saved sparse-bitmask (transformers alone would leave its weights random)."""
     batches = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
                for i in range(2)]
-    model = layerwise.compress(str(tiny_llama_dir), WANDA, dataset=batches, output_dir=tmp_path / "pruned",
-                               show_progress=False)
-    return model, tmp_path / "pruned"
+    model = layerwise.compress(str(tiny_llama_dir), WANDA, dataset=batches, show_progress=False)
+    # the layout older layerwise releases wrote (today's outputs are dense): it must go through load_compressed
+    return model, write_legacy(tmp_path / "pruned", model)
 
 
 def test_a_sparse_folder_is_decoded_before_it_is_compared(tiny_llama_dir, pruned):
