@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from layerwise import __version__
+from layerwise.cli.arguments import positive_int
 from layerwise.errors import InvalidArgumentError, LayerwiseError
 
 if TYPE_CHECKING:
@@ -27,15 +28,6 @@ def _slug(recipe: str) -> str:
     return name.lower() if re.fullmatch(r"[\w.-]+", name) else "custom"
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: a count of 1 or more (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def _add_compress(sub: argparse._SubParsersAction) -> None:
@@ -55,11 +47,11 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                                             "unless --no-save")
     where.add_argument("--no-save", action="store_true",
                        help="compress and print the summary without saving (a dry run)")
-    p.add_argument("--num-samples", type=_positive_int, default=512, help="calibration samples (default 512)")
-    p.add_argument("--max-seq-length", type=_positive_int, default=None,
+    p.add_argument("--num-samples", type=positive_int, default=512, help="calibration samples (default 512)")
+    p.add_argument("--max-seq-length", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's context length if shorter)")
     p.add_argument("--targets", nargs="+", help="sequential targets (class names or re:patterns)")
-    p.add_argument("--targets-per-subgraph", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--targets-per-subgraph", type=positive_int, default=1, metavar="N",
                    help="calibrate N consecutive targets as one piece (fewer passes, more memory)")
     p.add_argument("--ignore", nargs="+", help="modules left uncompressed (names, classes or re:patterns)")
     p.add_argument("--pipeline", help="force a pipeline (sequential, layer_sequential, basic, ...)")

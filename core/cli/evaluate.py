@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from layerwise.cli.arguments import positive_int
 from layerwise.errors import LayerwiseError
 
 
@@ -23,14 +24,6 @@ class EvalOutputError(LayerwiseError):
     """A file asked for (``--svg``) cannot be written."""
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,13 +43,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", required=True, metavar="FILE",
                    help="held-out text: .txt (documents separated by blank lines, else one per line) or .jsonl "
                         "({\"text\": ...} records); never the calibration data")
-    p.add_argument("--window-length", type=_count, metavar="N",
+    p.add_argument("--window-length", type=positive_int, metavar="N",
                    help="tokens per window (default: the model's context, at most 2048)")
-    p.add_argument("--stride", type=_count, metavar="N",
+    p.add_argument("--stride", type=positive_int, metavar="N",
                    help="tokens between window starts (default: the window length; shorter windows overlap and "
                         "score only the tokens no earlier window scored)")
-    p.add_argument("--max-windows", type=_count, metavar="N", help="evaluate at most N windows (default: all)")
-    p.add_argument("--batch-size", type=_count, default=1, metavar="N", help="windows per forward (default 1)")
+    p.add_argument("--max-windows", type=positive_int, metavar="N", help="evaluate at most N windows (default: all)")
+    p.add_argument("--batch-size", type=positive_int, default=1, metavar="N", help="windows per forward (default 1)")
     p.add_argument("--device", help="where the models run: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="run the models side by side (both resident) or one at a time (the original's "
@@ -65,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also lm-evaluation-harness task accuracy, comma-separated task names (needs "
                         "pip install 'layerwise[eval]' and the tasks' data on this machine)")
     p.add_argument("--task-path", metavar="DIR", help="a folder of lm-eval task YAML files (local data)")
-    p.add_argument("--task-limit", type=_count, metavar="N", help="at most N examples per task")
+    p.add_argument("--task-limit", type=positive_int, metavar="N", help="at most N examples per task")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per task prompt")
     p.add_argument("--json", action="store_true", help="print the report card as JSON instead of text")
     p.add_argument("--svg", metavar="FILE", help="also write the KL divergence picture to FILE")
@@ -147,8 +140,8 @@ def add_compress_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", metavar="FILE",
                    help="after compressing, compare the result with the original on this held-out text "
                         "(layerwise eval) and save the report card with the output")
-    p.add_argument("--eval-max-windows", type=_count, metavar="N", help="with --eval: at most N windows")
-    p.add_argument("--eval-window-length", type=_count, metavar="N", help="with --eval: tokens per window")
+    p.add_argument("--eval-max-windows", type=positive_int, metavar="N", help="with --eval: at most N windows")
+    p.add_argument("--eval-window-length", type=positive_int, metavar="N", help="with --eval: tokens per window")
 
 
 def check_compress_eval(args: argparse.Namespace) -> None:
