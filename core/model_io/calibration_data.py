@@ -178,8 +178,7 @@ def _tokenize(texts: Iterable[str], tokenizer: Any, num_samples: int, max_seq_le
             enc = tokenizer(text, truncation=True, max_length=max_seq_length, return_tensors="pt")
             out.append({k: v for k, v in enc.items()})
         return out
-    if packing != "chunk":
-        raise DatasetError(f"unknown packing {packing!r}; valid: chunk, truncate")
+    check_packing(packing)
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []
     for text in texts:
@@ -243,6 +242,16 @@ def context_length(model: torch.nn.Module) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+#: how texts become windows: ``None`` (chosen from the tokenizer), ``chunk`` or ``truncate``
+PACKINGS = (None, "chunk", "truncate")
+
+
+def check_packing(packing: str | None) -> None:
+    """``packing`` is one of :data:`PACKINGS`."""
+    if packing not in PACKINGS:
+        raise DatasetError(f"unknown packing {packing!r}; valid: chunk, truncate")
 
 
 def check_unread_dataset(source: Any, modifiers: list[Any]) -> None:

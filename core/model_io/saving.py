@@ -62,17 +62,22 @@ def written_by_layerwise(folder: Path) -> bool:
     return (folder / OWNER_MARK).is_file()
 
 
+def check_overwrite(overwrite: object) -> None:
+    """``overwrite`` is ``False``, ``True`` (replace a folder layerwise wrote) or ``"any"``."""
+    if overwrite not in (False, True, "any"):
+        from layerwise.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"overwrite={overwrite!r}: use False, True (replace a folder layerwise wrote) "
+                                   f"or 'any' (replace any folder)")
+
+
 def check_output_dir(path: str | os.PathLike, overwrite: Overwrite = False,
                      owned: Callable[[Path], bool] = written_by_layerwise) -> Path:
     """The target as a Path; raises when it cannot (or may not) be written.
 
     ``owned`` says whether an existing folder is one ``overwrite=True`` may replace.
     """
-    if overwrite not in (False, True, "any"):
-        from layerwise.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(f"overwrite={overwrite!r}: use False, True (replace a folder layerwise wrote) "
-                                   f"or 'any' (replace any folder)")
+    check_overwrite(overwrite)
     target = Path(path).expanduser().absolute()
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"output path '{target}' exists and is not a folder; choose another output_dir")

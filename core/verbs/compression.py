@@ -38,6 +38,7 @@ from layerwise.model_io.calibration_data import (
     load_records,
     warn_about_calibration,
 )
+from layerwise.model_io.compressed_loading import quantization_config
 from layerwise.model_io.loading import load_model, load_tokenizer
 from layerwise.model_io.model_paths import (
     AlreadyQuantizedError,
@@ -134,7 +135,7 @@ def compress(
         check_not_quantized(model)
     elif getattr(getattr(model, "config", None), "quantization_config", None):
         raise AlreadyQuantizedError(f"the model passed is already quantized "
-                                    f"({describe_quantization(_as_dict(model.config.quantization_config))}): "
+                                    f"({describe_quantization(quantization_config(model.config))}): "
                                     f"compress the original, unquantized model instead")
     if output.resume:
         _check_resumable(model, placement.weights, output_dir)
@@ -269,11 +270,6 @@ def compress(
         report.seconds = time.perf_counter() - start
         model.layerwise_report = report  # type: ignore[attr-defined]
         return model
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    """A transformers quantization config (an object or a dict) as a dict."""
-    return config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
 
 
 def _with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from layerwise.errors import (
-    DatasetError,
     InvalidArgumentError,
     check_choice,
     did_you_mean,
@@ -31,13 +30,13 @@ from layerwise.errors import (
 )
 from layerwise.host.model_patch import ModelPatch
 from layerwise.host.pipeline import check_pieces
-from layerwise.model_io.saving import Overwrite
+from layerwise.model_io.calibration_data import check_packing
+from layerwise.model_io.saving import Overwrite, check_overwrite
 from layerwise.model_io.streaming.stream import WEIGHTS
 from layerwise.runtime.finite import check_mode
 
 #: where cached activations rest between pieces (``auto``: disk when they would not fit in memory)
 OFFLOADS = ("auto", "cpu", "disk")
-PACKINGS = (None, "chunk", "truncate")
 #: how chat rows (``messages``) become text: the tokenizer's chat template when it has one (``auto``; an error
 #: when a chat row meets a tokenizer without one), always (``on``: every row must be a chat), never (``off``)
 CHAT_TEMPLATES = ("auto", "on", "off")
@@ -88,8 +87,7 @@ class CalibrationOptions:
             require_positive(self.max_seq_length, "max_seq_length", "--max-seq-length")
         require_positive(self.targets_per_subgraph, "targets_per_subgraph", "--targets-per-subgraph")
         check_pieces(self.pieces)
-        if self.packing not in PACKINGS:
-            raise DatasetError(f"unknown packing {self.packing!r}; valid: chunk, truncate")
+        check_packing(self.packing)
         check_choice(self.chat_template, CHAT_TEMPLATES, "chat_template", "--chat-template")
         object.__setattr__(self, "sequential_targets", _as_tuple(self.sequential_targets))
         object.__setattr__(self, "ignore", _as_tuple(self.ignore))
@@ -126,9 +124,7 @@ class OutputOptions:
     resume: bool = False
 
     def __post_init__(self) -> None:
-        if self.overwrite not in (False, True, "any"):
-            raise InvalidArgumentError(f"overwrite={self.overwrite!r}: use False, True (replace a folder layerwise "
-                                       f"wrote) or 'any' (replace any folder)")
+        check_overwrite(self.overwrite)
 
 
 @dataclass(frozen=True)
