@@ -16,7 +16,9 @@ the same model and the same calibration samples), plus ``fp32`` (the dense refer
 * ``Wanda 50%``: Wanda (``|W| * ||X||``), sparsity 0.5, unstructured;
 * ``2:4 + W4A16``: SparseGPT 2:4, then GPTQ W4A16 (int4, symmetric, group 128), in one recipe;
 * ``Wanda 50% true-sequential``: layerwise's Wanda scoring each layer on the pruned model's inputs
-  (one forward per piece); llm-compressor runs its Wanda, as in ``Wanda 50%``.
+  (one forward per piece); llm-compressor runs its Wanda, as in ``Wanda 50%``;
+* ``SparseGPT 50% true-sequential``: layerwise's SparseGPT calibrating each layer on the pruned
+  model's inputs (a cut at layers); llm-compressor runs its SparseGPT, as in ``SparseGPT 50%``.
 
 Settings, the same on both sides: SparseGPT ``block_size`` 128 and ``dampening_frac`` 0.01 (stated
 in both recipes; they are also both tools' defaults). Pruned: the Linear layers inside the
@@ -116,6 +118,8 @@ CONFIGS: dict[str, list[dict] | None] = {
     # layerwise's faster Wanda: each layer scored on the pruned model's inputs (llm-compressor: its Wanda)
     "Wanda 50% true-sequential": [{"WandaModifier": {"sparsity": 0.5, "mask_structure": "0:0", "ignore": ["lm_head"],
                                                      "true_sequential": True}}],
+    "SparseGPT 50% true-sequential": [{"SparseGPTModifier": {**_sparsegpt("0:0")["SparseGPTModifier"],
+                                                             "true_sequential": True}}],
 }
 #: the configurations whose recipe promises a 2:4 pattern (checked on the result)
 TWO_FOUR = ("SparseGPT 2:4", "2:4 + W4A16")

@@ -107,12 +107,13 @@ def _run_compress(args: argparse.Namespace) -> int:
         output_dir = None if args.no_save else args.output_dir or str(demo_output_dir(_slug(args.recipe)))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
-        model, agreement = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
-                                    show_progress=not args.quiet)
+        model, quality = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
+                                  show_progress=not args.quiet)
         _print_summary(model)
-        print(f"sentence-embedding cosine to fp32: {agreement.mean_cosine:.4f} "
-              f"(nearest-neighbour agreement {agreement.nearest_neighbour_agreement:.3f}, "
-              f"{agreement.sentences} held-out sentences)")
+        from layerwise.reports.quality_text import quality_lines
+
+        print()
+        print("\n".join(quality_lines(quality)))
         return 0
     if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
         raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "

@@ -145,7 +145,7 @@ def test_config_groups_conflicts_are_refused():
 
 @pytest.mark.parametrize("modifier, field, value, fragment", [
     ("GPTQModifier", "offload_hessians", False, "float32 upper triangle"),
-    ("SparseGPTModifier", "sequential_update", True, "nothing to switch"),
+    ("SparseGPTModifier", "sequential_update", True, "true_sequential: true calibrates each layer"),
     ("SparseGPTModifier", "preserve_sparsity_mask", True, "keeps its zeros"),
     ("SmoothQuantModifier", "num_calibration_steps", 64, "every calibration sample"),
     ("AWQModifier", "offload_device", "cpu", "one block's search samples"),
