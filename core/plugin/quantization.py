@@ -2,6 +2,7 @@
 
 from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
 from layerwise.algorithms.quantization.awq import search_flops, search_scales
+from layerwise.algorithms.quantization.config_groups import ConfigGroup, read_config_groups
 from layerwise.algorithms.quantization.gptq import (
     GPTQError,
     GPTQResult,
@@ -39,10 +40,10 @@ from layerwise.algorithms.quantization.storage import (
 from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
-    "ACTORDERS", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
+    "ACTORDERS", "ConfigGroup", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
     "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
     "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_weight",
-    "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
+    "quantized_modules", "read_config_groups", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
     "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",
     "weight_qparams",
 ]
