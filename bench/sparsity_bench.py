@@ -79,7 +79,6 @@ from pathlib import Path
 from gptq_bench import (
     CALIB,
     COSINE_MARGIN,
-    EVAL,
     PPL_FACTOR,
     ROOT,
     _load_llmcompressor_output,
@@ -89,11 +88,10 @@ from gptq_bench import (
     _windows,
     case_model_path,
     checked_configs,
-    eval_sentences,
     llmcompressor_inputs,
     minilm_calibration,
-    perplexity,
     repeated,
+    report_card,
     run_in_subprocess,
     split_total,
 )
@@ -203,25 +201,8 @@ def run_dense(case: str, quick: bool) -> dict:
 
 def measure(case: str, model, quick: bool) -> dict:
     """Quality against fp32 and the sparsity of the targeted layers."""
-    import torch
-
-    from layerwise.model_io.loading import load_model, load_tokenizer
-
-    path = case_model_path(case)
-    tokenizer = load_tokenizer(path)
     result = sparsity_stats(model, LAYER_CLASS[case])
-    with torch.no_grad():
-        if case == "minilm":
-            from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
-
-            sentences = eval_sentences(100 if quick else 500)
-            reference = sentence_embeddings(load_model(path), tokenizer, sentences)
-            agreement = embedding_agreement(reference, sentence_embeddings(model, tokenizer, sentences))
-            result.update(cosine=agreement.mean_cosine, nn=agreement.nearest_neighbour_agreement,
-                          sentences=agreement.sentences)
-        else:
-            windows = _windows(tokenizer, EVAL, 16 if quick else 128, 512)
-            result.update(ppl=perplexity(model, windows), eval_windows=len(windows))
+    result.update(report_card(case, model, quick))  # layerwise's report card, as `layerwise eval` measures
     return result
 
 
