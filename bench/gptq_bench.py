@@ -63,9 +63,15 @@ CONFIGS = {
     "GPTQ W4A16 g128": "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n",
     "GPTQ W4A16 g128 blocks": "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n",
     "GPTQ W4 per-channel": "GPTQModifier:\n  scheme: W4A16\n  strategy: channel\n  ignore: [lm_head]\n",
+    # GPTAQ (issue 33) against GPTQ at 3 bits, where the error earlier layers leave is large
+    "GPTQ W3A16 g128": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  ignore: [lm_head]\n",
+    "GPTQ W3A16 g128 blocks": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  ignore: [lm_head]\n",
+    "GPTAQ W3A16 g128": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  gptaq: true\n  ignore: [lm_head]\n",
+    "GPTAQ W3A16 g128 alpha 1": ("GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  gptaq: true\n  gptaq_alpha: 1.0\n"
+                                 "  ignore: [lm_head]\n"),
 }
 #: compress() options beyond the recipe: the two-pass cut (each block observed, then re-run compressed)
-CONFIG_OPTIONS = {"GPTQ W4A16 g128 blocks": {"pieces": "blocks"}}
+CONFIG_OPTIONS = {"GPTQ W4A16 g128 blocks": {"pieces": "blocks"}, "GPTQ W3A16 g128 blocks": {"pieces": "blocks"}}
 #: layerwise's GPTQ wall time may be at most this fraction of llm-compressor's (measured in the same run)
 TIME_RATIO_TARGET = {"minilm": 0.35, "tiny-llama": 0.45}
 #: quality bars against llm-compressor in the same run: ppl <= its x 1.002, cosine >= its - 0.002
@@ -164,7 +170,8 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
     elif CONFIGS[config] is not None:
         start = time.perf_counter()
         model = compress(model, CONFIGS[config], dataset=calib, max_seq_length=512,
-                         num_calibration_samples=len(calib), show_progress=False, **CONFIG_OPTIONS.get(config, {}))
+                         num_calibration_samples=len(calib), show_progress=False,
+                         options=layerwise.CompressOptions.of(**CONFIG_OPTIONS.get(config, {})))
         result["seconds"] = time.perf_counter() - start
         result["peak_rss_gb"] = _peak_rss_gb()  # what compressing needed: the evaluation below comes after
         result["samples"] = len(calib)
