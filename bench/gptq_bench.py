@@ -572,6 +572,12 @@ def report_tiny_llama(results: dict[str, dict]) -> list[str]:
         lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} "
                      f"| {r.get('load', float('nan')):.1f} |")
     lines.append("")
+    gptaq, gptq3 = results.get("GPTAQ W3A16 g128"), results.get("GPTQ W3A16 g128")
+    if gptaq and gptq3:
+        lines.append(f"- GPTAQ vs GPTQ at W3A16 g128: ppl {gptaq['ppl']:.3f} vs {gptq3['ppl']:.3f} (target <= GPTQ's: "
+                     f"{_ok(gptaq['ppl'] <= gptq3['ppl'])}), mean KL to fp32 {gptaq['kl_mean']:.4f} vs "
+                     f"{gptq3['kl_mean']:.4f}, top-1 agreement {gptaq['top1']:.4f} vs {gptq3['top1']:.4f}, time "
+                     f"{_ratio(gptaq['seconds'], gptq3['seconds'])}")
     g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
     if not g:
         return lines
