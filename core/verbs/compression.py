@@ -61,7 +61,7 @@ from layerwise.runtime.finite import check_weights
 from layerwise.runtime.memory_policy import choose_offload
 from layerwise.runtime.sizes import parameter_bytes
 from layerwise.tracing.targets import check_entries, choose_targets
-from layerwise.verbs.options import CompressOptions, setting_names
+from layerwise.verbs.options import CompressOptions, setting_names, with_everyday
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -127,7 +127,7 @@ def compress(
     ``model.layerwise_report``.
     """
     start = time.perf_counter()
-    options = _with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
+    options = with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
     calibration, placement, output, safety = options.calibration, options.placement, options.output, options.safety
     execution_device = resolve_device(placement.device)
     if not isinstance(model, torch.nn.Module):
@@ -164,6 +164,10 @@ def compress(
                              f"disk (its saver does not stream); use save_format='compressed-tensors' or "
                              f"weights='memory'")
     writes = output_dir is not None and distributed.is_main()
+    if distributed.is_main():  # what `layerwise plan` says will fail never starts (the folder is checked above)
+        from layerwise.verbs.plan import preflight
+
+        preflight(model, recipe, dataset, options, None)
     with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed:  # a 2nd run fails now
         source, stream = None, None
         tokenizer = calibration.tokenizer
@@ -272,17 +276,6 @@ def compress(
         return model
 
 
-def _with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,
-                   device: str | torch.device | None, overwrite: Overwrite | None) -> CompressOptions:
-    """``options`` with the everyday arguments that were given (``None``: not given) put in their groups."""
-    if not isinstance(options, CompressOptions):
-        raise InvalidArgumentError(f"options must be a CompressOptions, not {type(options).__name__}: "
-                                   f"CompressOptions.of(pieces='layers', ...)")
-    given = {"num_calibration_samples": num_calibration_samples, "max_seq_length": max_seq_length,
-             "device": device, "overwrite": overwrite}
-    return options.replace(**{name: value for name, value in given.items() if value is not None})
-
-
 def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any,
           report: CompressionReport, modifiers: list, overwrite: Overwrite, start: float) -> None:
     """Write the output folder with the run summary and the modifiers' own files beside the weights."""
@@ -342,7 +335,6 @@ def _claim(output_dir: str | os.PathLike | None, overwrite: bool, resume: bool =
 
 def _check_resumable(model: Any, weights: str, output_dir: Any) -> None:
     """``resume=True`` needs a model folder, an output folder, and weights streamed from disk."""
-    from layerwise.errors import InvalidArgumentError
 
     if output_dir is None:
         raise InvalidArgumentError("resume=True continues writing an output folder: pass output_dir= "

@@ -204,3 +204,15 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,
+                  device: str | torch.device | None, overwrite: Overwrite | None) -> CompressOptions:
+    """``options`` with the everyday arguments that were given (``None``: not given) put in their groups
+    (``compress()`` and ``plan()`` take them the same way)."""
+    if not isinstance(options, CompressOptions):
+        raise InvalidArgumentError(f"options must be a CompressOptions, not {type(options).__name__}: "
+                                   f"CompressOptions.of(pieces='layers', ...)")
+    given = {"num_calibration_samples": num_calibration_samples, "max_seq_length": max_seq_length,
+             "device": device, "overwrite": overwrite}
+    return options.replace(**{name: value for name, value in given.items() if value is not None})
