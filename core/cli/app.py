@@ -69,10 +69,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", choices=["auto", "cpu", "disk"], default="auto",
                    help="where cached activations rest between pieces (default auto: disk when they would not fit "
                         "in half the memory available, else cpu)")
-    p.add_argument("--weights", choices=["auto", "memory", "stream"], default="auto",
+    p.add_argument("--weights", choices=["auto", "memory", "stream", "model-free"], default="auto",
                    help="where the weights rest: loaded whole (memory), read from the model folder piece by piece "
                         "and written to the output as each piece is done (stream), or auto: stream when the "
-                        "model would not fit in memory (default)")
+                        "model would not fit in memory (default); model-free: no model is built, a data-free "
+                        "recipe quantizes the safetensors shard by shard (any architecture)")
+    p.add_argument("--model-free", dest="weights", action="store_const", const="model-free",
+                   help="the same as --weights model-free (RTN W4A16, W8A16, W8A8, FP8_DYNAMIC, ...: no data)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="--model-free: worker processes over the shards (default: as many as shards, cores and "
+                        "memory allow)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
     p.add_argument("--eval", metavar="FILE", dest="eval_dataset",
                    help="after saving, evaluate the output against the model on FILE's held-out text (perplexity, "
@@ -95,9 +101,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_summary(model) -> None:
+    _print_report(model.layerwise_report)
+
+
+def _print_report(report) -> None:
     from layerwise.reports.text import summary_text, supports_blocks
 
-    print(summary_text(model.layerwise_report, ascii_only=not supports_blocks(sys.stdout)))
+    print(summary_text(report, ascii_only=not supports_blocks(sys.stdout)))
+
+
+def torch_module() -> type:
+    import torch
+
+    return torch.nn.Module
 
 
 def _run_compress(args: argparse.Namespace) -> int:
@@ -141,6 +157,9 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
                      num_calibration_samples=args.num_samples, max_seq_length=args.max_seq_length,
                      device=args.device, overwrite=_overwrite(args), show_progress=show_progress,
                      options=options_from_flags(args))
+    if not isinstance(model, torch_module()):  # model-free: a report, no model
+        _print_report(model)
+        return 0
     if distributed.is_main():  # one summary for the run, not one per rank
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
@@ -164,7 +183,8 @@ def options_from_flags(args: argparse.Namespace) -> CompressOptions:
     return CompressOptions.of(
         sequential_targets=args.targets, ignore=args.ignore, targets_per_subgraph=args.targets_per_subgraph,
         pipeline=args.pipeline, propagate_error=not args.no_propagate_error, pieces=args.pieces,
-        weights=args.weights, offload=args.offload, save_format=args.save_format, resume=args.resume,
+        weights=args.weights, offload=args.offload, workers=args.workers, save_format=args.save_format,
+        resume=args.resume,
         non_finite="skip" if args.skip_non_finite else "error", trust_remote_code=args.trust_remote_code,
         chat_template=args.chat_template)
 

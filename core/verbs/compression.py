@@ -121,6 +121,10 @@ def compress(
     weights rest where they were loaded and each piece is onloaded there; running out of memory
     there is a named error listing the fixes that apply.
 
+    With ``options.placement.weights="model-free"`` no model is built: a data-free recipe quantizes the
+    folder's safetensors shard by shard (:mod:`layerwise.model_io.model_free`) and the run's
+    :class:`~layerwise.reports.run_report.CompressionReport` is returned instead of a model.
+
     Every other setting is in ``options`` (:class:`~layerwise.verbs.options.CompressOptions`:
     calibration, placement, output and safety groups, each field documented there); the everyday
     arguments above, when given, override their fields. The run's summary is
@@ -129,6 +133,8 @@ def compress(
     start = time.perf_counter()
     options = with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
     calibration, placement, output, safety = options.calibration, options.placement, options.output, options.safety
+    if placement.weights == "model-free":  # no model at all: the report is what there is to return
+        return _model_free(model, recipe, output_dir, options)
     execution_device = resolve_device(placement.device)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
@@ -274,6 +280,18 @@ def compress(
         report.seconds = time.perf_counter() - start
         model.layerwise_report = report  # type: ignore[attr-defined]
         return model
+
+
+def _model_free(model: Any, recipe: RecipeLike, output_dir: Any, options: CompressOptions) -> Any:
+    """``weights="model-free"``: :func:`~layerwise.model_io.model_free.compress_model_free`; returns its report."""
+    from layerwise.model_io.model_free import compress_model_free
+
+    if isinstance(model, torch.nn.Module) or output_dir is None:
+        raise InvalidArgumentError("weights='model-free' reads a model folder's safetensors and writes an output "
+                                   "folder: pass the folder and output_dir= (CLI: --model FOLDER --output-dir OUT)")
+    return compress_model_free(model, recipe, output_dir, ignore=list(options.calibration.ignore or []),
+                               overwrite=options.output.overwrite, workers=options.placement.workers,
+                               save_format=options.output.save_format)
 
 
 def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any,
