@@ -24,7 +24,6 @@ import torch
 
 from layerwise.algorithms.hessian import GRAM_STRIP
 from layerwise.algorithms.quantization.args import QuantizationArgs
-from layerwise.algorithms.quantization.storage import linear_weight
 from layerwise.runtime.accounting import gptq_solve_flops, gram_flops
 from layerwise.runtime.memory_policy import cache_bytes
 from layerwise.runtime.placement import WORKING_SET_FACTOR
@@ -62,37 +61,18 @@ class PieceEstimate:
         return self.weights + self.activations + self.statistics + self.temporary
 
 
-def module_bytes(module: torch.nn.Module, dtype: torch.dtype, seen: set[int]) -> int:
-    """Bytes of ``module``'s parameters in ``dtype`` (floating ones; others as they are), each once."""
-    total = 0
-    for param in module.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        size = torch.empty((), dtype=dtype).element_size() if param.is_floating_point() else param.element_size()
-        total += param.numel() * size
-    return total
-
-
-def widest_output(module: torch.nn.Module) -> int:
-    """The widest Linear output inside ``module`` (0 when it holds none)."""
-    widths = [int(linear_weight(m).shape[0]) for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    return max(widths, default=0)
-
-
-def estimate_piece(label: str, modules: dict[str, torch.nn.Module], inside: list[Quantized], *,
-                   dtype: torch.dtype, seq_length: int, hidden: int, awq_tokens: int, seen: set[int]) -> PieceEstimate:
-    """The device memory of one piece made of ``modules`` (qualified name -> module) holding the compressed
-    layers ``inside``."""
+def estimate_piece(label: str, modules: list[str], inside: list[Quantized], *, weights: int, widest: int,
+                   dtype: torch.dtype, seq_length: int, hidden: int, awq_tokens: int) -> PieceEstimate:
+    """The device memory of one piece: ``modules`` (qualified names) holding ``weights`` bytes of parameters,
+    the compressed layers ``inside``, and Linear outputs ``widest`` wide at most."""
     element = torch.empty((), dtype=dtype).element_size()
     piece = PieceEstimate(label, list(modules))
-    piece.weights = sum(module_bytes(module, dtype, seen) for module in modules.values())
+    piece.weights = weights
     piece.activations = cache_bytes(seq_length, hidden, element)  # one sample in flight
     piece.hessian_layers = [layer for layer in inside if layer.hessian]
     piece.statistics = sum(4 * layer.columns ** 2 for layer in piece.hessian_layers)
     piece.statistics += sum(4 * min(awq_tokens, seq_length) * layer.columns for layer in inside
                             if awq_tokens and layer.weights is not None)
-    widest = max((widest_output(module) for module in modules.values()), default=0)
     working_set = WORKING_SET_FACTOR * seq_length * max(widest, hidden) * 4
     solve = max((4 * (SOLVE_WEIGHT_COPIES * layer.rows * layer.columns + layer.columns ** 2)
                  for layer in piece.hessian_layers), default=0)

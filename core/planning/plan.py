@@ -33,7 +33,6 @@ from layerwise.planning.estimate import (
     estimate_piece,
     forward_flops,
     hessian_flops,
-    module_bytes,
     solve_flops,
     stored_weight_bytes,
 )
@@ -216,7 +215,7 @@ def make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike = "
     awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
     plan.pieces = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers, dtype=plan.dtype,
                           seq_length=plan.seq_length if needs_data else 0, hidden=hidden, awq_tokens=awq_tokens)
-    plan.weight_bytes = module_bytes(model, plan.dtype, set())
+    plan.weight_bytes = sum(piece.weights for piece in plan.pieces)
     quantized = [layer for layer in plan.layers.values() if layer.weights is not None]
     plan.output_bytes = plan.weight_bytes + sum(stored_weight_bytes(layer, element) - layer.rows * layer.columns
                                                 * element for layer in quantized)
@@ -263,23 +262,38 @@ def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers
 
 def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_piece: int, layers: dict[str, Quantized],
             **sizes: Any) -> list[PieceEstimate]:
-    """One estimate per piece: ``per_piece`` consecutive targets, then the rest of the model."""
-    seen: set[int] = set()
+    """One estimate per piece: ``per_piece`` consecutive targets, then the rest of the model. Parameters,
+    Linear widths and compressed layers go to their piece by their names' prefixes, in one pass each."""
     names = list(targets)
     group_of = {name: position // per_piece for position, name in enumerate(names)}
+    size = torch.empty((), dtype=sizes["dtype"]).element_size()
+    weights: dict[int, int] = {}
+    members: dict[int, list[str]] = {}
+    for name, param in model.named_parameters():  # a tied parameter once, as a checkpoint holds it
+        owner = name.rpartition(".")[0]
+        group = group_of_module(owner, group_of)
+        weights[group] = weights.get(group, 0) + param.numel() * (size if param.is_floating_point()
+                                                                  else param.element_size())
+        if group < 0 and (not members.get(group) or members[group][-1] != owner):
+            members.setdefault(group, []).append(owner)
+    widest: dict[int, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            group = group_of_module(name, group_of)
+            widest[group] = max(widest.get(group, 0), int(module.weight.shape[0]))
     held: dict[int, list[Quantized]] = {}
-    for name, layer in layers.items():  # each layer to its piece by its name's prefixes: one pass
+    for name, layer in layers.items():
         held.setdefault(group_of_module(name, group_of), []).append(layer)
     pieces = []
-    for start in range(0, len(names), per_piece):
-        group = {n: targets[n] for n in names[start:start + per_piece]}
-        label = names[start] if len(group) == 1 else f"{names[start]} .. {names[start + len(group) - 1]}"
-        pieces.append(estimate_piece(label, group, held.get(start // per_piece, []), seen=seen, **sizes))
-    rest = {n: m for n, m in model.named_modules()
-            if any(True for _ in m.parameters(recurse=False)) and group_of_module(n, group_of) < 0}
-    if rest or not pieces:
+    for group, start in enumerate(range(0, len(names), per_piece)):
+        chosen = names[start:start + per_piece]
+        label = chosen[0] if len(chosen) == 1 else f"{chosen[0]} .. {chosen[-1]}"
+        pieces.append(estimate_piece(label, chosen, held.get(group, []), weights=weights.get(group, 0),
+                                     widest=widest.get(group, 0), **sizes))
+    if -1 in weights or not pieces:
         pieces.append(estimate_piece("the rest (embeddings, head, ...)" if names else "the whole model",
-                                     rest or {"": model}, held.get(-1, []), seen=seen, **sizes))
+                                     members.get(-1, [""]), held.get(-1, []), weights=weights.get(-1, 0),
+                                     widest=widest.get(-1, 0), **sizes))
     return pieces
 
 

@@ -217,13 +217,20 @@ def worker_memory(shards: list[str], by_file: dict[str, list[LayerJob]], all_lay
 
 
 def _run(jobs: list[ShardJob], workers: int) -> list[ShardResult]:
+    """Every shard's result, in order; ``workers`` processes counting this one (it takes every
+    ``workers``-th shard itself: one process fewer, one interpreter's memory less)."""
     if workers == 1:
         return [run_shard(job) for job in jobs]
-    # fork: the workers inherit the loaded plugins; the parent has run no torch computation, so no
-    # thread pool is forked mid-flight
+    # fork: the workers inherit the loaded plugins; they are all started (by the submits) before this
+    # process runs any torch computation, so no thread pool is forked mid-flight
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        return list(pool.map(run_shard, jobs))
+    results: dict[int, ShardResult] = {}
+    with ProcessPoolExecutor(max_workers=workers - 1, mp_context=context) as pool:
+        futures = {i: pool.submit(run_shard, job) for i, job in enumerate(jobs) if i % workers}
+        for i in range(0, len(jobs), workers):
+            results[i] = run_shard(jobs[i])
+        results.update({i: future.result() for i, future in futures.items()})
+    return [results[i] for i in range(len(jobs))]
 
 
 def _copy_other_files(folder: Path, tmp: Path) -> None:
