@@ -2,13 +2,15 @@
 
 The checkpoint (Llama-3.2-1B's shape: hidden 2048, 16 layers, vocab 128256, tied embeddings, bf16,
 random weights) is written in a temporary folder as five safetensors shards, tensor by tensor.
-Each run is a fresh process; its wall time and the peak RSS of its whole process tree (sampled
-from /proc every 20 ms: workers included) are measured the same way for both tools, in the same
+Each run is a fresh process; its wall time and the peak RSS and PSS of its whole process tree
+(sampled from /proc every 20 ms: workers included) are measured the same way for both tools, in the same
 run, with the same number of workers:
 
 * layerwise: ``layerwise compress --model-free --recipe SCHEME --workers N``;
-* llm-compressor: ``model_free_ptq(folder, out, scheme=SCHEME, ignore=["lm_head"], max_workers=N)``
-  from the venv ``LLMCOMPRESSOR_PYTHON`` names (default ``/tmp/llmc/bin/python``).
+* llm-compressor: ``model_free_ptq(folder, out, scheme=SCHEME, ignore=["lm_head", "re:.*embed_tokens$"],
+  max_workers=N)`` from the venv ``LLMCOMPRESSOR_PYTHON`` names (default ``/tmp/llmc/bin/python``); its
+  model-free mode quantizes every 2-D weight not ignored, the embedding table included, so the embedding
+  is ignored explicitly to give both tools the same layers.
 
 The two outputs are compared tensor by tensor (same names quantized, share of equal packed words).
 
@@ -76,35 +78,41 @@ def write_checkpoint(folder: Path, layers: int, shards: int) -> int:
     return largest
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every descendant (threads' children included)."""
-    total, todo = 0, [pid]
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """Resident bytes (RSS) and proportional set size (PSS: a page shared by n processes counts 1/n) of
+    ``pid`` and every descendant. A tree's RSS sum counts the interpreter and torch pages a forked worker
+    shares with its parent once per process; its PSS sum counts them once."""
+    rss = pss = 0
+    todo = [pid]
     while todo:
         current = todo.pop()
         try:
-            with open(f"/proc/{current}/status") as handle:
+            with open(f"/proc/{current}/smaps_rollup") as handle:
                 for line in handle:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
             for task in os.listdir(f"/proc/{current}/task"):
                 with open(f"/proc/{current}/task/{task}/children") as handle:
                     todo.extend(int(child) for child in handle.read().split())
         except (OSError, ValueError):
             continue
-    return total
+    return rss, pss
 
 
 def measured(command: list[str]) -> dict:
-    """Run ``command``; its wall seconds and the peak RSS of its process tree."""
+    """Run ``command``; its wall seconds and the peak RSS and PSS of its process tree."""
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
+    peak = peak_pss = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_pss
         while not done.is_set():
-            peak = max(peak, _tree_rss(process.pid))
+            rss, pss = _tree_memory(process.pid)
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -115,7 +123,7 @@ def measured(command: list[str]) -> dict:
     seconds = time.perf_counter() - start
     if process.returncode != 0:
         raise RuntimeError(f"{command[:3]} failed:\n{err[-3000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_MiB": round(peak / 2**20)}
+    return {"seconds": round(seconds, 2), "peak_rss_MiB": round(peak / 2**20), "peak_pss_MiB": round(peak_pss / 2**20)}
 
 
 def compare(ours: Path, theirs: Path) -> dict:
@@ -163,14 +171,16 @@ def main() -> None:
                                          "--recipe", scheme, "--output-dir", str(ours), "--workers",
                                          str(args.workers), "--quiet"])
             code = (f"from llmcompressor import model_free_ptq\n"
-                    f"model_free_ptq({str(source)!r}, {str(theirs)!r}, scheme={scheme!r}, ignore=['lm_head'], "
+                    f"model_free_ptq({str(source)!r}, {str(theirs)!r}, scheme={scheme!r}, "
+                    f"ignore=['lm_head', 're:.*embed_tokens$'], "
                     f"max_workers={args.workers})\n")
             if Path(llmc).exists():
                 row["llm-compressor"] = measured([llmc, "-c", code])
                 row["time_ratio"] = round(row["layerwise"]["seconds"] / row["llm-compressor"]["seconds"], 3)
                 row["rss_ratio"] = round(row["layerwise"]["peak_rss_MiB"] / row["llm-compressor"]["peak_rss_MiB"], 3)
+                row["pss_ratio"] = round(row["layerwise"]["peak_pss_MiB"] / row["llm-compressor"]["peak_pss_MiB"], 3)
                 row["outputs"] = compare(ours, theirs)
-            row["layerwise_peak_over_largest_shard"] = round(row["layerwise"]["peak_rss_MiB"] / (largest / 2**20), 3)
+            row["layerwise_pss_over_largest_shard"] = round(row["layerwise"]["peak_pss_MiB"] / (largest / 2**20), 3)
             print(json.dumps(row))
             shutil.rmtree(ours, ignore_errors=True)
             shutil.rmtree(theirs, ignore_errors=True)

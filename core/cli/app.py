@@ -77,7 +77,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-free", dest="weights", action="store_const", const="model-free",
                    help="the same as --weights model-free (RTN W4A16, W8A16, W8A8, FP8_DYNAMIC, ...: no data)")
     p.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                   help="--model-free: worker processes over the shards (default: as many as shards, cores and "
+                   help="--model-free: shards quantized at once, one thread each (default: as many as shards, cores and "
                         "memory allow)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
     p.add_argument("--eval", metavar="FILE", dest="eval_dataset",

@@ -107,7 +107,7 @@ class PlacementOptions:
     weights: str = "auto"
     #: where cached activations rest between pieces: ``"cpu"``, ``"disk"`` or ``"auto"``
     offload: str = "auto"
-    #: ``weights="model-free"``: worker processes over the shards (``None``: as many as shards, cores and memory allow)
+    #: ``weights="model-free"``: shards quantized at once (``None``: as many as shards, cores and memory allow)
     workers: int | None = None
 
     def __post_init__(self) -> None:

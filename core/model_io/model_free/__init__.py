@@ -2,7 +2,7 @@
 
 No model class is built (the architecture may be one transformers does not know): layers are
 tensors selected by name and shape, quantized with the functions a data-free run uses and
-encoded by the registered saver, one shard per worker process. See :mod:`.run`.
+encoded by the registered saver, one shard per worker thread. See :mod:`.run`.
 """
 
 from layerwise.model_io.model_free.run import ModelFreeError, compress_model_free

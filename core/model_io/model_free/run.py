@@ -6,7 +6,8 @@
    names (:mod:`.selection`, with did-you-mean errors), group sizes against the layers' widths,
    and memory: each worker holds one source tensor and its float32 work plus its shard's encoded
    outputs; the workers are as many as fit in the memory available (an error when not one does).
-2. Each shard is quantized by one worker process (:mod:`.worker`); their files are written into
+2. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file copies
+   release the GIL); their files are written into
    the output's locked temporary folder, which becomes the output in one rename at the end
    (:func:`~layerwise.model_io.saving.atomic_output_dir`): complete or absent.
 3. Beside the shards: the index, ``config.json`` with the saver's ``quantization_config``, every
@@ -17,11 +18,10 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     shard, without a model class; returns the run's :class:`~layerwise.reports.run_report.CompressionReport`.
 
     ``ignore`` adds module-name entries to every modifier's; ``workers`` (default: as many as there are
-    shards, cores and memory for) is the number of processes.
+    shards, cores and memory for) is the number of shards quantized at once.
     """
     from layerwise.host.plugin_manager import registry
 
@@ -186,7 +186,7 @@ def _data_free_quantize_module(modifier: Any) -> Any:
 
 def _workers(asked: int | None, shards: list[str], by_file: dict[str, list[LayerJob]], all_layers: dict[str, Layer],
              tensors: dict[str, tuple[str, StoredTensor]]) -> int:
-    """How many worker processes: asked for, else one per shard and core; fewer when memory is short."""
+    """How many shards at once: asked for, else one per shard and core; fewer when memory is short."""
     per_worker = worker_memory(shards, by_file, all_layers)
     free = memory_policy.available_memory()
     if free is not None and per_worker > free:
@@ -217,20 +217,15 @@ def worker_memory(shards: list[str], by_file: dict[str, list[LayerJob]], all_lay
 
 
 def _run(jobs: list[ShardJob], workers: int) -> list[ShardResult]:
-    """Every shard's result, in order; ``workers`` processes counting this one (it takes every
-    ``workers``-th shard itself: one process fewer, one interpreter's memory less)."""
+    """Every shard's result, in order, ``workers`` shards at a time.
+
+    Threads, not processes: the work is torch kernels and file copies, which release the GIL, and one
+    interpreter is held once (measured in ``bench/model_free_bench.py``: forked workers each carried their
+    own ~350 MiB of interpreter, torch and plugins, 1.2-1.7x llm-compressor's peak; threads do not)."""
     if workers == 1:
         return [run_shard(job) for job in jobs]
-    # fork: the workers inherit the loaded plugins; they are all started (by the submits) before this
-    # process runs any torch computation, so no thread pool is forked mid-flight
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    results: dict[int, ShardResult] = {}
-    with ProcessPoolExecutor(max_workers=workers - 1, mp_context=context) as pool:
-        futures = {i: pool.submit(run_shard, job) for i, job in enumerate(jobs) if i % workers}
-        for i in range(0, len(jobs), workers):
-            results[i] = run_shard(jobs[i])
-        results.update({i: future.result() for i, future in futures.items()})
-    return [results[i] for i in range(len(jobs))]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="layerwise-shard") as pool:
+        return list(pool.map(run_shard, jobs))
 
 
 def _copy_other_files(folder: Path, tmp: Path) -> None:

@@ -48,7 +48,7 @@ class ShardJob:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """What a worker wrote: tensor names, data bytes, and its own seconds and peak memory."""
+    """What a worker wrote: tensor names, data bytes, its seconds and the process's peak memory so far."""
 
     file: str
     names: tuple[str, ...]
@@ -91,8 +91,8 @@ def run_shard(job: ShardJob) -> ShardResult:
     from layerwise.host.plugin_manager import registry
 
     start = time.perf_counter()
-    if job.threads:
-        torch.set_num_threads(job.threads)
+    if job.threads and torch.get_num_threads() > job.threads:
+        torch.set_num_threads(job.threads)  # process-wide: the workers share the cores
     saver = registry("savers").get(job.save_format)
     stored = read_header(job.source)
     by_tensor = {f"{layer.module}.weight": layer for layer in job.layers}
