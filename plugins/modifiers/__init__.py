@@ -2,6 +2,7 @@
 
 from layerwise.plugin import hookimpl
 
+from .autoround import AutoRoundModifier
 from .awq import AWQModifier
 from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
@@ -16,6 +17,7 @@ MODIFIERS = [
     ("WandaModifier", WandaModifier),
     ("AWQModifier", AWQModifier),
     ("SmoothQuantModifier", SmoothQuantModifier),
+    ("AutoRoundModifier", AutoRoundModifier),
 ]
 
 
