@@ -36,6 +36,13 @@ from layerwise.algorithms.quantization.qmath import (
     quantize_weight,
     weight_qparams,
 )
+from layerwise.algorithms.quantization.rotation import (
+    LLAMA_LIKE,
+    ResolvedLayout,
+    RotationError,
+    RotationLayout,
+    rotate_residual_stream,
+)
 from layerwise.algorithms.quantization.smoothing import apply_smoothing
 from layerwise.algorithms.quantization.smoothquant import smoothquant_scales
 from layerwise.algorithms.quantization.storage import (
@@ -49,11 +56,11 @@ from layerwise.algorithms.quantization.storage import (
 from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
-    "ACTORDERS", "AutoRoundError", "BlockSample", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
-    "QuantizationScheme", "ResolvedMapping", "Rounding", "TuneResult", "apply_smoothing", "block_output",
+    "ACTORDERS", "LLAMA_LIKE", "AutoRoundError", "BlockSample", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
+    "QuantizationScheme", "ResolvedLayout", "ResolvedMapping", "RotationError", "RotationLayout", "Rounding", "TuneResult", "apply_smoothing", "block_output",
     "check_autoround_args", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
     "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_learned", "quantize_weight",
-    "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
+    "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rotate_residual_stream", "rtn_quantize", "search_flops",
     "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",
     "tune_block", "weight_qparams",
 ]

@@ -6,6 +6,7 @@ from .autoround import AutoRoundModifier
 from .awq import AWQModifier
 from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
+from .rotation import RotationModifier
 from .smoothquant import SmoothQuantModifier
 from .sparsegpt import SparseGPTModifier
 from .wanda import WandaModifier
@@ -18,6 +19,7 @@ MODIFIERS = [
     ("AWQModifier", AWQModifier),
     ("SmoothQuantModifier", SmoothQuantModifier),
     ("AutoRoundModifier", AutoRoundModifier),
+    ("RotationModifier", RotationModifier),
 ]
 
 

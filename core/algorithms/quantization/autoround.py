@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
-from layerwise.algorithms.quantization.qmath import expand_qparams, qrange, weight_min_max
+from layerwise.algorithms.quantization.qmath import qrange, weight_min_max
 
 #: the ranges the parameters are kept in (the paper's)
 OFFSET_RANGE = (-0.5, 0.5)
@@ -101,12 +101,23 @@ def _round_ste(x: Tensor) -> Tensor:
     return x + (torch.round(x) - x).detach()
 
 
-def learned_qparams(weight: Tensor, args: QuantizationArgs, rounding: Rounding) -> tuple[Tensor, Tensor]:
-    """Scale and zero point (qparam shape, float32) of ``weight`` with its range clipped by ``rounding``;
-    differentiable in the clipping factors, with the formulas of ``compute_qparams``."""
-    low, high = weight_min_max(weight.to(torch.float32), args)
-    low = torch.clamp(low * rounding.min_scale, max=0.0)
-    high = torch.clamp(high * rounding.max_scale, min=0.0)
+def _grouped(x: Tensor, args: QuantizationArgs) -> Tensor:
+    """An ``(out, in)`` tensor as ``(out, groups, columns)``: one quantization group per middle index."""
+    columns = x.shape[1] if args.strategy == "channel" else args.group_size
+    return x.reshape(x.shape[0], x.shape[1] // columns, columns)
+
+
+def _ranges(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """The weight grouped (float32) and each group's minimum and maximum (``(out, groups, 1)``)."""
+    grouped = _grouped(weight.detach().to(torch.float32), args)
+    return grouped, grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+
+
+def _qparams(low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding) -> tuple[Tensor, Tensor]:
+    """Scale and zero point (``(out, groups, 1)``, float32) of groups spanning ``[low, high]`` clipped by
+    ``rounding``; differentiable in the clipping factors, with the formulas of ``compute_qparams``."""
+    low = torch.clamp(low * rounding.min_scale.reshape(low.shape), max=0.0)
+    high = torch.clamp(high * rounding.max_scale.reshape(high.shape), min=0.0)
     qmin, qmax = qrange(args)
     span = float(qmax - qmin)
     if args.symmetric:
@@ -116,35 +127,35 @@ def learned_qparams(weight: Tensor, args: QuantizationArgs, rounding: Rounding) 
     scale = torch.clamp(scale, min=torch.finfo(torch.float32).eps)
     if args.symmetric:
         return scale, torch.zeros_like(scale)
-    zero_point = torch.clamp(_round_ste(qmin - low / scale), qmin, qmax)
-    return scale, zero_point
+    return scale, torch.clamp(_round_ste(qmin - low / scale), qmin, qmax)
 
 
-def _integers(weight: Tensor, args: QuantizationArgs, rounding: Rounding, scale: Tensor,
-              zero_point: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The integer values (float32, straight-through rounded) and the scale / zero point per element."""
-    s, z = expand_qparams(weight, scale, zero_point, args)
+def _fake_grouped(grouped: Tensor, low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding,
+                  scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q - z) * s`` of a grouped weight (``(out, in)``, float32), with its scale and zero point."""
+    learned, zero_point = _qparams(low, high, args, rounding)
+    scale = learned if scale is None else scale
     qmin, qmax = qrange(args)
-    q = torch.clamp(_round_ste(weight.to(torch.float32) / s + rounding.offset) + z, qmin, qmax)
-    return q, s, z
+    q = torch.clamp(_round_ste(grouped / scale + _grouped(rounding.offset, args)) + zero_point, qmin, qmax)
+    return ((q - zero_point) * scale).reshape(rounding.offset.shape), scale, zero_point
 
 
 def fake_quantize_learned(weight: Tensor, args: QuantizationArgs, rounding: Rounding) -> Tensor:
     """The weight's values with the learned rounding (float32, differentiable in ``rounding``)."""
-    scale, zero_point = learned_qparams(weight, args, rounding)
-    q, s, z = _integers(weight, args, rounding, scale, zero_point)
-    return (q - z) * s
+    return _fake_grouped(*_ranges(weight, args), args, rounding)[0]
 
 
 @torch.no_grad()
 def quantize_learned(weight: Tensor, args: QuantizationArgs, rounding: Rounding,
                      scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The stored form: fake-quantized weight (float32, exactly ``(q - z) * scale``), scale (in
-    ``scale_dtype``, as the checkpoint keeps it) and zero point, for ``set_quantized_weight(on_grid=True)``."""
-    scale, zero_point = learned_qparams(weight, args, rounding)
+    ``scale_dtype``, as the checkpoint keeps it; qparam shape) and zero point, for
+    ``set_quantized_weight(on_grid=True)``."""
+    grouped, low, high = _ranges(weight, args)
+    scale, _ = _qparams(low, high, args, rounding)
     scale = scale.to(scale_dtype).to(torch.float32)  # the values are computed with the scale that is saved
-    q, s, z = _integers(weight, args, rounding, scale, zero_point)
-    return (q - z) * s, scale.to(scale_dtype), zero_point
+    values, scale, zero_point = _fake_grouped(grouped, low, high, args, rounding, scale)
+    return values, scale.squeeze(-1).to(scale_dtype), zero_point.squeeze(-1)
 
 
 def block_output(output: Any) -> Tensor:
@@ -159,27 +170,33 @@ def block_output(output: Any) -> Tensor:
     raise AutoRoundError(f"cannot find the hidden states in a block output of type {type(output).__name__}")
 
 
-def _forward(block: torch.nn.Module, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]],
-             roundings: dict[str, Rounding], sample: BlockSample) -> Tensor:
-    """The block on ``sample`` with each layer's weight replaced by its learned fake-quantized values."""
-    replaced = {}
-    for name, (weight, args, transposed) in layers.items():
-        values = fake_quantize_learned(weight, args, roundings[name]).to(weight.dtype)
-        replaced[f"{name}.weight"] = values.t() if transposed else values
-    output = torch.func.functional_call(block, replaced, sample.args, sample.kwargs, strict=False)
-    return block_output(output)
+class _Layers:
+    """A block's layers as the tuning sees them: each weight grouped with its ranges, computed once."""
+
+    def __init__(self, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]]) -> None:
+        self.layers = layers
+        self.ranges = {name: _ranges(weight, args) for name, (weight, args, _) in layers.items()}
+
+    def replaced(self, roundings: dict[str, Rounding]) -> dict[str, Tensor]:
+        """Each layer's weight (by its parameter name in the block) fake-quantized with ``roundings``."""
+        out = {}
+        for name, (weight, args, transposed) in self.layers.items():
+            values = _fake_grouped(*self.ranges[name], args, roundings[name])[0].to(weight.dtype)
+            out[f"{name}.weight"] = values.t() if transposed else values
+        return out
 
 
-def _loss(block: torch.nn.Module, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]],
-          roundings: dict[str, Rounding], sample: BlockSample) -> Tensor:
-    output = _forward(block, layers, roundings, sample)
+def _loss(block: torch.nn.Module, replaced: dict[str, Tensor], sample: BlockSample) -> Tensor:
+    """Mean squared error of the block with ``replaced`` weights against the sample's unquantized output."""
+    output = block_output(torch.func.functional_call(block, replaced, sample.args, sample.kwargs, strict=False))
     return torch.nn.functional.mse_loss(output.to(torch.float32), sample.target.to(torch.float32))
 
 
 @torch.no_grad()
-def _total_loss(block: torch.nn.Module, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]],
-                roundings: dict[str, Rounding], samples: Sequence[BlockSample]) -> float:
-    return sum(float(_loss(block, layers, roundings, s)) for s in samples) / len(samples)
+def _total_loss(block: torch.nn.Module, layers: _Layers, roundings: dict[str, Rounding],
+                samples: Sequence[BlockSample]) -> float:
+    replaced = layers.replaced(roundings)
+    return sum(float(_loss(block, replaced, s)) for s in samples) / len(samples)
 
 
 def sample_order(count: int, batch_size: int, iters: int, seed: int) -> list[list[int]]:
@@ -219,25 +236,26 @@ def tune_block(block: torch.nn.Module, layers: dict[str, tuple[Tensor, Quantizat
     lr = 1.0 / iters if lr is None and iters else (lr or 0.0)
     minmax_lr = lr if minmax_lr is None else minmax_lr
     roundings = {name: Rounding.start(weight, args) for name, (weight, args, _) in layers.items()}
+    prepared = _Layers(layers)
     initial = {name: r.clone() for name, r in roundings.items()}
     best = {name: r.clone() for name, r in roundings.items()}
     frozen = [p for p in block.parameters() if p.requires_grad]  # only the rounding learns
     for p in frozen:
         p.requires_grad_(False)
     try:
-        best, _, best_step = _descend(block, layers, samples, roundings, best, iters, lr, minmax_lr,
+        best, _, best_step = _descend(block, prepared, samples, roundings, best, iters, lr, minmax_lr,
                                               batch_size, seed, progress)
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    rtn_loss = _total_loss(block, layers, initial, samples)
-    loss = _total_loss(block, layers, best, samples) if best_step >= 0 else rtn_loss
+    rtn_loss = _total_loss(block, prepared, initial, samples)
+    loss = _total_loss(block, prepared, best, samples) if best_step >= 0 else rtn_loss
     if loss > rtn_loss:
         best, loss, best_step = initial, rtn_loss, -1
     return TuneResult(best, loss, rtn_loss, best_step, time.perf_counter() - start)
 
 
-def _descend(block: torch.nn.Module, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]],
+def _descend(block: torch.nn.Module, layers: _Layers,
              samples: Sequence[BlockSample], roundings: dict[str, Rounding], best: dict[str, Rounding], iters: int,
              lr: float, minmax_lr: float, batch_size: int, seed: int,
              progress: Callable[[int, float], None] | None) -> tuple[dict[str, Rounding], float, int]:
@@ -248,11 +266,11 @@ def _descend(block: torch.nn.Module, layers: dict[str, tuple[Tensor, Quantizatio
             for t in r.tensors():
                 t.requires_grad_(True)
         for step, batch in enumerate(sample_order(len(samples), batch_size, iters, seed)):
-            total = 0.0
-            for index in batch:
-                loss = _loss(block, layers, roundings, samples[index]) / len(batch)
-                loss.backward()
-                total += float(loss.detach())
+            replaced = layers.replaced(roundings)  # once per step: every sample of the batch reads it
+            loss = sum(_loss(block, replaced, samples[index]) for index in batch) / len(batch)
+            loss.backward()
+            total = float(loss.detach())
+            del replaced, loss
             if total < best_loss:
                 best_loss, best_step = total, step
                 best = {name: r.clone() for name, r in roundings.items()}
