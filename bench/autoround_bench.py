@@ -8,17 +8,21 @@ Case: ``tiny-llama-doc`` (6 Llama layers, hidden 384), calibrated on ``--samples
   static); ``AutoRound`` (AutoRoundModifier, ``--iters`` steps of ``--batch-size`` samples, lr 1/iters,
   seed 42): each at ``W3A16 g128`` (int3, asymmetric, groups of 128) and ``W2A16 g64`` (int2, asymmetric,
   groups of 64);
+* with ``--w4a8``: ``GPTQ`` at W4A8 (int4 weights, symmetric, groups of 128; int8 inputs per token at run
+  time, fake-quantized in the evaluation) alone, and after ``RotationModifier`` (random Hadamard, seed 0);
 * with ``--llmcompressor`` and ``LLMCOMPRESSOR_PYTHON`` pointing at a Python with llm-compressor and
   auto-round: llm-compressor 0.14's ``AutoRoundModifier`` (the auto-round package inside) with the same
   scheme, iters, batch size and samples (``enable_torch_compile=False``: no compiler on this machine),
   its saved checkpoint loaded back with compressed-tensors (dequantized) for the perplexity.
 
-Wall time is the compress call (``compress()`` / ``oneshot``), not loading nor evaluating. The paper's
+Quality: perplexity, and the mean per-token KL divergence from fp32's next-token distribution (this small
+model's perplexity barely moves with quantization; its KL does). Wall time is the compress call (``compress()`` / ``oneshot``), not loading nor evaluating. The paper's
 defaults are 200 iters, batch 8, 128 samples of 2048 tokens: the quick run below uses fewer (said in the
 table) so that it takes minutes on two CPU cores.
 
-    python bench/autoround_bench.py --iters 50 --samples 32 --eval 32
-    LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/autoround_bench.py --iters 50 --samples 32 --eval 32 --llmcompressor
+    python bench/autoround_bench.py --iters 20 --batch-size 4 --samples 16 --eval 16 --w4a8
+    LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/autoround_bench.py --iters 20 --batch-size 4 \
+        --samples 16 --eval 16 --w4a8 --llmcompressor
 
 Markdown on stdout, progress on stderr.
 """
@@ -42,6 +46,9 @@ CALIB, EVAL, TINY_LLAMA = FIXTURES / "calib.txt", FIXTURES / "eval.txt", FIXTURE
 #: scheme name -> (num_bits, group_size); both asymmetric
 SCHEMES = {"W3A16 g128": (3, 128), "W2A16 g64": (2, 64)}
 METHODS = ("RTN", "GPTQ", "AutoRound")
+#: W4A8: int4 weights (symmetric, groups of 128), int8 inputs per token at run time
+W4A8 = "W4A8 g128"
+W4A8_METHODS = ("GPTQ", "Rotation + GPTQ")
 LLMC = "llm-compressor AutoRound"
 
 
@@ -56,16 +63,21 @@ def _windows(tokenizer, path: Path, count: int, length: int = 512):
     return [torch.tensor([ids[i:i + length]]) for i in range(0, count * length, length) if i + length <= len(ids)]
 
 
-def perplexity(model, windows) -> float:
+def quality(model, reference, windows) -> dict:
+    """Perplexity, and the mean KL divergence (per token) of the model's next-token distribution from the
+    fp32 model's: this small model's perplexity barely moves with quantization, its KL does."""
     import torch
 
-    total, count = 0.0, 0
+    total, kl, count = 0.0, 0.0, 0
     with torch.no_grad():
         for ids in windows:
             logits = model(input_ids=ids).logits[0, :-1].float()
+            want = reference(input_ids=ids).logits[0, :-1].float()
             total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            kl += torch.nn.functional.kl_div(logits.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                             reduction="sum").item()
             count += ids.shape[1] - 1
-    return math.exp(total / count)
+    return {"ppl": math.exp(total / count), "kl": kl / count}
 
 
 def _weights(bits: int, group: int) -> dict:
@@ -76,6 +88,12 @@ def layerwise_recipe(method: str, scheme: str, args: argparse.Namespace):
     from layerwise.plugins.modifiers.autoround import AutoRoundModifier
     from layerwise.plugins.modifiers.gptq import GPTQModifier
     from layerwise.plugins.modifiers.quantization import QuantizationModifier
+    from layerwise.plugins.modifiers.rotation import W4A8 as W4A8_SCHEME
+    from layerwise.plugins.modifiers.rotation import RotationModifier
+
+    if scheme == W4A8:
+        gptq = GPTQModifier(scheme=W4A8_SCHEME, ignore=["lm_head"])
+        return [RotationModifier(), gptq] if method == "Rotation + GPTQ" else gptq
 
     weights = {"scheme": {"weights": _weights(*SCHEMES[scheme]), "targets": ["Linear"]}, "ignore": ["lm_head"]}
     if method == "RTN":
@@ -103,7 +121,7 @@ def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
         result["seconds"] = time.perf_counter() - start
         if method == "AutoRound":
             result["blocks_better_than_rtn"] = sum(r["loss"] < r["rtn_loss"] for r in recipe.summary)
-    result["ppl"] = perplexity(model, _windows(tokenizer, EVAL, args.eval))
+    result.update(quality(model, load_model(TINY_LLAMA), _windows(tokenizer, EVAL, args.eval)))
     return result
 
 
@@ -132,7 +150,8 @@ def child_llmcompressor(scheme: str, args: argparse.Namespace) -> dict:
         tokenizer.save_pretrained(folder)
         reloaded = AutoModelForCausalLM.from_pretrained(
             folder, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-        return {"seconds": seconds, "ppl": perplexity(reloaded, _windows(tokenizer, EVAL, args.eval))}
+        reference = AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
+        return {"seconds": seconds, **quality(reloaded, reference, _windows(tokenizer, EVAL, args.eval))}
 
 
 def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
@@ -156,24 +175,27 @@ def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> li
     fp = results[("fp32", "")]
     lines = [f"tiny-llama-doc, {args.samples} calibration windows of 512 tokens, perplexity on {args.eval} eval "
              f"windows (fp32: {fp.get('ppl', float('nan')):.3f}); AutoRound iters {args.iters}, batch "
-             f"{args.batch_size}", "", "| scheme | method | ppl | vs GPTQ | compress s | note |", "|---|---|---|---|---|---|"]
-    for scheme in SCHEMES:
-        gptq = results.get(("GPTQ", scheme), {}).get("ppl")
-        for config in (*METHODS, LLMC):
+             f"{args.batch_size}", "", "| scheme | method | ppl | KL to fp32 | KL vs GPTQ | compress s | note |",
+             "|---|---|---|---|---|---|---|"]
+    for scheme in (*SCHEMES, W4A8):
+        gptq = results.get(("GPTQ", scheme), {}).get("kl")
+        for config in (*METHODS, LLMC, *W4A8_METHODS):
             r = results.get((config, scheme))
             if r is None:
                 continue
             if "error" in r:
                 lines.append(f"| {scheme} | {config} | failed | | | {r['error'][:300]} |")
                 continue
-            versus = f"{r['ppl'] / gptq:.3f}x" if gptq else ""
+            versus = f"{r['kl'] / gptq:.3f}x" if gptq else ""
             note = (f"{r['blocks_better_than_rtn']}/6 blocks below RTN's loss"
                     if "blocks_better_than_rtn" in r else "")
-            lines.append(f"| {scheme} | {config} | {r['ppl']:.3f} | {versus} | {r['seconds']:.1f} | {note} |")
+            lines.append(f"| {scheme} | {config} | {r['ppl']:.3f} | {r['kl']:.4f} | {versus} | {r['seconds']:.1f} | "
+                         f"{note} |")
         ours, theirs = results.get(("AutoRound", scheme)), results.get((LLMC, scheme))
         if ours and theirs and "ppl" in ours and "ppl" in theirs:
-            lines.append(f"| {scheme} | layerwise / llm-compressor | {ours['ppl'] / theirs['ppl']:.3f}x | | "
-                         f"{ours['seconds'] / theirs['seconds']:.2f}x | ppl and time ratios |")
+            lines.append(f"| {scheme} | layerwise / llm-compressor | {ours['ppl'] / theirs['ppl']:.3f}x | "
+                         f"{ours['kl'] / theirs['kl']:.3f}x | | {ours['seconds'] / theirs['seconds']:.2f}x | "
+                         f"ratios |")
     return lines
 
 
@@ -186,6 +208,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated: " + ", ".join(SCHEMES))
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--w4a8", action="store_true", help="also GPTQ W4A8 with and without a rotation first")
     parser.add_argument("--llmcompressor", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scheme", default="", help=argparse.SUPPRESS)
@@ -202,6 +225,9 @@ def main() -> None:
     for scheme in [s for s in args.schemes.split(",") if s]:
         for method in methods:
             results[(method, scheme)] = run(method, scheme, args)
+    if args.w4a8:
+        for method in W4A8_METHODS:
+            results[(method, W4A8)] = run(method, W4A8, args)
     print("\n".join(report(results, args)))
     sys.exit(1 if any("error" in r for r in results.values()) else 0)
 

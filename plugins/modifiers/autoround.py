@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, RecipeError, find_modules
+from layerwise.plugin import CompressionState, ForeignField, RecipeError, find_modules
 from layerwise.plugin.calibration import Reducer, spread
 from layerwise.plugin.quantization import (
     AutoRoundError,
@@ -46,6 +46,7 @@ from layerwise.plugin.quantization import (
     tune_block,
 )
 
+from . import llm_compressor
 from .quantization import QuantizationModifier, _in_piece
 
 log = logging.getLogger("layerwise")
@@ -74,6 +75,7 @@ class AutoRoundModifier(QuantizationModifier):
     min_calibration_samples: ClassVar[int] = 16
     preset_prefix: ClassVar[str | None] = "AUTOROUND"
     max_config_groups: ClassVar[int | None] = 1
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.AUTOROUND
     needs_uncompressed_block: ClassVar[bool] = True
     block_reason: ClassVar[str] = "tunes each block against its own unquantized outputs"
 

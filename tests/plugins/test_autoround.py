@@ -70,6 +70,16 @@ def test_autoround_recipe_fields_and_errors():
         AutoRoundModifier(scheme="W8A8")
 
 
+def test_llm_compressor_autoround_recipes_read_with_notes():
+    recipe = ("AutoRoundModifier:\n  targets: [Linear]\n  scheme: W4A16\n  ignore: [lm_head]\n  iters: 10\n"
+              "  enable_torch_compile: false\n")
+    with pytest.warns(UserWarning, match="does not compile"):
+        (modifier,) = parse_recipe(recipe)
+    assert modifier.iters == 10
+    with pytest.raises(RecipeError, match="execution device"):
+        parse_recipe("AutoRoundModifier:\n  device_ids: '0,1'\n")
+
+
 def test_nsamples_caps_the_samples_a_block_is_tuned_on():
     model = build_tiny_llama()
     seen = []
