@@ -127,14 +127,16 @@ class AutoRoundModifier(QuantizationModifier):
             self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
 
     def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
-        """Every rank's samples of the blocks about to be tuned, in rank order, up to ``nsamples``."""
+        """Every rank's samples of the blocks about to be tuned, up to ``nsamples``, in the order one process
+        would hold them: rank ``r`` calibrated batches ``r, r + world, ...``, so taking one from each rank
+        in turn restores the run's order (and the same seed then tunes every block as one process does)."""
         super().on_reduce(state, reducer, modules)
         for name in self._blocks:
             if name in self._done or (modules is not None and not _in_piece(name, modules)):
                 continue
             mine = self._samples.get(name, [])
             device = mine[0].target.device if mine else state.execution_device
-            gathered = [s for rank_samples in reducer.gather(mine) for s in rank_samples]
+            gathered = _interleaved(reducer.gather(mine))
             self._samples[name] = [_to(s, device) for s in _first_rows(gathered, self.nsamples)]
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
@@ -229,6 +231,14 @@ def _copy(value: Any) -> Any:
 
 def _rows(samples: list[BlockSample]) -> int:
     return sum(s.target.shape[0] if s.target.ndim > 2 else 1 for s in samples)
+
+
+def _interleaved(per_rank: list[list[BlockSample]]) -> list[BlockSample]:
+    """Rank 0's first sample, rank 1's first, ..., rank 0's second, ...: the batches' own order."""
+    merged: list[BlockSample] = []
+    for position in range(max((len(samples) for samples in per_rank), default=0)):
+        merged.extend(samples[position] for samples in per_rank if position < len(samples))
+    return merged
 
 
 def _first_rows(samples: list[BlockSample], limit: int) -> list[BlockSample]:
