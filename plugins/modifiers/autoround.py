@@ -11,7 +11,10 @@ the learned values in the scheme's integer format (the saver packs them as round
 The block must be observed whole before any of its layers changes, and re-run quantized
 afterwards (:attr:`needs_uncompressed_block`): the ``sequential`` pipeline then cuts at blocks,
 and each block's inputs are the quantized model's (the error of earlier blocks propagates, as
-GPTQ's does). Targeted layers outside every block (or in a block that saw no data) are rounded to
+GPTQ's does). What its quantized output must reproduce is, by default (``match: model``, as in
+AutoRound), the unquantized model's activations after that block: the modifier runs each block
+with its own weights on the previous block's unquantized outputs, which it keeps, so each block
+also makes up for what the blocks before it lost. Targeted layers outside every block (or in a block that saw no data) are rounded to
 nearest. Memory: one block's samples (inputs and outputs) on the execution device, plus the
 block's learned parameters (about three times its quantized weights, float32) while it is tuned.
 
@@ -52,6 +55,8 @@ from .quantization import QuantizationModifier, _in_piece
 log = logging.getLogger("layerwise")
 
 SUMMARY_FILE = "autoround_summary.json"
+#: what a block's quantized output is matched to (see AutoRoundModifier.match)
+MATCHES = ("model", "block")
 
 
 @dataclass
@@ -68,7 +73,12 @@ class AutoRoundModifier(QuantizationModifier):
     * ``batch_size``: calibration samples per step (8);
     * ``nsamples``: the most calibration samples a block is tuned on (128; the run's own count, from
       ``num_calibration_samples``, is used when smaller);
-    * ``seed``: the order samples are drawn in (same seed and data, same result).
+    * ``seed``: the order samples are drawn in (same seed and data, same result);
+    * ``match``: what a block's quantized output must reproduce. ``"model"`` (AutoRound's choice): the
+      unquantized model's activations there, i.e. the unquantized block run on the unquantized
+      model's inputs, which the modifier carries from one block to the next (one more set of a block's
+      activations in memory), so a block also corrects what earlier blocks' quantization moved;
+      ``"block"``: the unquantized block on the inputs the quantized model gives it.
     """
 
     requires_data: ClassVar[bool] = True
@@ -85,6 +95,7 @@ class AutoRoundModifier(QuantizationModifier):
     batch_size: int = 8
     nsamples: int = 128
     seed: int = 42
+    match: str = "model"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -98,6 +109,8 @@ class AutoRoundModifier(QuantizationModifier):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise RecipeError(f"{owner}.{name} must be a number >= 0 or null (the default: 1 / iters), "
                                   f"got {value!r}")
+        if self.match not in MATCHES:
+            raise RecipeError(f"{owner}.match must be one of {', '.join(MATCHES)}, got {self.match!r}")
         super().__post_init__()
         try:
             check_autoround_args(self.args)
@@ -110,6 +123,9 @@ class AutoRoundModifier(QuantizationModifier):
         self.summary: list[dict[str, Any]] = []
         self._blocks: dict[str, torch.nn.Module] = {}
         self._samples: dict[str, list[BlockSample]] = {}
+        #: the unquantized model's outputs of the last block tuned (its class name, one per sample)
+        self._stream: tuple[str, list[torch.Tensor]] | None = None
+        self._replaying = False
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
@@ -119,6 +135,7 @@ class AutoRoundModifier(QuantizationModifier):
         self._blocks = {name: block for name, block in blocks.items()
                         if any(_in_piece(layer, [name]) for layer in self._modules)}
         self._samples = {}
+        self._stream = None
 
     def on_calibration_start(self, state: CompressionState) -> None:
         super().on_calibration_start(state)
@@ -165,8 +182,33 @@ class AutoRoundModifier(QuantizationModifier):
     # -- work --------------------------------------------------------------------------
     def tune_blocks(self, names: list[str], state: CompressionState) -> None:
         """Tune blocks ``names`` (one rank each with several ranks) and store their layers' weights."""
+        for name in names:  # on every rank: the next block's reference inputs come from here
+            self._match_model(name)
         for name, result in spread(names, self._tune):
             self._store(name, result, state)
+
+    @torch.no_grad()
+    def _match_model(self, name: str) -> None:
+        """``match: model``: the block's targets become its unquantized outputs on the unquantized model's
+        inputs (the previous block's targets), and these targets the next block's inputs. The first block,
+        and one of another class than the block before (another tower), keeps what it was captured with."""
+        samples = self._samples.get(name) or []
+        if self.match != "model" or not samples:
+            self._stream = None
+            return
+        block = self._blocks[name]
+        kind = type(block).__name__
+        stream = self._stream
+        if (stream is not None and stream[0] == kind and len(stream[1]) >= len(samples)
+                and all(_hidden(s)[0].shape == stream[1][i].shape for i, s in enumerate(samples))):
+            self._replaying = True  # the capture hook must not take these calls for samples
+            try:
+                for sample, reference in zip(samples, stream[1]):
+                    args, kwargs = _with_hidden(sample, reference.to(sample.target.device))
+                    sample.target = block_output(block(*args, **kwargs)).detach().clone()
+            finally:
+                self._replaying = False
+        self._stream = (kind, [sample.target for sample in samples])
 
     def _layers(self, block_name: str) -> dict[str, torch.nn.Module]:
         """The block's targeted layers still to quantize, by name relative to the block."""
@@ -211,11 +253,30 @@ class AutoRoundModifier(QuantizationModifier):
     def _capture_hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             samples = self._samples.get(name)
-            if samples is None or name in self._done or _rows(samples) >= self.nsamples:
+            if samples is None or self._replaying or name in self._done or _rows(samples) >= self.nsamples:
                 return
             target = block_output(output).detach().clone()
             samples.append(BlockSample(_copy(args), _copy(kwargs), target))
         return hook
+
+
+def _hidden(sample: BlockSample) -> tuple[torch.Tensor, int | str]:
+    """The block's hidden-state input (its first positional argument, else ``hidden_states=``) and where."""
+    if sample.args and isinstance(sample.args[0], torch.Tensor):
+        return sample.args[0], 0
+    value = sample.kwargs.get("hidden_states")
+    if isinstance(value, torch.Tensor):
+        return value, "hidden_states"
+    raise AutoRoundError("AutoRound match: model needs the block's hidden states as its first argument or "
+                         "hidden_states=; use match: block for this model")
+
+
+def _with_hidden(sample: BlockSample, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """The sample's inputs with ``hidden`` as the hidden states."""
+    _, where = _hidden(sample)
+    if where == 0:
+        return (hidden, *sample.args[1:]), sample.kwargs
+    return sample.args, {**sample.kwargs, "hidden_states": hidden}
 
 
 def _copy(value: Any) -> Any:

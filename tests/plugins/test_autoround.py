@@ -58,6 +58,34 @@ def test_autoround_tunes_every_block_beats_rtn_and_reloads(tmp_path):
         torch.testing.assert_close(reloaded(batch).logits, model(batch).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("match", ["model", "block"])
+def test_blocks_match_the_unquantized_model_or_their_own_unquantized_outputs(match):
+    from layerwise.plugins.modifiers import autoround
+
+    model, reference = build_tiny_llama(), build_tiny_llama()
+    samples = _samples(count=4)
+    seen = {}
+    original = autoround.tune_block
+
+    def spy(block, layers, block_samples, **kwargs):
+        seen[len(seen)] = [s.target.clone() for s in block_samples]
+        return original(block, layers, block_samples, **kwargs)
+
+    autoround.tune_block = spy
+    try:
+        layerwise.compress(model, AutoRoundModifier(scheme="W4A16", num_bits=2, group_size=32, iters=2, match=match),
+                           dataset=samples, show_progress=False)
+    finally:
+        autoround.tune_block = original
+    for position in (0, 1):
+        want = torch.cat([_block_outputs(reference, s["input_ids"])[position] for s in samples])
+        got = torch.cat(seen[position])
+        if match == "model" or position == 0:  # block 0's inputs are the embeddings either way
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the unquantized block 1 on what the quantized block 0 gave it
+            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_autoround_recipe_fields_and_errors():
     (modifier,) = parse_recipe("AutoRoundModifier:\n  scheme: W4A16_ASYM\n  iters: 50\n  lr: 0.01\n  nsamples: 64\n")
     assert isinstance(modifier, AutoRoundModifier) and modifier.iters == 50 and modifier.lr == 0.01
@@ -68,6 +96,8 @@ def test_autoround_recipe_fields_and_errors():
         AutoRoundModifier(scheme="FP8_DYNAMIC")
     with pytest.raises(RecipeError, match="weight-only scheme"):
         AutoRoundModifier(scheme="W8A8")
+    with pytest.raises(RecipeError, match="match must be one of model, block"):
+        AutoRoundModifier(match="layer")
 
 
 def test_llm_compressor_autoround_recipes_read_with_notes():
