@@ -54,6 +54,27 @@ def test_quarot_gptq_w4a8_preset_saves_a_checkpoint_that_reloads(tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("quantizer", ["QuantizationModifier", "AutoRoundModifier"])
+def test_rotation_composes_before_rtn_and_autoround(tmp_path, quantizer):
+    from transformers import AutoModelForCausalLM
+
+    from layerwise.plugins.modifiers.autoround import AutoRoundModifier
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    model = build_tiny_llama()
+    samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(4)]
+    second = (QuantizationModifier(scheme="W4A16", group_size=32) if quantizer == "QuantizationModifier"
+              else AutoRoundModifier(scheme="W4A16", group_size=32, iters=2, batch_size=2))
+    out = tmp_path / quantizer
+    model = layerwise.compress(model, [RotationModifier(), second], dataset=samples, output_dir=out,
+                               show_progress=False, device="cpu")
+    assert model.model.layers[0].self_attn.q_proj.quantization_args.num_bits == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_recipe_fields_and_errors():
     (modifier,) = parse_recipe("RotationModifier:\n  rotation: orthogonal\n  seed: 7\n")
     assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7}}
