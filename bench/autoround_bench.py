@@ -166,6 +166,7 @@ def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
+            print(f"  {config} / {scheme}: {line[len('RESULT '):]}", file=sys.stderr, flush=True)
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": " | ".join(tail) or f"exit status {proc.returncode}"}
