@@ -8,6 +8,7 @@ import torch
 
 from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin.quantization import LLAMA_LIKE
 
 from . import _tiny
 
@@ -46,6 +47,8 @@ LLAMA = ModelPatch(
         # (measured: AWQ 3-bit on tiny-llama-doc, ppl 33.378 without this mapping, 33.318 with it)
         (("re:.*down_proj",), "re:.*up_proj"),
     ),
+    # pre-norm blocks and a final norm before lm_head: the residual stream rotates exactly
+    rotation_layout=LLAMA_LIKE,
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

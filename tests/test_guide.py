@@ -39,7 +39,7 @@ refresh = _load_refresh_script()
 
 #: every example the guide promises; removing one from GUIDE.md must be a conscious change here
 EXAMPLES = {"tiny-folders", "trace-api", "targets", "discovery", "autowrap", "robust", "opaque", "dtypes", "shapes",
-            "guards", "model-patch", "modifier", "pipeline", "recipes", "sparse", "pruning", "smoothquant",
+            "guards", "model-patch", "modifier", "pipeline", "recipes", "sparse", "pruning", "smoothquant", "autoround", "rotation",
             "streaming", "evaluate"}
 
 TESTS = refresh.guide_blocks("test")

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from layerwise.algorithms.quantization.rotation import RotationLayout
+
 
 @dataclass(frozen=True)
 class ModelPatch:
@@ -44,6 +46,8 @@ class ModelPatch:
     tiny_models: tuple[Callable[[], torch.nn.Module], ...] = ()
     #: SmoothQuant / AWQ (balance layers, smoothed layer) mappings as regex pairs
     smoothing_mappings: tuple[tuple[tuple[str, ...], str], ...] = ()
+    #: where the residual stream is read and written, for RotationModifier (``None``: the Llama-like layout)
+    rotation_layout: RotationLayout | None = None
     #: transformers versions this patch was verified against
     verified_transformers: tuple[str, ...] = field(default_factory=tuple)
 

@@ -1,6 +1,16 @@
 """Quantization for plugins: schemes, the math, storage on a module, solvers and smoothing mappings."""
 
 from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
+from layerwise.algorithms.quantization.autoround import (
+    AutoRoundError,
+    BlockSample,
+    Rounding,
+    TuneResult,
+    block_output,
+    check_autoround_args,
+    quantize_learned,
+    tune_block,
+)
 from layerwise.algorithms.quantization.awq import search_flops, search_scales
 from layerwise.algorithms.quantization.config_groups import ConfigGroup, read_config_groups
 from layerwise.algorithms.quantization.gptq import (
@@ -27,6 +37,13 @@ from layerwise.algorithms.quantization.qmath import (
     quantize_weight,
     weight_qparams,
 )
+from layerwise.algorithms.quantization.rotation import (
+    LLAMA_LIKE,
+    ResolvedLayout,
+    RotationError,
+    RotationLayout,
+    rotate_residual_stream,
+)
 from layerwise.algorithms.quantization.smoothing import apply_smoothing
 from layerwise.algorithms.quantization.smoothquant import smoothquant_scales
 from layerwise.algorithms.quantization.storage import (
@@ -40,10 +57,11 @@ from layerwise.algorithms.quantization.storage import (
 from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
-    "ACTORDERS", "ConfigGroup", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
-    "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
-    "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_weight",
-    "quantized_modules", "read_config_groups", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
+    "ACTORDERS", "LLAMA_LIKE", "AutoRoundError", "BlockSample", "ConfigGroup", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
+    "QuantizationScheme", "ResolvedLayout", "ResolvedMapping", "RotationError", "RotationLayout", "Rounding", "TuneResult", "apply_smoothing", "block_output",
+    "check_autoround_args", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
+    "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_learned", "quantize_weight",
+    "quantized_modules", "read_config_groups", "recipe_mappings", "replace_data", "resolve_scheme", "rotate_residual_stream", "rtn_quantize", "search_flops",
     "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",
-    "weight_qparams",
+    "tune_block", "weight_qparams",
 ]

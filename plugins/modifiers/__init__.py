@@ -2,9 +2,11 @@
 
 from layerwise.plugin import hookimpl
 
+from .autoround import AutoRoundModifier
 from .awq import AWQModifier
 from .gptq import GPTQModifier
 from .quantization import QuantizationModifier
+from .rotation import RotationModifier
 from .smoothquant import SmoothQuantModifier
 from .sparsegpt import SparseGPTModifier
 from .wanda import WandaModifier
@@ -16,6 +18,8 @@ MODIFIERS = [
     ("WandaModifier", WandaModifier),
     ("AWQModifier", AWQModifier),
     ("SmoothQuantModifier", SmoothQuantModifier),
+    ("AutoRoundModifier", AutoRoundModifier),
+    ("RotationModifier", RotationModifier),
 ]
 
 

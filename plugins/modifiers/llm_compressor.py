@@ -34,6 +34,16 @@ GPTQ = {**QUANTIZATION, "sequential_update": _SEQUENTIAL_UPDATE, "offload_hessia
 AWQ = {**QUANTIZATION, "sequential_targets": _SEQUENTIAL_TARGETS, "offload_device": ForeignField(
     "layerwise keeps one block's search samples in memory at a time (search_tokens caps them), on the "
     "device calibration runs on")}
+AUTOROUND = {
+    **QUANTIZATION,
+    "sequential_targets": _SEQUENTIAL_TARGETS,
+    "enable_torch_compile": ForeignField("layerwise does not compile the tuned block; the steps are the same"),
+    "device_ids": ForeignField(
+        "layerwise tunes each block on the run's execution device (compress(..., device=...), CLI --device); "
+        "several GPUs are several ranks (torchrun), each block tuned on one", ignored=False),
+    "disable_opt_rtn": ForeignField(
+        "layerwise's AutoRound has no separate optimized round-to-nearest mode: iters: 0 keeps round-to-nearest"),
+}
 SMOOTHQUANT = {
     **SESSION_FIELDS,
     "num_calibration_steps": ForeignField(

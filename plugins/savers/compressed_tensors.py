@@ -169,11 +169,13 @@ def _ct_args(args: QuantizationArgs) -> dict[str, Any]:
 
 
 def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -> str:
-    """How a layer's weight is stored: float8 as is (``float-quantized``); int8 with quantized inputs as
-    int8 tensors (``int-quantized``, what W8A8 kernels read); other integers packed into int32."""
+    """How a layer's weight is stored: float8 as is (``float-quantized``); integers with quantized inputs as
+    int8 tensors (``int-quantized``, what W8A8 kernels read, and what compressed-tensors 0.20 expects of
+    W4A8 too: it infers that format for every integer weight whose inputs are quantized); weight-only
+    integers packed into int32."""
     if args.type == "float":
         return "float-quantized"
-    if input_args is not None and args.num_bits == 8:
+    if input_args is not None and args.type == "int":
         return "int-quantized"
     return FORMAT
 

@@ -31,7 +31,10 @@ GPTQ_W4A16 = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n"  # the preset'
 #: another order differs from itself as much. Fed the uncompressed activations, the pieces see the
 #: same inputs on one rank or two, and the comparison is about what the ranks reduce.
 RUNS = [("gptq", GPTQ_W4A16, True, {}), ("sq_gptq", "SQ_GPTQ_W8A8", False, {"propagate_error": False}),
-        ("static", "W8A8_STATIC", False, {})]
+        ("static", "W8A8_STATIC", False, {}),
+        # AutoRound: the ranks' samples gathered in the batches' order, one rank tunes each block
+        ("autoround", "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 3\n  batch_size: 2\n", False,
+         {})]
 #: recipes run on two ranks and compared on their weights only (pruning masks; AWQ's merged sample)
 OTHERS = {"wanda": "WandaModifier:\n  sparsity: 0.5\n", "sparsegpt": "SparseGPTModifier:\n  mask_structure: '2:4'\n",
           "awq": "AWQModifier:\n  scheme: W4A16_ASYM\n  group_size: 32\n"}

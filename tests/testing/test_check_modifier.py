@@ -22,6 +22,8 @@ BUILT_IN = [
                              "mappings": [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"]]}),
     ("AWQModifier", {"group_size": 32, "n_grid": 10, "duo_scaling": False, "search_tokens": 512,
                      "mappings": [[["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"]]}),
+    ("AutoRoundModifier", {"group_size": 32, "iters": 3, "batch_size": 2, "nsamples": 8}),
+    ("RotationModifier", {"rotation": "orthogonal", "seed": 3}),
 ]
 
 

@@ -1,0 +1,292 @@
+"""AutoRound: learned rounding and clipping for a block's weights, by signed gradient descent.
+
+AutoRound (Cheng et al., 2023, "Optimize weight rounding via signed gradient descent") quantizes
+each weight of a block as ``q = clamp(round(w / s + v) + z, qmin, qmax)``, where
+
+* ``v`` (one per weight element, in ``[-0.5, 0.5]``) moves the rounding up or down;
+* the scale ``s`` and zero point ``z`` come from the weight's range shrunk by learned factors:
+  ``max * alpha`` and ``min * beta`` (one each per quantization group, in ``[0.5, 1]``), with the
+  same formulas as round-to-nearest (:func:`~layerwise.algorithms.quantization.qmath.compute_qparams`).
+
+All of a block's ``v``, ``alpha`` and ``beta`` are tuned together to make the block with
+fake-quantized weights reproduce the block's own (unquantized) outputs: the loss is the mean
+squared error over the cached samples. Each step takes ``batch_size`` samples, adds their
+gradients (``round`` passes the gradient straight through) and moves every parameter by
+``lr * sign(gradient)`` (SignSGD), the learning rate falling linearly to 0 over ``iters`` steps.
+The parameters of the step with the lowest loss are kept; at the end the kept ones and the
+round-to-nearest start (``v = 0``, ``alpha = beta = 1``) are scored on every sample and the better
+is used, so the block is never further from its outputs than round-to-nearest leaves it.
+
+The functions here take a block, its layers' args and the samples; they change nothing until
+:func:`quantize_learned` is called per layer by the caller (the modifier stores the result).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.qmath import qrange, weight_min_max
+
+#: the ranges the parameters are kept in (the paper's)
+OFFSET_RANGE = (-0.5, 0.5)
+CLIP_RANGE = (0.5, 1.0)
+
+
+class AutoRoundError(ValueError):
+    """A block cannot be tuned (no samples, a weight strategy AutoRound does not learn)."""
+
+
+@dataclass
+class Rounding:
+    """One layer's learned parameters: rounding offsets ``offset`` (the weight's ``(out, in)`` shape) and
+    clipping factors of the maximum (``max_scale``) and minimum (``min_scale``), one per qparam."""
+
+    offset: Tensor
+    max_scale: Tensor
+    min_scale: Tensor
+
+    @staticmethod
+    def start(weight: Tensor, args: QuantizationArgs) -> Rounding:
+        """Round-to-nearest: no offset, the whole range."""
+        low, _ = weight_min_max(weight, args)
+        return Rounding(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
+                        torch.ones(low.shape, dtype=torch.float32, device=weight.device),
+                        torch.ones(low.shape, dtype=torch.float32, device=weight.device))
+
+    def tensors(self) -> list[Tensor]:
+        return [self.offset, self.max_scale, self.min_scale]
+
+    def clone(self) -> Rounding:
+        return Rounding(*(t.detach().clone() for t in self.tensors()))
+
+
+@dataclass
+class BlockSample:
+    """One cached call of the block: its positional and keyword inputs, and its unquantized output."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Tensor
+
+
+@dataclass
+class TuneResult:
+    """What tuning a block found: the kept parameters per layer and how well they do."""
+
+    roundings: dict[str, Rounding]
+    #: mean squared error over every sample with the kept parameters, and with round-to-nearest
+    loss: float
+    rtn_loss: float
+    #: the step whose parameters were kept (-1: round-to-nearest was better on every sample)
+    best_step: int
+    seconds: float
+
+
+def check_autoround_args(args: QuantizationArgs) -> None:
+    """AutoRound learns integer weights with a scale per channel or per group."""
+    if args.type != "int" or args.strategy not in ("channel", "group"):
+        raise AutoRoundError(f"AutoRound learns integer weights with strategy 'channel' or 'group', got type "
+                             f"{args.type!r} strategy {args.strategy!r}; use a W4A16/W3A16/W2A16-style scheme")
+
+
+def _round_ste(x: Tensor) -> Tensor:
+    """``round(x)`` forward, identity backward (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _grouped(x: Tensor, args: QuantizationArgs) -> Tensor:
+    """An ``(out, in)`` tensor as ``(out, groups, columns)``: one quantization group per middle index."""
+    columns = x.shape[1] if args.strategy == "channel" else args.group_size
+    return x.reshape(x.shape[0], x.shape[1] // columns, columns)
+
+
+def _ranges(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """The weight grouped (float32) and each group's minimum and maximum (``(out, groups, 1)``)."""
+    grouped = _grouped(weight.detach().to(torch.float32), args)
+    return grouped, grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+
+
+def _qparams(low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding) -> tuple[Tensor, Tensor]:
+    """Scale and zero point (``(out, groups, 1)``, float32) of groups spanning ``[low, high]`` clipped by
+    ``rounding``; differentiable in the clipping factors, with the formulas of ``compute_qparams``."""
+    low = torch.clamp(low * rounding.min_scale.reshape(low.shape), max=0.0)
+    high = torch.clamp(high * rounding.max_scale.reshape(high.shape), min=0.0)
+    qmin, qmax = qrange(args)
+    span = float(qmax - qmin)
+    if args.symmetric:
+        scale = torch.maximum(low.abs(), high.abs()) / (span / 2)
+    else:
+        scale = (high - low) / span
+    scale = torch.clamp(scale, min=torch.finfo(torch.float32).eps)
+    if args.symmetric:
+        return scale, torch.zeros_like(scale)
+    return scale, torch.clamp(_round_ste(qmin - low / scale), qmin, qmax)
+
+
+def _fake_grouped(grouped: Tensor, low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding,
+                  scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q - z) * s`` of a grouped weight (``(out, in)``, float32), with its scale and zero point."""
+    learned, zero_point = _qparams(low, high, args, rounding)
+    scale = learned if scale is None else scale
+    qmin, qmax = qrange(args)
+    q = torch.clamp(_round_ste(grouped / scale + _grouped(rounding.offset, args)) + zero_point, qmin, qmax)
+    return ((q - zero_point) * scale).reshape(rounding.offset.shape), scale, zero_point
+
+
+def fake_quantize_learned(weight: Tensor, args: QuantizationArgs, rounding: Rounding) -> Tensor:
+    """The weight's values with the learned rounding (float32, differentiable in ``rounding``)."""
+    return _fake_grouped(*_ranges(weight, args), args, rounding)[0]
+
+
+@torch.no_grad()
+def quantize_learned(weight: Tensor, args: QuantizationArgs, rounding: Rounding,
+                     scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The stored form: fake-quantized weight (float32, exactly ``(q - z) * scale``), scale (in
+    ``scale_dtype``, as the checkpoint keeps it; qparam shape) and zero point, for
+    ``set_quantized_weight(on_grid=True)``."""
+    grouped, low, high = _ranges(weight, args)
+    scale, _ = _qparams(low, high, args, rounding)
+    scale = scale.to(scale_dtype).to(torch.float32)  # the values are computed with the scale that is saved
+    values, scale, zero_point = _fake_grouped(grouped, low, high, args, rounding, scale)
+    return values, scale.squeeze(-1).to(scale_dtype), zero_point.squeeze(-1)
+
+
+def block_output(output: Any) -> Tensor:
+    """A block's hidden states: the output itself or its first element (tuple / ModelOutput)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    first = next(iter(output.values()), None) if hasattr(output, "values") else None
+    if isinstance(first, Tensor):
+        return first
+    raise AutoRoundError(f"cannot find the hidden states in a block output of type {type(output).__name__}")
+
+
+class _Layers:
+    """A block's layers as the tuning sees them: each weight grouped with its ranges, computed once."""
+
+    def __init__(self, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]]) -> None:
+        self.layers = layers
+        self.ranges = {name: _ranges(weight, args) for name, (weight, args, _) in layers.items()}
+
+    def replaced(self, roundings: dict[str, Rounding]) -> dict[str, Tensor]:
+        """Each layer's weight (by its parameter name in the block) fake-quantized with ``roundings``."""
+        out = {}
+        for name, (weight, args, transposed) in self.layers.items():
+            values = _fake_grouped(*self.ranges[name], args, roundings[name])[0].to(weight.dtype)
+            out[f"{name}.weight"] = values.t() if transposed else values
+        return out
+
+
+def _loss(block: torch.nn.Module, replaced: dict[str, Tensor], sample: BlockSample) -> Tensor:
+    """Mean squared error of the block with ``replaced`` weights against the sample's unquantized output."""
+    output = block_output(torch.func.functional_call(block, replaced, sample.args, sample.kwargs, strict=False))
+    return torch.nn.functional.mse_loss(output.to(torch.float32), sample.target.to(torch.float32))
+
+
+@torch.no_grad()
+def _total_loss(block: torch.nn.Module, layers: _Layers, roundings: dict[str, Rounding],
+                samples: Sequence[BlockSample]) -> float:
+    replaced = layers.replaced(roundings)
+    return sum(float(_loss(block, replaced, s)) for s in samples) / len(samples)
+
+
+def sample_order(count: int, batch_size: int, iters: int, seed: int) -> list[list[int]]:
+    """Which samples each step reads: walks through seeded permutations of the samples, a fresh one
+    each time the last runs out (every sample read once per pass)."""
+    generator = torch.Generator().manual_seed(seed)
+    steps: list[list[int]] = []
+    order: list[int] = []
+    take = min(batch_size, count)
+    for _ in range(iters):
+        batch: list[int] = []
+        while len(batch) < take:
+            if not order:
+                order = torch.randperm(count, generator=generator).tolist()
+            batch.append(order.pop(0))
+        steps.append(batch)
+    return steps
+
+
+def tune_block(block: torch.nn.Module, layers: dict[str, tuple[Tensor, QuantizationArgs, bool]],
+               samples: Sequence[BlockSample], *, iters: int = 200, lr: float | None = None,
+               minmax_lr: float | None = None, batch_size: int = 8, seed: int = 42,
+               progress: Callable[[int, float], None] | None = None) -> TuneResult:
+    """Learn the rounding of ``layers`` (relative name in ``block`` -> (weight ``(out, in)``, args,
+    stored transposed)) so that ``block`` reproduces each sample's ``target``.
+
+    ``lr`` (offsets) defaults to ``1 / iters``, ``minmax_lr`` (clipping factors) to ``lr``; both fall
+    linearly to 0 over the steps. Deterministic for a seed. Changes neither the block nor the weights.
+    """
+    if not samples:
+        raise AutoRoundError("AutoRound needs at least one sample of the block's inputs")
+    if iters < 0 or batch_size < 1:
+        raise AutoRoundError(f"iters must be >= 0 and batch_size >= 1, got {iters} and {batch_size}")
+    for _, args, _ in layers.values():
+        check_autoround_args(args)
+    start = time.perf_counter()
+    lr = 1.0 / iters if lr is None and iters else (lr or 0.0)
+    minmax_lr = lr if minmax_lr is None else minmax_lr
+    roundings = {name: Rounding.start(weight, args) for name, (weight, args, _) in layers.items()}
+    prepared = _Layers(layers)
+    initial = {name: r.clone() for name, r in roundings.items()}
+    best = {name: r.clone() for name, r in roundings.items()}
+    frozen = [p for p in block.parameters() if p.requires_grad]  # only the rounding learns
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        best, _, best_step = _descend(block, prepared, samples, roundings, best, iters, lr, minmax_lr,
+                                              batch_size, seed, progress)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    rtn_loss = _total_loss(block, prepared, initial, samples)
+    loss = _total_loss(block, prepared, best, samples) if best_step >= 0 else rtn_loss
+    if loss > rtn_loss:
+        best, loss, best_step = initial, rtn_loss, -1
+    return TuneResult(best, loss, rtn_loss, best_step, time.perf_counter() - start)
+
+
+def _descend(block: torch.nn.Module, layers: _Layers,
+             samples: Sequence[BlockSample], roundings: dict[str, Rounding], best: dict[str, Rounding], iters: int,
+             lr: float, minmax_lr: float, batch_size: int, seed: int,
+             progress: Callable[[int, float], None] | None) -> tuple[dict[str, Rounding], float, int]:
+    """The signed-gradient steps; returns the parameters with the lowest step loss, that loss and its step."""
+    best_loss, best_step = float("inf"), -1
+    with torch.enable_grad():
+        for r in roundings.values():
+            for t in r.tensors():
+                t.requires_grad_(True)
+        for step, batch in enumerate(sample_order(len(samples), batch_size, iters, seed)):
+            replaced = layers.replaced(roundings)  # once per step: every sample of the batch reads it
+            loss = sum(_loss(block, replaced, samples[index]) for index in batch) / len(batch)
+            loss.backward()
+            total = float(loss.detach())
+            del replaced, loss
+            if total < best_loss:
+                best_loss, best_step = total, step
+                best = {name: r.clone() for name, r in roundings.items()}
+            decay = 1.0 - step / iters  # linear schedule: lr at the first step, lr / iters at the last
+            with torch.no_grad():
+                for r in roundings.values():
+                    _sign_step(r.offset, lr * decay, OFFSET_RANGE)
+                    _sign_step(r.max_scale, minmax_lr * decay, CLIP_RANGE)
+                    _sign_step(r.min_scale, minmax_lr * decay, CLIP_RANGE)
+            if progress is not None:
+                progress(step, total)
+    return best, best_loss, best_step
+
+
+def _sign_step(param: Tensor, lr: float, bounds: tuple[float, float]) -> None:
+    """SignSGD: ``param -= lr * sign(grad)``, kept within ``bounds``; the gradient is cleared."""
+    if param.grad is not None:
+        param.sub_(lr * torch.sign(param.grad)).clamp_(*bounds)
+        param.grad = None

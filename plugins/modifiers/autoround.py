@@ -1,0 +1,321 @@
+"""AutoRound weight quantization: each block's rounding and clipping learned against its own outputs.
+
+Every sequential target (a decoder layer, ...) holding targeted Linears gets a forward hook that
+keeps what the block receives (positional and keyword inputs) and what it returns, unquantized,
+for at most ``nsamples`` calibration samples. When the pipeline reports the block calibrated
+(``sequential_epoch_end``), :func:`~layerwise.algorithms.quantization.autoround.tune_block`
+learns each of its Linears' rounding offsets and clipping factors by signed gradient descent so
+that the block with quantized weights reproduces those outputs, and the weights are stored with
+the learned values in the scheme's integer format (the saver packs them as round-to-nearest's).
+
+The block must be observed whole before any of its layers changes, and re-run quantized
+afterwards (:attr:`needs_uncompressed_block`): the ``sequential`` pipeline then cuts at blocks,
+and each block's inputs are the quantized model's (the error of earlier blocks propagates, as
+GPTQ's does). What its quantized output must reproduce is, by default (``match: model``, as in
+AutoRound), the unquantized model's activations after that block: the modifier runs each block
+with its own weights on the previous block's unquantized outputs, which it keeps, so each block
+also makes up for what the blocks before it lost. Targeted layers outside every block (or in a block that saw no data) are rounded to
+nearest. Memory: one block's samples (inputs and outputs) on the execution device, plus the
+block's learned parameters (about three times its quantized weights, float32) while it is tuned.
+
+With several data-parallel ranks each rank's samples are gathered before a block is tuned
+(:meth:`AutoRoundModifier.on_reduce`), one rank tunes it and every rank stores the result.
+Per block results are in :attr:`AutoRoundModifier.summary`, the run's log and
+``autoround_summary.json`` next to the saved model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from layerwise.plugin import CompressionState, ForeignField, RecipeError, find_modules
+from layerwise.plugin.calibration import Reducer, spread
+from layerwise.plugin.quantization import (
+    AutoRoundError,
+    BlockSample,
+    Rounding,
+    TuneResult,
+    block_output,
+    check_autoround_args,
+    is_transposed,
+    linear_weight,
+    quantize_learned,
+    set_quantized_weight,
+    tune_block,
+)
+
+from . import llm_compressor
+from .quantization import QuantizationModifier, _in_piece
+
+log = logging.getLogger("layerwise")
+
+SUMMARY_FILE = "autoround_summary.json"
+#: what a block's quantized output is matched to (see AutoRoundModifier.match)
+MATCHES = ("model", "block")
+
+
+@dataclass
+class AutoRoundModifier(QuantizationModifier):
+    """Quantize the weights of ``targets`` (minus ``ignore``) with ``scheme``, rounding learned per block.
+
+    Scheme, targets, ignore and the ``num_bits`` / ``symmetric`` / ``strategy`` / ``group_size``
+    overrides are :class:`QuantizationModifier`'s (integer weights per channel or group: W4A16,
+    ``num_bits: 3`` or ``2`` for W3A16 / W2A16). AutoRound adds, with the paper's defaults:
+
+    * ``iters``: signed-gradient steps per block (200);
+    * ``lr``: step size of the rounding offsets, falling linearly to 0 (``None``: ``1 / iters``);
+    * ``minmax_lr``: step size of the clipping factors (``None``: ``lr``);
+    * ``batch_size``: calibration samples per step (8);
+    * ``nsamples``: the most calibration samples a block is tuned on (128; the run's own count, from
+      ``num_calibration_samples``, is used when smaller);
+    * ``seed``: the order samples are drawn in (same seed and data, same result);
+    * ``match``: what a block's quantized output must reproduce. ``"model"`` (AutoRound's choice): the
+      unquantized model's activations there, i.e. the unquantized block run on the unquantized
+      model's inputs, which the modifier carries from one block to the next (one more set of a block's
+      activations in memory), so a block also corrects what earlier blocks' quantization moved;
+      ``"block"``: the unquantized block on the inputs the quantized model gives it.
+    """
+
+    requires_data: ClassVar[bool] = True
+    min_calibration_samples: ClassVar[int] = 16
+    preset_prefix: ClassVar[str | None] = "AUTOROUND"
+    max_config_groups: ClassVar[int | None] = 1
+    foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.AUTOROUND
+    needs_uncompressed_block: ClassVar[bool] = True
+    block_reason: ClassVar[str] = "tunes each block against its own unquantized outputs"
+
+    iters: int = 200
+    lr: float | None = None
+    minmax_lr: float | None = None
+    batch_size: int = 8
+    nsamples: int = 128
+    seed: int = 42
+    match: str = "model"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("iters", "batch_size", "nsamples", "seed"):
+            value = getattr(self, name)
+            low = 0 if name in ("iters", "seed") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RecipeError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+        for name in ("lr", "minmax_lr"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise RecipeError(f"{owner}.{name} must be a number >= 0 or null (the default: 1 / iters), "
+                                  f"got {value!r}")
+        if self.match not in MATCHES:
+            raise RecipeError(f"{owner}.match must be one of {', '.join(MATCHES)}, got {self.match!r}")
+        super().__post_init__()
+        try:
+            check_autoround_args(self.args)
+        except AutoRoundError as exc:
+            raise RecipeError(f"{owner}: {exc}") from None
+        if self.input_args is not None:
+            raise RecipeError(f"{owner} learns weight rounding only; use a weight-only scheme (W4A16, W4A16_ASYM) "
+                              f"or put a QuantizationModifier for the activations after it")
+        #: one record per block: name, layers, loss, rtn_loss, best_step, samples, seconds
+        self.summary: list[dict[str, Any]] = []
+        self._blocks: dict[str, torch.nn.Module] = {}
+        self._samples: dict[str, list[BlockSample]] = {}
+        #: the unquantized model's outputs of the last block tuned (its class name, one per sample)
+        self._stream: tuple[str, list[torch.Tensor]] | None = None
+        self._replaying = False
+
+    # -- events ------------------------------------------------------------------------
+    def on_initialize(self, state: CompressionState) -> None:
+        super().on_initialize(state)
+        self.summary = []
+        blocks = find_modules(state.model, state.sequential_targets or [], state.ignore or [])
+        self._blocks = {name: block for name, block in blocks.items()
+                        if any(_in_piece(layer, [name]) for layer in self._modules)}
+        self._samples = {}
+        self._stream = None
+
+    def on_calibration_start(self, state: CompressionState) -> None:
+        super().on_calibration_start(state)
+        for name, block in self._blocks.items():
+            self._samples[name] = []
+            self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
+
+    def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
+        """Every rank's samples of the blocks about to be tuned, up to ``nsamples``, in the order one process
+        would hold them: rank ``r`` calibrated batches ``r, r + world, ...``, so taking one from each rank
+        in turn restores the run's order (and the same seed then tunes every block as one process does)."""
+        super().on_reduce(state, reducer, modules)
+        for name in self._blocks:
+            if name in self._done or (modules is not None and not _in_piece(name, modules)):
+                continue
+            mine = self._samples.get(name, [])
+            device = mine[0].target.device if mine else state.execution_device
+            gathered = _interleaved(reducer.gather(mine))
+            self._samples[name] = [_to(s, device) for s in _first_rows(gathered, self.nsamples)]
+
+    def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
+        self.tune_blocks([name for name in self._blocks if name not in self._done and _in_piece(name, modules)],
+                         state)
+        super().on_sequential_epoch_end(state, modules)  # targeted layers outside blocks: round to nearest
+
+    def on_calibration_end(self, state: CompressionState) -> None:
+        self.tune_blocks([name for name in self._blocks if name not in self._done], state)
+        super().on_calibration_end(state)
+
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """A block to tune needs its whole forward (its outputs); elsewhere nothing is read."""
+        if any(name not in self._done and _in_piece(name, modules) for name in self._blocks):
+            return None
+        return set()
+
+    def remove_hooks(self) -> None:
+        """Remove the capture hooks and free every sample still held (also after an error)."""
+        super().remove_hooks()
+        self._samples.clear()
+
+    def output_files(self) -> dict[str, str]:
+        return {SUMMARY_FILE: json.dumps(self.summary, indent=1)} if self.summary else {}
+
+    # -- work --------------------------------------------------------------------------
+    def tune_blocks(self, names: list[str], state: CompressionState) -> None:
+        """Tune blocks ``names`` (one rank each with several ranks) and store their layers' weights."""
+        for name in names:  # on every rank: the next block's reference inputs come from here
+            self._match_model(name)
+        for name, result in spread(names, self._tune):
+            self._store(name, result, state)
+
+    @torch.no_grad()
+    def _match_model(self, name: str) -> None:
+        """``match: model``: the block's targets become its unquantized outputs on the unquantized model's
+        inputs (the previous block's targets), and these targets the next block's inputs. The first block,
+        and one of another class than the block before (another tower), keeps what it was captured with."""
+        samples = self._samples.get(name) or []
+        if self.match != "model" or not samples:
+            self._stream = None
+            return
+        block = self._blocks[name]
+        kind = type(block).__name__
+        stream = self._stream
+        if (stream is not None and stream[0] == kind and len(stream[1]) >= len(samples)
+                and all(_hidden(s)[0].shape == stream[1][i].shape for i, s in enumerate(samples))):
+            self._replaying = True  # the capture hook must not take these calls for samples
+            try:
+                for sample, reference in zip(samples, stream[1]):
+                    args, kwargs = _with_hidden(sample, reference.to(sample.target.device))
+                    sample.target = block_output(block(*args, **kwargs)).detach().clone()
+            finally:
+                self._replaying = False
+        self._stream = (kind, [sample.target for sample in samples])
+
+    def _layers(self, block_name: str) -> dict[str, torch.nn.Module]:
+        """The block's targeted layers still to quantize, by name relative to the block."""
+        prefix = block_name + "." if block_name else ""
+        return {layer[len(prefix):]: module for layer, module in self._modules.items()
+                if layer not in self._done and _in_piece(layer, [block_name]) and layer != block_name}
+
+    def _tune(self, name: str) -> TuneResult | None:
+        samples = self._samples.pop(name, [])
+        layers = self._layers(name)
+        if not samples or not layers:
+            return None
+        inputs = {rel: (linear_weight(m).detach(), self.args, is_transposed(m)) for rel, m in layers.items()}
+        return tune_block(self._blocks[name], inputs, samples, iters=self.iters, lr=self.lr,
+                          minmax_lr=self.minmax_lr, batch_size=self.batch_size, seed=self.seed)
+
+    @torch.no_grad()
+    def _store(self, name: str, result: TuneResult | None, state: CompressionState) -> None:
+        """Quantize the block's layers with the learned parameters (none: they stay for round-to-nearest)."""
+        self._done.add(name)
+        if result is None:
+            log.warning("AutoRound: block %r saw no calibration data; its layers are rounded to nearest", name)
+            return
+        prefix = name + "." if name else ""
+        for rel, module in self._layers(name).items():
+            weight = linear_weight(module).detach()
+            rounding = result.roundings[rel]
+            device = weight.device
+            rounding = Rounding(*(t.to(device) for t in rounding.tensors()))
+            values, scale, zero_point = quantize_learned(weight, self.args, rounding, module.weight.dtype)
+            set_quantized_weight(module, values, scale, zero_point, self.args, on_grid=True)
+            self.quantize_inputs(prefix + rel, module)
+            self._done.add(prefix + rel)
+        record = {"name": name, "method": "autoround" if result.best_step >= 0 else "rtn",
+                  "layers": sorted(result.roundings), "loss": result.loss, "rtn_loss": result.rtn_loss,
+                  "best_step": result.best_step, "seconds": round(result.seconds, 4)}
+        self.summary.append(record)
+        state.log.append({"modifier": type(self).__name__, **record})
+        log.info("AutoRound %s: loss %.4g (round-to-nearest %.4g), best step %d, %.2f s", name, result.loss,
+                 result.rtn_loss, result.best_step, result.seconds)
+
+    def _capture_hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            samples = self._samples.get(name)
+            if samples is None or self._replaying or name in self._done or _rows(samples) >= self.nsamples:
+                return
+            target = block_output(output).detach().clone()
+            samples.append(BlockSample(_copy(args), _copy(kwargs), target))
+        return hook
+
+
+def _hidden(sample: BlockSample) -> tuple[torch.Tensor, int | str]:
+    """The block's hidden-state input (its first positional argument, else ``hidden_states=``) and where."""
+    if sample.args and isinstance(sample.args[0], torch.Tensor):
+        return sample.args[0], 0
+    value = sample.kwargs.get("hidden_states")
+    if isinstance(value, torch.Tensor):
+        return value, "hidden_states"
+    raise AutoRoundError("AutoRound match: model needs the block's hidden states as its first argument or "
+                         "hidden_states=; use match: block for this model")
+
+
+def _with_hidden(sample: BlockSample, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """The sample's inputs with ``hidden`` as the hidden states."""
+    _, where = _hidden(sample)
+    if where == 0:
+        return (hidden, *sample.args[1:]), sample.kwargs
+    return sample.args, {**sample.kwargs, "hidden_states": hidden}
+
+
+def _copy(value: Any) -> Any:
+    """``value`` with its tensors (in tuples, lists and dicts) copied: the model may reuse its activations."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (tuple, list):
+        return type(value)(_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+def _rows(samples: list[BlockSample]) -> int:
+    return sum(s.target.shape[0] if s.target.ndim > 2 else 1 for s in samples)
+
+
+def _interleaved(per_rank: list[list[BlockSample]]) -> list[BlockSample]:
+    """Rank 0's first sample, rank 1's first, ..., rank 0's second, ...: the batches' own order."""
+    merged: list[BlockSample] = []
+    for position in range(max((len(samples) for samples in per_rank), default=0)):
+        merged.extend(samples[position] for samples in per_rank if position < len(samples))
+    return merged
+
+
+def _first_rows(samples: list[BlockSample], limit: int) -> list[BlockSample]:
+    kept: list[BlockSample] = []
+    for sample in samples:
+        if _rows(kept) >= limit:
+            break
+        kept.append(sample)
+    return kept
+
+
+def _to(sample: BlockSample, device: torch.device) -> BlockSample:
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if type(value) in (tuple, list):
+            return type(value)(move(v) for v in value)
+        return value
+    return BlockSample(move(sample.args), {k: move(v) for k, v in sample.kwargs.items()}, move(sample.target))

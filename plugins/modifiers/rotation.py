@@ -1,0 +1,59 @@
+"""Rotations of the residual stream, folded into the weights before a quantizer (QuaRot / SpinQuant style).
+
+``RotationModifier`` needs no data: when the run starts (``initialize``, before any modifier
+observes or quantizes anything) it folds every RMSNorm's weight into the Linears reading it and
+rotates the residual stream by a random orthogonal matrix (a Hadamard with random signs by default)
+through the embeddings and every Linear reading or writing the stream
+(:func:`~layerwise.algorithms.quantization.rotation.rotate_residual_stream`). The model's outputs are
+unchanged; its weights and activations lose their outlier channels, so the quantizer listed after it
+(GPTQ, RTN, AutoRound; W4A8 or W4A16) loses less. The model patch's ``rotation_layout`` says where the
+stream is read and written (the Llama-like layout when it declares none). A tied ``lm_head`` is
+untied (the final norm is folded into it, not into the embeddings), and the saved config says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from layerwise.plugin import CompressionState, Modifier, RecipeError, did_you_mean
+from layerwise.plugin.quantization import LLAMA_LIKE, rotate_residual_stream
+
+#: int4 weights in groups of 128, int8 inputs per token at run time
+W4A8 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128},
+        "input_activations": {"num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True},
+        "targets": ["Linear"]}
+
+
+@dataclass
+class RotationModifier(Modifier):
+    """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``."""
+
+    requires_data: ClassVar[bool] = False
+    chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
+        "QUAROT_GPTQ_W4A8": (("RotationModifier", {}), ("GPTQModifier", {"scheme": W4A8})),
+        "QUAROT_GPTQ_W4A16": (("RotationModifier", {}), ("GPTQModifier", {"scheme": "W4A16"})),
+    }
+
+    rotation: str = "hadamard"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rotation not in ("hadamard", "orthogonal"):
+            raise RecipeError(f"unknown RotationModifier.rotation {self.rotation!r};"
+                              f"{did_you_mean(self.rotation, ('hadamard', 'orthogonal'))} valid rotations: hadamard, "
+                              f"orthogonal")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise RecipeError(f"RotationModifier.seed must be an integer, got {self.seed!r}")
+        #: the rotated modules, by role (qualified names), once applied
+        self.rotated: dict[str, list[str]] = {}
+
+    def on_initialize(self, state: CompressionState) -> None:
+        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        layout = getattr(patch, "rotation_layout", None) or LLAMA_LIKE
+        resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=type(self).__name__)
+        self.rotated = {"embeddings": list(resolved.embeddings), "norms": [m.smoothed for m in resolved.norms],
+                        "readers": list(resolved.readers), "writers": list(resolved.writers)}
+        state.log.append({"modifier": type(self).__name__, "name": "residual stream", "rotation": self.rotation,
+                          "seed": self.seed, **{k: len(v) for k, v in self.rotated.items()}})

@@ -1,0 +1,125 @@
+"""AutoRoundModifier through compress(): blocks tuned on their own outputs, saved, reloaded."""
+
+import json
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import RecipeError
+from layerwise.plugins.modifiers.autoround import AutoRoundModifier
+from layerwise.plugins.modifiers.quantization import QuantizationModifier
+from layerwise.recipe import parse_recipe
+from tests.conftest import build_tiny_llama
+
+
+def _samples(count=12, length=16):
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, 128, (1, length), generator=generator)} for _ in range(count)]
+
+
+def _block_outputs(model, batch):
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(batch, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return outputs
+
+
+def test_autoround_tunes_every_block_beats_rtn_and_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, reference, rtn = build_tiny_llama(), build_tiny_llama(), build_tiny_llama()
+    samples = _samples()
+    modifier = AutoRoundModifier(scheme="W4A16", num_bits=3, group_size=32, iters=16, batch_size=4)
+    out = tmp_path / "autoround"
+    model = layerwise.compress(model, modifier, dataset=samples, output_dir=out, show_progress=False, device="cpu")
+    assert "blocks" in model.layerwise_report.pieces and "AutoRoundModifier" in model.layerwise_report.pieces
+    assert [r["name"] for r in modifier.summary] == ["model.layers.0", "model.layers.1"]
+    assert all(len(r["layers"]) == 7 and r["loss"] <= r["rtn_loss"] for r in modifier.summary)
+    assert json.loads((out / "autoround_summary.json").read_text()) == modifier.summary
+    layerwise.compress(rtn, QuantizationModifier(scheme="W4A16", num_bits=3, group_size=32), show_progress=False)
+
+    batch = torch.cat([s["input_ids"] for s in samples])
+    want = _block_outputs(reference, batch)
+    got, rounded = _block_outputs(model, batch), _block_outputs(rtn, batch)
+    assert float((got[0] - want[0]).pow(2).mean()) < float((rounded[0] - want[0]).pow(2).mean())
+    # the stored weights are on the integer grid of their saved scales
+    layer = model.model.layers[0].mlp.down_proj
+    scale = layer.weight_scale.repeat_interleave(32, dim=1)
+    q = layer.weight / scale
+    assert torch.allclose(q, q.round(), atol=1e-4) and q.abs().max() <= 4
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(batch).logits, model(batch).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("match", ["model", "block"])
+def test_blocks_match_the_unquantized_model_or_their_own_unquantized_outputs(match):
+    from layerwise.plugins.modifiers import autoround
+
+    model, reference = build_tiny_llama(), build_tiny_llama()
+    samples = _samples(count=4)
+    seen = {}
+    original = autoround.tune_block
+
+    def spy(block, layers, block_samples, **kwargs):
+        seen[len(seen)] = [s.target.clone() for s in block_samples]
+        return original(block, layers, block_samples, **kwargs)
+
+    autoround.tune_block = spy
+    try:
+        layerwise.compress(model, AutoRoundModifier(scheme="W4A16", num_bits=2, group_size=32, iters=2, match=match),
+                           dataset=samples, show_progress=False)
+    finally:
+        autoround.tune_block = original
+    for position in (0, 1):
+        want = torch.cat([_block_outputs(reference, s["input_ids"])[position] for s in samples])
+        got = torch.cat(seen[position])
+        if match == "model" or position == 0:  # block 0's inputs are the embeddings either way
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the unquantized block 1 on what the quantized block 0 gave it
+            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_autoround_recipe_fields_and_errors():
+    (modifier,) = parse_recipe("AutoRoundModifier:\n  scheme: W4A16_ASYM\n  iters: 50\n  lr: 0.01\n  nsamples: 64\n")
+    assert isinstance(modifier, AutoRoundModifier) and modifier.iters == 50 and modifier.lr == 0.01
+    assert modifier.to_dict()["AutoRoundModifier"]["nsamples"] == 64
+    with pytest.raises(RecipeError, match="iters must be an integer"):
+        AutoRoundModifier(iters=-1)
+    with pytest.raises(RecipeError, match="strategy 'channel' or 'group'"):
+        AutoRoundModifier(scheme="FP8_DYNAMIC")
+    with pytest.raises(RecipeError, match="weight-only scheme"):
+        AutoRoundModifier(scheme="W8A8")
+    with pytest.raises(RecipeError, match="match must be one of model, block"):
+        AutoRoundModifier(match="layer")
+
+
+def test_llm_compressor_autoround_recipes_read_with_notes():
+    recipe = ("AutoRoundModifier:\n  targets: [Linear]\n  scheme: W4A16\n  ignore: [lm_head]\n  iters: 10\n"
+              "  enable_torch_compile: false\n")
+    with pytest.warns(UserWarning, match="does not compile"):
+        (modifier,) = parse_recipe(recipe)
+    assert modifier.iters == 10
+    with pytest.raises(RecipeError, match="execution device"):
+        parse_recipe("AutoRoundModifier:\n  device_ids: '0,1'\n")
+
+
+def test_nsamples_caps_the_samples_a_block_is_tuned_on():
+    model = build_tiny_llama()
+    seen = []
+    modifier = AutoRoundModifier(scheme="W4A16", group_size=32, iters=2, nsamples=5)
+    original = modifier._tune
+    modifier._tune = lambda name: (seen.append(len(modifier._samples[name])), original(name))[1]
+    layerwise.compress(model, modifier, dataset=_samples(count=8), show_progress=False)
+    assert seen == [5, 5]
+
+
+def test_autoround_preset():
+    (modifier,) = parse_recipe("AUTOROUND_W4A16")
+    assert isinstance(modifier, AutoRoundModifier) and modifier.args.num_bits == 4

@@ -1,0 +1,82 @@
+"""RotationModifier through compress(): the function kept, composed with quantizers, saved and reloaded."""
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import RecipeError
+from layerwise.plugins.modifiers.rotation import RotationModifier
+from layerwise.recipe import parse_recipe
+from tests.conftest import build_tiny_llama
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [build_tiny_llama, _tiny_qwen2], ids=["llama-patch", "qwen2-default-layout"])
+def test_rotation_alone_keeps_the_model_s_outputs(build):
+    model = build()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = _logits(model, ids)
+    modifier = RotationModifier(rotation="orthogonal", seed=3)
+    layerwise.compress(model, modifier, show_progress=False)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    assert len(modifier.rotated["writers"]) == 4 and modifier.rotated["norms"][-1] == "model.norm"
+    assert any(r.get("modifier") == "RotationModifier" for r in model.layerwise_report.layer_log)
+
+
+def test_quarot_gptq_w4a8_preset_saves_a_checkpoint_that_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_llama(tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
+    samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(16)]
+    modifiers = parse_recipe("QUAROT_GPTQ_W4A8")
+    assert [type(m).__name__ for m in modifiers] == ["RotationModifier", "GPTQModifier"]
+    out = tmp_path / "quarot"
+    model = layerwise.compress(model, "QUAROT_GPTQ_W4A8", dataset=samples, output_dir=out, show_progress=False,
+                               device="cpu")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.quantization_args.num_bits == 4 and down.input_quantization_args.num_bits == 8
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantizer", ["QuantizationModifier", "AutoRoundModifier"])
+def test_rotation_composes_before_rtn_and_autoround(tmp_path, quantizer):
+    from transformers import AutoModelForCausalLM
+
+    from layerwise.plugins.modifiers.autoround import AutoRoundModifier
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    model = build_tiny_llama()
+    samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(4)]
+    second = (QuantizationModifier(scheme="W4A16", group_size=32) if quantizer == "QuantizationModifier"
+              else AutoRoundModifier(scheme="W4A16", group_size=32, iters=2, batch_size=2))
+    out = tmp_path / quantizer
+    model = layerwise.compress(model, [RotationModifier(), second], dataset=samples, output_dir=out,
+                               show_progress=False, device="cpu")
+    assert model.model.layers[0].self_attn.q_proj.quantization_args.num_bits == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_recipe_fields_and_errors():
+    (modifier,) = parse_recipe("RotationModifier:\n  rotation: orthogonal\n  seed: 7\n")
+    assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7}}
+    with pytest.raises(RecipeError, match="did you mean 'hadamard'"):
+        RotationModifier(rotation="hadamrd")
