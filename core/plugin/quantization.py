@@ -2,6 +2,13 @@
 
 from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
 from layerwise.algorithms.quantization.awq import search_flops, search_scales
+from layerwise.algorithms.quantization.float_formats import (
+    e8m0_codes,
+    fp4_codes,
+    nvfp4_block_scales,
+    pack_fp4,
+)
+from layerwise.algorithms.quantization.global_scales import fused_groups, global_scales
 from layerwise.algorithms.quantization.gptq import (
     GPTQError,
     GPTQResult,
@@ -24,6 +31,7 @@ from layerwise.algorithms.quantization.qmath import (
     expand_qparams,
     fake_quantize,
     quantize_weight,
+    weight_global_scale,
     weight_qparams,
 )
 from layerwise.algorithms.quantization.smoothing import apply_smoothing
@@ -39,10 +47,43 @@ from layerwise.algorithms.quantization.storage import (
 from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
-    "ACTORDERS", "GPTQError", "GPTQResult", "Mapping", "MappingError", "Observer", "QuantizationArgs",
-    "QuantizationScheme", "ResolvedMapping", "apply_smoothing", "compute_qparams", "default_g_idx", "discover_mappings", "expand_qparams",
-    "fake_quantize", "gptq_quantize", "is_transposed", "linear_weight", "mappings_for_run", "quantize_weight",
-    "quantized_modules", "recipe_mappings", "replace_data", "resolve_scheme", "rtn_quantize", "search_flops",
-    "search_scales", "set_input_quantization", "set_quantized_weight", "smoothquant_scales", "split_by_piece",
+    "ACTORDERS",
+    "GPTQError",
+    "GPTQResult",
+    "Mapping",
+    "MappingError",
+    "Observer",
+    "QuantizationArgs",
+    "QuantizationScheme",
+    "ResolvedMapping",
+    "apply_smoothing",
+    "compute_qparams",
+    "default_g_idx",
+    "discover_mappings",
+    "e8m0_codes",
+    "expand_qparams",
+    "fake_quantize",
+    "fp4_codes",
+    "fused_groups",
+    "global_scales",
+    "gptq_quantize",
+    "is_transposed",
+    "linear_weight",
+    "mappings_for_run",
+    "nvfp4_block_scales",
+    "pack_fp4",
+    "quantize_weight",
+    "quantized_modules",
+    "recipe_mappings",
+    "replace_data",
+    "resolve_scheme",
+    "rtn_quantize",
+    "search_flops",
+    "search_scales",
+    "set_input_quantization",
+    "set_quantized_weight",
+    "smoothquant_scales",
+    "split_by_piece",
+    "weight_global_scale",
     "weight_qparams",
 ]

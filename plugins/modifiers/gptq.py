@@ -108,6 +108,9 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         if args.strategy == "block":
             raise RecipeError("GPTQModifier solves column by column: weight strategy 'block' (FP8_BLOCK) is "
                               "round-to-nearest only; use QuantizationModifier")
+        if args.float_format is not None:
+            raise RecipeError(f"GPTQModifier does not solve {args.float_format.upper()} weights yet; use the "
+                              f"round-to-nearest preset ({args.float_format.upper()}A16) with QuantizationModifier")
         if args.actorder is None or args.actorder == self.actorder:
             return args.replace(actorder=self.actorder) if self.actorder != args.actorder else args
         if self.actorder == DEFAULT_ACTORDER:  # the field's default yields to the scheme's choice

@@ -33,6 +33,7 @@ from layerwise.plugin.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
+    global_scales,
     is_transposed,
     linear_weight,
     resolve_scheme,
@@ -75,6 +76,7 @@ class QuantizationModifier(Modifier):
         self._done: set[str] = set()
         self._observer: Any = None
         self._input_observers: dict[str, Any] = {}
+        self._global_scales: dict[str, torch.Tensor] = {}
 
     @property
     def requires_data(self) -> bool:  # type: ignore[override]
@@ -106,6 +108,7 @@ class QuantizationModifier(Modifier):
                 raise RecipeError(f"{type(self).__name__}: layer {transposed!r} is a transformers Conv1D (GPT-2 "
                                   f"style): input-activation quantization is for nn.Linear layers only; use a "
                                   f"weight-only scheme (W4A16, W8A16) or add it to ignore")
+        check_float_format(type(self).__name__, self.args, modules)
         inputs = self.input_args
         if inputs is not None and inputs.strategy == "group":
             for name, module in modules.items():
@@ -113,7 +116,7 @@ class QuantizationModifier(Modifier):
                     raise RecipeError(f"{type(self).__name__}: input_activations group_size {inputs.group_size} does "
                                       f"not divide the {linear_weight(module).shape[-1]} inputs of layer {name!r}; "
                                       f"add it to ignore or choose a group size that divides it")
-        if self.args.strategy == "group":
+        if self.args.strategy == "group" and self.args.float_format is None:
             for name, module in modules.items():
                 in_features = linear_weight(module).shape[-1]
                 if in_features % self.args.group_size:
@@ -164,22 +167,33 @@ class QuantizationModifier(Modifier):
                 observer.reduce(reducer)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
-        for name in self._modules:
-            if name not in self._done and _in_piece(name, modules):
-                self.quantize_module(name, self._modules[name])
+        names = [name for name in self._modules if name not in self._done and _in_piece(name, modules)]
+        self.prepare_global_scales(names)
+        for name in names:
+            self.quantize_module(name, self._modules[name])
 
     def on_calibration_end(self, state: CompressionState) -> None:
-        for name, module in self._modules.items():
-            if name not in self._done:
-                self.quantize_module(name, module)
+        names = [name for name in self._modules if name not in self._done]
+        self.prepare_global_scales(names)
+        for name in names:
+            self.quantize_module(name, self._modules[name])
+
+    def prepare_global_scales(self, names: list[str]) -> None:
+        """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the
+        projections a server fuses (q/k/v, gate/up); nothing for other formats."""
+        weights = {name: linear_weight(self._modules[name]).detach() for name in names}
+        self._global_scales.update(global_scales(weights, self.args))
 
     # -- work --------------------------------------------------------------------------
     @torch.no_grad()
     def quantize_module(self, name: str, module: torch.nn.Module) -> None:
         """Round-to-nearest: observe the weight, compute qparams, store the fake-quantized weight."""
         weight = linear_weight(module).detach().to(torch.float32)
-        scale, zero_point = weight_qparams(weight, self.args, self._observer)
-        set_quantized_weight(module, weight, scale, zero_point, self.args)
+        global_scale = self._global_scales.pop(name, None)
+        if global_scale is None and self.args.float_format == "nvfp4":
+            global_scale = global_scales({name: weight}, self.args)[name]
+        scale, zero_point = weight_qparams(weight, self.args, self._observer, global_scale)
+        set_quantized_weight(module, weight, scale, zero_point, self.args, global_scale=global_scale)
         self.quantize_inputs(name, module)
         self._done.add(name)
 
@@ -203,6 +217,24 @@ class QuantizationModifier(Modifier):
         ((name, fields),) = super().to_dict().items()
         unset = {f.name for f in dataclasses.fields(self) if f.default is None and getattr(self, f.name) is None}
         return {name: {k: v for k, v in fields.items() if k not in unset}}
+
+
+def check_float_format(owner: str, args: QuantizationArgs, modules: dict[str, torch.nn.Module]) -> None:
+    """The low-bit float formats (NVFP4, MXFP4, MXFP8) scale fixed blocks of input columns of nn.Linear
+    weights: a width the block does not divide, or a transformers Conv1D, is an error naming the layer."""
+    if args.float_format is None:
+        return
+    fmt = args.float_format.upper()
+    for name, module in modules.items():
+        if is_transposed(module):
+            raise RecipeError(f"{owner}: layer {name!r} is a transformers Conv1D (GPT-2 style); {fmt} block scales "
+                              f"are stored for nn.Linear weights only (compressed-tensors and vLLM); add it to "
+                              f"ignore or use an integer scheme (W4A16)")
+        in_features = linear_weight(module).shape[-1]
+        if in_features % args.group_size:
+            raise RecipeError(f"{owner}: {fmt} scales blocks of {args.group_size} input columns; layer {name!r} has "
+                              f"{in_features}, not a multiple of {args.group_size}: add {name!r} to ignore (the "
+                              f"block size is part of the format and cannot change)")
 
 
 def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list[str]]:

@@ -191,7 +191,7 @@ CASES = [
     ("unknown preset", None, ["--recipe", "W3A16"],
      ["unknown recipe 'W3A16'", "did you mean 'W4A16' or 'W8A16'?"]),
     ("unknown scheme in YAML", None, ["--recipe", "QuantizationModifier: {scheme: W5A16}"],
-     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, W4A16"]),
+     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, MXFP4A16, MXFP8A16, NVFP4A16, W4A16"]),
     ("unknown modifier field", None,
      ["--recipe", _file("recipe.yaml", "GPTQModifier:\n  blocksize: 64\n"), "--dataset", _file("c.txt", TEXT)],
      ["'blocksize' (did you mean 'block_size'?)", "valid fields:"]),
