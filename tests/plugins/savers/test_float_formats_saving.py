@@ -21,11 +21,14 @@ from tests.conftest import build_tiny_llama
 
 BATCHES = token_batches(2, 16, vocab=128)
 FORMATS = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized", "MXFP8A16": "mxfp8-quantized"}
+#: round-to-nearest, and GPTQ solved in groups of the format's block
+RECIPES = [*FORMATS, *(f"GPTQ_{preset}" for preset in FORMATS)]
 
 
 def compressed(preset, out):
     model = build_tiny_llama(hidden_size=64, intermediate_size=128).to(torch.bfloat16)
-    layerwise.compress(model, preset, output_dir=out, show_progress=False)
+    data = {"dataset": token_batches(16, 16, vocab=128)} if preset.startswith("GPTQ_") else {}
+    layerwise.compress(model, preset, output_dir=out, show_progress=False, **data)
     return model
 
 
@@ -37,10 +40,10 @@ def ct_scheme(folder, name):
     return group
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
+@pytest.fixture(scope="module", params=RECIPES)
 def saved(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / "out"
-    return request.param, compressed(request.param, out), out
+    return request.param.removeprefix("GPTQ_"), compressed(request.param, out), out
 
 
 def test_config_names_the_format_and_compressed_tensors_reads_it(saved):
