@@ -41,7 +41,6 @@ computed from each input, static ones calibrated once.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +50,7 @@ from torch import Tensor
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.float_formats import (
     FP4_MAX,
+    float8_grid,
     fp4_grid,
     mx_scale,
     nvfp4_global_scale,
@@ -111,31 +111,6 @@ def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Quantiza
     if zero_point is not None and not args.symmetric:  # a symmetric zero point is 0
         scaled.add_(zero_point.to(scaled.dtype))
     return scaled.round_().clamp_(qmin, qmax)
-
-
-def float8_grid(x: Tensor) -> Tensor:
-    """``x`` (within +-448) rounded in place to float8 e4m3 values (nearest, ties to even); returns ``x``.
-
-    On the CPU torch converts float8 back one element at a time (6 ms for 3.5 M values on 2
-    cores); looking each code's value up in a 256-entry table gives the same values in 2.5 ms.
-    The lookup writes into ``x`` itself: a fresh output of a weight's size would cost as much
-    again in page faults as the lookup (MiniLM's Linears: 17 ms in place, 34 ms into a new tensor).
-    """
-    codes = x.to(torch.float8_e4m3fn)
-    if x.device.type != "cpu":
-        return x.copy_(codes)
-    index = codes.view(torch.uint8).reshape(-1).to(torch.int32)
-    table = _float8_values(x.dtype)
-    if x.is_contiguous():
-        torch.index_select(table, 0, index, out=x.view(-1))
-        return x
-    return x.copy_(table.index_select(0, index).view(x.shape))
-
-
-@functools.cache
-def _float8_values(dtype: torch.dtype) -> Tensor:
-    """The value of every float8 e4m3 code (the index is the code's bits), in ``dtype``."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:
