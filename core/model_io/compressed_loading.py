@@ -83,7 +83,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     fmt = sparse_format(loaded)
     if fmt is None:
         cls = model_class or checkpoint_class(loaded, folder)
-        if "quantization_config" not in kwargs and packed_asymmetric(loaded):
+        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or packed_fp4(loaded)):
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
@@ -102,6 +102,21 @@ def packed_asymmetric(config: Any) -> bool:
     return not quant.get("dequantize") and quant.get("format") in ("pack-quantized", "mixed-precision") and any(
         not (group.get("weights") or {}).get("symmetric", True)
         for group in (quant.get("config_groups") or {}).values())
+
+
+#: the formats compressed-tensors 0.20 decompresses in bfloat16 whatever the model's dtype
+BFLOAT16_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+
+
+def packed_fp4(config: Any) -> bool:
+    """Does the folder hold NVFP4 / MXFP4 / MXFP8 weights? compressed-tensors 0.20 decodes them in bfloat16
+    (FP4 unpacked, E8M0 scales) and its compressed forward then fails in a float32 model ("self and mat2
+    must have the same dtype");
+    transformers' dequantize-on-load path gives dense weights in the model's dtype (bfloat16-exact: in a
+    float32 model they are the bfloat16-rounded values)."""
+    quant = quantization_config(config)
+    formats = {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
+    return bool(formats & set(BFLOAT16_FORMATS))
 
 
 def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:

@@ -136,3 +136,14 @@ def test_block_formats_refuse_conv1d(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128, n_positions=32))
     with pytest.raises(RecipeError, match="Conv1D"):
         layerwise.compress(model, "NVFP4A16", output_dir=tmp_path / "out", show_progress=False)
+
+
+def test_a_float32_reload_runs(saved):
+    """compressed-tensors unpacks FP4 in bfloat16, which its compressed forward cannot mix with a float32
+    model: load_compressed dequantizes those folders on load, to the same (bfloat16-exact) weights."""
+    _, model, out = saved
+    reloaded = layerwise.load_compressed(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(**BATCHES[0]).logits).all()
+    for name, module in quantized_modules(model).items():
+        assert torch.equal(reloaded.get_submodule(name).weight.detach(), module.weight.detach().float()), name
