@@ -83,7 +83,8 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     fmt = sparse_format(loaded)
     if fmt is None:
         cls = model_class or checkpoint_class(loaded, folder)
-        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or packed_fp4(loaded)):
+        bfloat16 = kwargs.get("dtype") in (torch.bfloat16, "bfloat16")
+        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or (packed_fp4(loaded) and not bfloat16)):
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
@@ -113,7 +114,9 @@ def packed_fp4(config: Any) -> bool:
     (FP4 unpacked, E8M0 scales) and its compressed forward then fails in a float32 model ("self and mat2
     must have the same dtype");
     transformers' dequantize-on-load path gives dense weights in the model's dtype (bfloat16-exact: in a
-    float32 model they are the bfloat16-rounded values)."""
+    float32 model they are the bfloat16-rounded values), without input quantization. :func:`load_compressed`
+    takes that path unless ``dtype=torch.bfloat16`` is asked for, where compressed-tensors' own forward runs
+    (input quantization included)."""
     quant = quantization_config(config)
     formats = {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
     return bool(formats & set(BFLOAT16_FORMATS))

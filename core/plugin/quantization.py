@@ -6,6 +6,7 @@ from layerwise.algorithms.quantization.float_formats import (
     e8m0_codes,
     fp4_codes,
     nvfp4_block_scales,
+    nvfp4_global_scale,
     pack_fp4,
 )
 from layerwise.algorithms.quantization.global_scales import fused_groups, global_scales
@@ -71,6 +72,7 @@ __all__ = [
     "linear_weight",
     "mappings_for_run",
     "nvfp4_block_scales",
+    "nvfp4_global_scale",
     "pack_fp4",
     "quantize_weight",
     "quantized_modules",

@@ -36,6 +36,7 @@ from layerwise.plugin.quantization import (
     global_scales,
     is_transposed,
     linear_weight,
+    nvfp4_global_scale,
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
@@ -80,8 +81,9 @@ class QuantizationModifier(Modifier):
 
     @property
     def requires_data(self) -> bool:  # type: ignore[override]
-        """Only static input scales need calibration data; weights and dynamic inputs do not."""
-        return self.input_args is not None and not self.input_args.dynamic
+        """Only calibrated input scales (static ones, NVFP4's global one) need data; weights and dynamic inputs
+        do not."""
+        return self.input_args is not None and self.input_args.calibrated
 
     # -- configuration -----------------------------------------------------------------
     def resolve_args(self) -> QuantizationArgs:
@@ -148,7 +150,7 @@ class QuantizationModifier(Modifier):
 
     def _observe_inputs(self) -> None:
         """Static input scales: one observer per layer, fed by a pre-hook until the layer is quantized."""
-        if self.input_args is None or self.input_args.dynamic:
+        if self.input_args is None or not self.input_args.calibrated:
             return
         observer_cls = registry("observers").get(self.input_args.observer)
         for name, module in self._modules.items():
@@ -201,7 +203,7 @@ class QuantizationModifier(Modifier):
         """After the weight: make the layer quantize its input as the scheme says (calibrated scale if static)."""
         if self.input_args is None:
             return
-        if self.input_args.dynamic:
+        if not self.input_args.calibrated:
             set_input_quantization(module, self.input_args)
             return
         observer = self._input_observers.pop(name, None)
@@ -209,6 +211,11 @@ class QuantizationModifier(Modifier):
             raise RecipeError(f"{type(self).__name__}: layer {name!r} saw no calibration data, so its static input "
                               f"scale cannot be calibrated; give data that reaches it, add it to ignore, or use a "
                               f"dynamic scheme (W8A8, FP8_DYNAMIC)")
+        if self.input_args.strategy == "tensor_group":  # NVFP4: the global input scale from the widest range seen
+            low, high = observer.result()
+            amax = torch.maximum(low.abs(), high.abs()).amax()
+            set_input_quantization(module, self.input_args, global_scale=nvfp4_global_scale(amax))
+            return
         scale, zero_point = compute_qparams(*observer.result(), self.input_args)
         set_input_quantization(module, self.input_args, scale, zero_point)
 

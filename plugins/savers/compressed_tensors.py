@@ -174,6 +174,8 @@ def _ct_args(args: QuantizationArgs) -> dict[str, Any]:
         "dynamic": args.dynamic,
         "observer": None if args.dynamic else args.observer,
     }
+    if args.strategy == "tensor_group" and args.dynamic:  # NVFP4 inputs: block scales dynamic, global calibrated
+        fields.update(dynamic="local", observer=args.observer)
     if args.scale_dtype is not None:
         fields["scale_dtype"] = SCALE_DTYPES[args.scale_dtype]
         fields["zp_dtype"] = SCALE_DTYPES[args.scale_dtype]  # compressed-tensors' presets name both
@@ -283,9 +285,10 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
     input_args = getattr(module, "input_quantization_args", None)
     fmt = weight_format(args, input_args)
-    if args.float_format is not None:
-        state = float_format_tensors(q, scale, getattr(module, "weight_global_scale", None), args)
-        return {f"{prefix}{key}": value for key, value in state.items()}  # symmetric, weight-only (for now)
+    if args.float_format is not None:  # symmetric: no zero point
+        state = {f"{prefix}{key}": value for key, value in
+                 float_format_tensors(q, scale, getattr(module, "weight_global_scale", None), args).items()}
+        return {**state, **_input_tensors(prefix, module, input_args)}
     state = {f"{prefix}weight_scale": scale.to(module.weight.dtype).contiguous()}
     if fmt == "float-quantized":
         state[f"{prefix}weight"] = q.to(torch.float8_e4m3fn).contiguous()
@@ -299,11 +302,20 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
         if fmt == FORMAT and args.strategy in ("channel", "group"):
             zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
         state[f"{prefix}weight_zero_point"] = zp.contiguous()
-    if input_args is not None and not input_args.dynamic:
-        state[f"{prefix}input_scale"] = module.input_scale.detach().to("cpu").contiguous()
-        if not input_args.symmetric:
-            state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
-                "cpu", torch.int8).contiguous()
+    return {**state, **_input_tensors(prefix, module, input_args)}
+
+
+def _input_tensors(prefix: str, module: torch.nn.Module, input_args: QuantizationArgs | None) -> dict[str, torch.Tensor]:
+    """The calibrated input scales: static ones (``input_scale``, ``input_zero_point``), NVFP4's float32
+    ``input_global_scale``; nothing for dynamic inputs."""
+    if input_args is None or not input_args.calibrated:
+        return {}
+    if input_args.strategy == "tensor_group":
+        return {f"{prefix}input_global_scale": module.input_global_scale.detach().to("cpu", torch.float32).contiguous()}
+    state = {f"{prefix}input_scale": module.input_scale.detach().to("cpu").contiguous()}
+    if not input_args.symmetric:
+        state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
+            "cpu", torch.int8).contiguous()
     return state
 
 
@@ -406,7 +418,9 @@ def quantized_bytes(module: torch.nn.Module) -> int:
             total += -(-zero_rows * args.num_bits // 32) * (scale.numel() // max(zero_rows, 1)) * 4
         else:
             total += scale.numel()  # int8
-    if input_args is not None and not input_args.dynamic:
+    if input_args is not None and input_args.strategy == "tensor_group":
+        total += 4  # the float32 input_global_scale
+    elif input_args is not None and not input_args.dynamic:
         total += module.input_scale.numel() * module.input_scale.element_size()
         if not input_args.symmetric:
             total += module.input_zero_point.numel()

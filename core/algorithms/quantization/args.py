@@ -43,6 +43,8 @@ class QuantizationArgs:
       a weight (``"block"``), one per token of an activation (``"token"``), or one per group with one
       float32 global scale for the whole tensor (``"tensor_group"``, NVFP4);
     * ``dynamic``: activations only: scales computed from each input as it comes (nothing
+      calibrated or stored; with ``tensor_group``, NVFP4's inputs, the block scales come from each
+      input and the global scale is calibrated: compressed-tensors' ``dynamic: local``)
       calibrated or stored) instead of calibrated once;
     * ``observer``: name of a registered observer that measures the range;
     * ``actorder``: GPTQ activation ordering (``None``, ``"static"``, ``"group"``);
@@ -149,9 +151,18 @@ class QuantizationArgs:
             raise RecipeError("weights: dynamic is for activations (weights are quantized once)")
         if role == "input_activations" and self.actorder is not None:
             raise RecipeError("input_activations: actorder is a GPTQ setting for weights")
+        if role == "input_activations" and self.strategy == "tensor_group" and not self.dynamic:
+            raise RecipeError("input_activations: NVFP4 inputs (strategy tensor_group) take their block scales from "
+                              "each input: dynamic: true (the global input scale is calibrated)")
         if role == "input_activations" and not self.dynamic and self.strategy != "tensor":
             raise RecipeError(f"input_activations: static (calibrated) scales are one per tensor; strategy "
                               f"{self.strategy!r} needs dynamic: true (scales computed from each input)")
+
+    @property
+    def calibrated(self) -> bool:
+        """Does an input quantized with these args need calibration data? Static scales, and NVFP4's global
+        input scale (its block scales are dynamic)."""
+        return not self.dynamic or self.strategy == "tensor_group"
 
     @property
     def effective_group_size(self) -> int | None:

@@ -45,6 +45,12 @@ PRESETS: dict[str, QuantizationScheme] = {
     "MXFP4A16": QuantizationScheme(_MXFP4),
     # fp8 e4m3 weights in blocks of 32 with a power-of-two (e8m0) scale each (OCP MX)
     "MXFP8A16": QuantizationScheme(_MXFP8),
+    # NVFP4 weights, fp4 inputs in blocks of 16: block scales at run time, one global input scale calibrated
+    "NVFP4": QuantizationScheme(_NVFP4, input_activations=_NVFP4.replace(dynamic=True)),
+    # MXFP4 weights and inputs (the inputs' power-of-two block scales at run time)
+    "MXFP4": QuantizationScheme(_MXFP4, input_activations=_MXFP4.replace(dynamic=True)),
+    # MXFP8 weights and inputs (the inputs' power-of-two block scales at run time)
+    "MXFP8": QuantizationScheme(_MXFP8, input_activations=_MXFP8.replace(dynamic=True)),
     # int4 weights per group of 128, float8 inputs with a scale per token at run time (Hopper's W4A8 kernels)
     "W4AFP8": QuantizationScheme(QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=128),
                                  input_activations=QuantizationArgs(strategy="token", dynamic=True, **_FP8)),

@@ -245,10 +245,10 @@ def activation_min_max(x: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tenso
     group results have shape ``(..., channels // group_size, 1)``."""
     if args.strategy == "token":
         return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    if args.strategy == "group":
+    if args.strategy == "group" or (args.strategy == "tensor_group" and args.dynamic):
         grouped = _activation_groups(x, args.group_size)
         return grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
-    return x.amin().reshape(1), x.amax().reshape(1)
+    return x.amin().reshape(1), x.amax().reshape(1)  # and NVFP4's global range, calibrated
 
 
 def _activation_groups(x: Tensor, group_size: int) -> Tensor:
@@ -258,18 +258,21 @@ def _activation_groups(x: Tensor, group_size: int) -> Tensor:
 
 
 def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | None = None,
-                             zero_point: Tensor | None = None) -> Tensor:
+                             zero_point: Tensor | None = None, global_scale: Tensor | None = None) -> Tensor:
     """The values a quantized layer computes with for input ``x``: dynamic args take their scales from
-    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor)."""
+    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor); NVFP4's block
+    scales are dynamic, relative to the calibrated ``global_scale``."""
     values = x.to(torch.float32)
     if args.dynamic:
-        scale, zero_point = compute_qparams(*activation_min_max(values, args), args)
+        if args.strategy == "tensor_group" and global_scale is None:
+            raise ValueError("NVFP4 input quantization needs the calibrated global input scale")
+        scale, zero_point = compute_qparams(*activation_min_max(values, args), args, global_scale)
     elif scale is None:
         raise ValueError("static activation quantization needs a calibrated scale")
     else:
         scale = scale.to(torch.float32)
         zero_point = None if zero_point is None else zero_point.to(torch.float32)
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         grouped = fake_quantize(_activation_groups(values, args.group_size), scale, zero_point, args)
         return grouped.reshape(x.shape).to(x.dtype)
     return fake_quantize(values, scale, zero_point, args).to(x.dtype)

@@ -132,9 +132,15 @@ def clear_quantization(module: nn.Module) -> None:
 
 
 def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Tensor | None = None,
-                           zero_point: Tensor | None = None) -> None:
-    """Make ``module`` fake-quantize its input with ``args`` (static ones with ``scale`` / ``zero_point``)."""
-    if not args.dynamic:
+                           zero_point: Tensor | None = None, global_scale: Tensor | None = None) -> None:
+    """Make ``module`` fake-quantize its input with ``args`` (static ones with ``scale`` / ``zero_point``,
+    NVFP4's with its calibrated ``global_scale``, kept float32 as ``input_global_scale``)."""
+    if args.strategy == "tensor_group":
+        if global_scale is None:
+            raise ValueError("NVFP4 input quantization needs a calibrated global input scale")
+        _set_buffer(module, "input_global_scale",
+                    global_scale.to(device=module.weight.device, dtype=torch.float32).reshape(1))
+    elif not args.dynamic:
         if scale is None:
             raise ValueError("static input quantization needs a calibrated scale")
         device = module.weight.device
@@ -147,5 +153,5 @@ def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Ten
 
 def _input_quantized_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Any:
     x = fake_quantize_activation(x, self.input_quantization_args, self._buffers.get("input_scale"),
-                                 self._buffers.get("input_zero_point"))
+                                 self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
     return type(self).forward(self, x, *args, **kwargs)
