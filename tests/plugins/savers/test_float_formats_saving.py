@@ -147,3 +147,21 @@ def test_a_float32_reload_runs(saved):
         assert torch.isfinite(reloaded(**BATCHES[0]).logits).all()
     for name, module in quantized_modules(model).items():
         assert torch.equal(reloaded.get_submodule(name).weight.detach(), module.weight.detach().float()), name
+
+
+def test_nvfp4_mlp_and_fp8_attention_save_as_mixed_precision(tmp_path):
+    model = build_tiny_llama(hidden_size=64, intermediate_size=128).to(torch.bfloat16)
+    recipe = [{"QuantizationModifier": {"scheme": "NVFP4A16", "targets": [r"re:.*mlp\..*_proj$"]}},
+              {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "targets": [r"re:.*self_attn\..*_proj$"]}}]
+    layerwise.compress(model, recipe, output_dir=tmp_path / "out", show_progress=False)
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "mixed-precision"
+    assert sorted(group["format"] for group in quant["config_groups"].values()) == [
+        "float-quantized", "nvfp4-pack-quantized"]
+    reloaded = layerwise.load_compressed(tmp_path / "out", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        reloaded(**BATCHES[0])
+    modules = quantized_modules(model)
+    assert len(modules) == 14
+    for name, module in modules.items():
+        assert torch.equal(reloaded.get_submodule(name).weight, module.weight), name
