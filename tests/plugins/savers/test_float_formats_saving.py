@@ -21,13 +21,14 @@ from tests.conftest import build_tiny_llama
 
 BATCHES = token_batches(2, 16, vocab=128)
 FORMATS = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized", "MXFP8A16": "mxfp8-quantized"}
-#: round-to-nearest, and GPTQ solved in groups of the format's block
-RECIPES = [*FORMATS, *(f"GPTQ_{preset}" for preset in FORMATS)]
+#: round-to-nearest, GPTQ solved in groups of the format's block, AWQ smoothing then round-to-nearest
+RECIPES = [*FORMATS, *(f"GPTQ_{preset}" for preset in FORMATS), "AWQ_NVFP4A16", "AWQ_MXFP4A16"]
+CALIBRATED = ("GPTQ_", "AWQ_")
 
 
 def compressed(preset, out):
     model = build_tiny_llama(hidden_size=64, intermediate_size=128).to(torch.bfloat16)
-    data = {"dataset": token_batches(16, 16, vocab=128)} if preset.startswith("GPTQ_") else {}
+    data = {"dataset": token_batches(16, 16, vocab=128)} if preset.startswith(CALIBRATED) else {}
     layerwise.compress(model, preset, output_dir=out, show_progress=False, **data)
     return model
 
@@ -43,7 +44,8 @@ def ct_scheme(folder, name):
 @pytest.fixture(scope="module", params=RECIPES)
 def saved(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / "out"
-    return request.param.removeprefix("GPTQ_"), compressed(request.param, out), out
+    preset = request.param.split("_", 1)[1] if request.param.startswith(CALIBRATED) else request.param
+    return preset, compressed(request.param, out), out
 
 
 def test_config_names_the_format_and_compressed_tensors_reads_it(saved):
@@ -165,3 +167,9 @@ def test_nvfp4_mlp_and_fp8_attention_save_as_mixed_precision(tmp_path):
     assert len(modules) == 14
     for name, module in modules.items():
         assert torch.equal(reloaded.get_submodule(name).weight, module.weight), name
+
+
+def test_awq_refuses_nvfp4_inputs_whose_global_scale_smoothing_would_change():
+    with pytest.raises(RecipeError, match="calibrated input scales"):
+        layerwise.compress(build_tiny_llama(hidden_size=64, intermediate_size=128), "AWQ_NVFP4",
+                           dataset=BATCHES, show_progress=False)
