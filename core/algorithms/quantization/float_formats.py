@@ -70,7 +70,7 @@ def fp4_grid(x: Tensor) -> Tensor:
     to the even code; the sign is copied back (a small negative rounds to ``-0.0``).
     """
     magnitude = x.abs().clamp_(max=FP4_MAX)
-    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0)).to(magnitude.dtype)
+    step = (magnitude >= 2).to(magnitude.dtype).add_(magnitude >= 4, alpha=2).mul_(0.5).add_(0.5)  # 0.5, 1, 2
     return magnitude.div_(step).round_().mul_(step).copysign_(x)
 
 
