@@ -51,14 +51,15 @@ def test_mx_inputs_follow_the_definition(preset, emax):
 
 
 def test_nvfp4_global_input_scale_is_calibrated_on_the_inputs_the_model_produces():
+    batches = [*BATCHES, *token_batches(2, 9, vocab=128)]  # batches of different lengths
     model = build_tiny_llama(hidden_size=64, intermediate_size=128)
-    layerwise.compress(model, "NVFP4", dataset=BATCHES, show_progress=False)
+    layerwise.compress(model, "NVFP4", dataset=batches, show_progress=False)
     seen: dict[str, float] = {}
     hooks = [module.register_forward_pre_hook(
         lambda m, args, n=name: seen.__setitem__(n, max(seen.get(n, 0.0), args[0].abs().max().item())))
         for name, module in quantized_modules(model).items()]
     with torch.no_grad():
-        for batch in BATCHES:
+        for batch in batches:
             model(**batch)
     for hook in hooks:
         hook.remove()
