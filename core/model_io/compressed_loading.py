@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from layerwise.algorithms.quantization.float_formats import e8m0_values, fp4_values, unpack_fp4
 from layerwise.algorithms.sparsity.bitmask import DECODERS, PARTS, SparseFormatError
 from layerwise.algorithms.sparsity.masks import parse_mask_structure
 from layerwise.algorithms.sparsity.storage import mark_sparse
@@ -84,12 +85,15 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     if fmt is None:
         cls = model_class or checkpoint_class(loaded, folder)
         bfloat16 = kwargs.get("dtype") in (torch.bfloat16, "bfloat16")
-        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or (packed_fp4(loaded) and not bfloat16)):
+        redecode = packed_fp4(loaded) and not bfloat16 and "quantization_config" not in kwargs
+        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or redecode):
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
         result = cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
+        if redecode and folder.is_dir():
+            decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
         return result
     return load_sparse(folder, loaded, model_class, **kwargs)
 
@@ -120,6 +124,42 @@ def packed_fp4(config: Any) -> bool:
     quant = quantization_config(config)
     formats = {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
     return bool(formats & set(BFLOAT16_FORMATS))
+
+
+@torch.no_grad()
+def decode_float_formats(model: torch.nn.Module, folder: Path) -> list[str]:
+    """Decode the folder's NVFP4 / MXFP4 / MXFP8 weights again in float32 into ``model`` (loaded dequantized):
+    compressed-tensors 0.20 decodes them in bfloat16, which in a float32 model is not the checkpoint's value
+    (``q * s8 / g`` needs more bits); returns the layers decoded."""
+    from safetensors import safe_open
+
+    decoded = []
+    prefix = getattr(model, "base_model_prefix", "")
+    for file in _weight_files(folder):
+        with safe_open(str(file), "pt") as tensors:
+            keys = set(tensors.keys())
+            for key in sorted(k for k in keys if k.endswith(".weight_scale")):
+                stem = key.removesuffix(".weight_scale")
+                scale = tensors.get_tensor(key)
+                if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:  # NVFP4
+                    values = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed")))
+                    block = scale.to(torch.float32) / tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
+                elif scale.dtype == torch.uint8 and f"{stem}.weight_packed" in keys:  # MXFP4
+                    values, block = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), e8m0_values(scale)
+                elif scale.dtype == torch.uint8 and f"{stem}.weight" in keys:  # MXFP8
+                    values, block = tensors.get_tensor(f"{stem}.weight").to(torch.float32), e8m0_values(scale)
+                else:
+                    continue
+                candidates = [stem, stem.removeprefix(f"{prefix}."), f"{prefix}.{stem}"] if prefix else [stem]
+                module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
+                weight = getattr(module, "weight", None)
+                if weight is None or tuple(weight.shape) != tuple(values.shape):
+                    continue
+                group = values.shape[1] // block.shape[1]
+                exact = (values.reshape(*block.shape, group) * block.unsqueeze(-1)).reshape(values.shape)
+                weight.copy_(exact.to(weight.dtype))
+                decoded.append(stem)
+    return decoded
 
 
 def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:

@@ -142,13 +142,15 @@ def test_block_formats_refuse_conv1d(tmp_path):
 
 def test_a_float32_reload_runs(saved):
     """compressed-tensors unpacks FP4 in bfloat16, which its compressed forward cannot mix with a float32
-    model: load_compressed dequantizes those folders on load, to the same (bfloat16-exact) weights."""
+    model: load_compressed dequantizes those folders on load and decodes them again in float32 (the
+    bfloat16 model held those values rounded to bfloat16)."""
     _, model, out = saved
     reloaded = layerwise.load_compressed(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.isfinite(reloaded(**BATCHES[0]).logits).all()
     for name, module in quantized_modules(model).items():
-        assert torch.equal(reloaded.get_submodule(name).weight.detach(), module.weight.detach().float()), name
+        weight = reloaded.get_submodule(name).weight.detach()
+        assert weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16), module.weight.detach()), name
 
 
 def test_nvfp4_mlp_and_fp8_attention_save_as_mixed_precision(tmp_path):
@@ -173,3 +175,16 @@ def test_awq_refuses_nvfp4_inputs_whose_global_scale_smoothing_would_change():
     with pytest.raises(RecipeError, match="calibrated input scales"):
         layerwise.compress(build_tiny_llama(hidden_size=64, intermediate_size=128), "AWQ_NVFP4",
                            dataset=BATCHES, show_progress=False)
+
+
+@pytest.mark.parametrize("preset", list(FORMATS))
+def test_a_float32_model_reloads_to_its_own_weights_and_outputs(preset, tmp_path):
+    """compressed-tensors decodes in bfloat16; load_compressed decodes a float32 model's layers again in
+    float32, so the reload is the in-memory model exactly (its inputs are not quantized: weight-only here)."""
+    model = build_tiny_llama(hidden_size=64, intermediate_size=128)
+    layerwise.compress(model, preset, output_dir=tmp_path / "out", show_progress=False)
+    reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+    for name, module in quantized_modules(model).items():
+        assert torch.equal(reloaded.get_submodule(name).weight, module.weight), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(**BATCHES[0]).logits, model(**BATCHES[0]).logits)
