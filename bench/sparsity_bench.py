@@ -16,7 +16,9 @@ the same model and the same calibration samples), plus ``fp32`` (the dense refer
 * ``Wanda 50%``: Wanda (``|W| * ||X||``), sparsity 0.5, unstructured;
 * ``2:4 + W4A16``: SparseGPT 2:4, then GPTQ W4A16 (int4, symmetric, group 128), in one recipe;
 * ``Wanda 50% true-sequential``: layerwise's Wanda scoring each layer on the pruned model's inputs
-  (one forward per piece); llm-compressor runs its Wanda, as in ``Wanda 50%``.
+  (one forward per piece); llm-compressor runs its Wanda, as in ``Wanda 50%``;
+* ``SparseGPT 50% true-sequential``: layerwise's SparseGPT calibrating each layer on the pruned
+  model's inputs (a cut at layers); llm-compressor runs its SparseGPT, as in ``SparseGPT 50%``.
 
 Settings, the same on both sides: SparseGPT ``block_size`` 128 and ``dampening_frac`` 0.01 (stated
 in both recipes; they are also both tools' defaults). Pruned: the Linear layers inside the
@@ -77,7 +79,6 @@ from pathlib import Path
 from gptq_bench import (
     CALIB,
     COSINE_MARGIN,
-    EVAL,
     PPL_FACTOR,
     ROOT,
     _load_llmcompressor_output,
@@ -87,11 +88,10 @@ from gptq_bench import (
     _windows,
     case_model_path,
     checked_configs,
-    eval_sentences,
     llmcompressor_inputs,
     minilm_calibration,
-    perplexity,
     repeated,
+    report_card,
     run_in_subprocess,
     split_total,
 )
@@ -116,6 +116,8 @@ CONFIGS: dict[str, list[dict] | None] = {
     # layerwise's faster Wanda: each layer scored on the pruned model's inputs (llm-compressor: its Wanda)
     "Wanda 50% true-sequential": [{"WandaModifier": {"sparsity": 0.5, "mask_structure": "0:0", "ignore": ["lm_head"],
                                                      "true_sequential": True}}],
+    "SparseGPT 50% true-sequential": [{"SparseGPTModifier": {**_sparsegpt("0:0")["SparseGPTModifier"],
+                                                             "true_sequential": True}}],
 }
 #: the configurations whose recipe promises a 2:4 pattern (checked on the result)
 TWO_FOUR = ("SparseGPT 2:4", "2:4 + W4A16")
@@ -199,25 +201,8 @@ def run_dense(case: str, quick: bool) -> dict:
 
 def measure(case: str, model, quick: bool) -> dict:
     """Quality against fp32 and the sparsity of the targeted layers."""
-    import torch
-
-    from layerwise.model_io.loading import load_model, load_tokenizer
-
-    path = case_model_path(case)
-    tokenizer = load_tokenizer(path)
     result = sparsity_stats(model, LAYER_CLASS[case])
-    with torch.no_grad():
-        if case == "minilm":
-            from layerwise.reports.embedding_eval import embedding_agreement, sentence_embeddings
-
-            sentences = eval_sentences(100 if quick else 500)
-            reference = sentence_embeddings(load_model(path), tokenizer, sentences)
-            agreement = embedding_agreement(reference, sentence_embeddings(model, tokenizer, sentences))
-            result.update(cosine=agreement.mean_cosine, nn=agreement.nearest_neighbour_agreement,
-                          sentences=agreement.sentences)
-        else:
-            windows = _windows(tokenizer, EVAL, 16 if quick else 128, 512)
-            result.update(ppl=perplexity(model, windows), eval_windows=len(windows))
+    result.update(report_card(case, model, quick))  # layerwise's report card, as `layerwise eval` measures
     return result
 
 

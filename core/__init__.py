@@ -22,13 +22,14 @@ __version__ = "0.1.0"
 moved_modules.install()  # scripts importing a module by its old path keep working, warned
 
 __all__ = ["CalibrationOptions", "CompressOptions", "ModelPatch", "Modifier", "OutputOptions", "PlacementOptions",
-           "SafetyOptions", "__version__", "compress", "evaluate", "hookimpl", "load_compressed", "load_model", "trace"]
+           "SafetyOptions", "__version__", "compress", "evaluate", "hookimpl", "load_compressed", "load_model", "plan",
+           "trace"]
 
 # compress/evaluate/trace/load_model/load_compressed pull in transformers; import them on first use so
 # that `import layerwise` (and plugin discovery) stays cheap.
 _OPTIONS = ("CalibrationOptions", "CompressOptions", "OutputOptions", "PlacementOptions", "SafetyOptions")
 _LAZY = {"compress": ".verbs.compression", "evaluate": ".verbs.evaluation", "load_compressed": ".model_io.compressed_loading",
-         "load_model": ".model_io.loading", "trace": ".tracing", **dict.fromkeys(_OPTIONS, ".verbs.options")}
+         "load_model": ".model_io.loading", "plan": ".verbs.plan", "trace": ".tracing", **dict.fromkeys(_OPTIONS, ".verbs.options")}
 
 if TYPE_CHECKING:
     from layerwise.model_io.compressed_loading import load_compressed
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         PlacementOptions,
         SafetyOptions,
     )
+    from layerwise.verbs.plan import plan
 
     from .tracing import trace
 

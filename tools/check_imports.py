@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("layerwise.plugins", "layerwise.model_zoo"),
     ("layerwise.plugin",),
     ("layerwise.verbs",),
+    ("layerwise.planning",),
     ("layerwise.model_io",),
     ("layerwise.tracing",),
     ("layerwise.reports",),

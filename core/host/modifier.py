@@ -56,6 +56,11 @@ class Modifier:
     needs_uncompressed_block: ClassVar[bool] = False
     #: why it needs that, as the run's ``pieces`` line gives the reason for the blocks cut ("<class> <reason>")
     block_reason: ClassVar[str] = "observes each block before compressing any of its layers"
+    #: does it read its layers' inputs in the *uncompressed* model as well (GPTAQ)? The ``sequential``
+    #: pipeline then carries a second stream of activations through the original weights and runs each
+    #: batch through it, with :meth:`reference_hooks` on (the other hooks paused), just before the
+    #: observed run of that batch. Needs the blocks cut (``needs_uncompressed_block``).
+    needs_reference_inputs: ClassVar[bool] = False
     #: calibration samples below which its statistics are poor (a warning says so); 0: no minimum
     min_calibration_samples: ClassVar[int] = 0
     #: recipe presets ``<prefix>_<SCHEME>`` build this modifier with that scheme (``"GPTQ"``: ``GPTQ_W4A16``);
@@ -131,6 +136,11 @@ class Modifier:
     def remove_hooks(self) -> None:
         while self._hooks:
             self._hooks.pop().remove()
+
+    def reference_hooks(self, modules: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks on the layers of ``modules`` that see one batch's inputs in the uncompressed model (only
+        called when :attr:`needs_reference_inputs`); the pipeline removes them after that batch."""
+        return []
 
     # -- output --------------------------------------------------------------------------
     def output_files(self) -> dict[str, str | bytes]:

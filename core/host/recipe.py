@@ -197,7 +197,8 @@ def _build_all(name: str, fields: Any, where: str) -> list[Modifier]:
             raise RecipeError(f"{where}.{key}: an llm-compressor field layerwise does not take: {foreign.note}")
         warn_user(f"{where}.{key} is ignored: {foreign.note}", ForeignFieldWarning)
         del fields[key]
-    if "config_groups" not in fields or "config_groups" in own:
+    # a modifier's own config_groups field takes one group; the recipe expands every quantizer's groups
+    if "config_groups" not in fields or ("config_groups" in own and getattr(cls, "max_config_groups", 0) == 0):
         return [_build(name, fields, where)]
     return _expand_config_groups(cls, name, fields, where)
 

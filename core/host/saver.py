@@ -58,6 +58,12 @@ class Saver(ABC):
         """Complete a streamed run's folder (its pieces' tensors are written already); return the folder."""
         raise NotImplementedError(f"{type(self).__name__} cannot write a streamed run (streams = False)")
 
+    def quantization_config(self, model: torch.nn.Module, modules: dict[str, torch.nn.Module],
+                            extra_ignore: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """The ``quantization_config`` of config.json for ``modules`` (quantized, by name) of ``model``, with
+        ``extra_ignore`` entries added: what a model-free run (no model, no ``save``) asks of a saver."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write a model-free run (no quantization_config)")
+
     def __call__(self, model: torch.nn.Module, output_dir: str | os.PathLike, **options: Any) -> Path:
         """``saver(model, folder, ...)`` is ``saver.save(model, folder, ...)``."""
         return self.save(model, output_dir, **options)

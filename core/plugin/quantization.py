@@ -2,6 +2,7 @@
 
 from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
 from layerwise.algorithms.quantization.awq import search_flops, search_scales
+from layerwise.algorithms.quantization.config_groups import ConfigGroup, read_config_groups
 from layerwise.algorithms.quantization.float_formats import (
     e8m0_codes,
     fp4_codes,
@@ -49,6 +50,7 @@ from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
     "ACTORDERS",
+    "ConfigGroup",
     "GPTQError",
     "GPTQResult",
     "Mapping",
@@ -76,6 +78,7 @@ __all__ = [
     "pack_fp4",
     "quantize_weight",
     "quantized_modules",
+    "read_config_groups",
     "recipe_mappings",
     "replace_data",
     "resolve_scheme",

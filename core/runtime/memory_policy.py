@@ -34,15 +34,33 @@ def choose_offload(offload: str, model: torch.nn.Module, batches: list[dict[str,
     at a cut (about three hidden-state-sized values per token) would not fit in half the available memory."""
     if offload != "auto":
         return offload, offload
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(getattr(config, "text_config", None), "hidden_size", 0)
     tokens = sum(int(v.numel()) for batch in batches for k, v in batch.items()
                  if k == "input_ids" and isinstance(v, torch.Tensor))
     element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    estimate = 3 * tokens * int(hidden or 0) * element
+    estimate = cache_bytes(tokens, hidden_size(getattr(model, "config", None)), element)
     free = available_memory()
-    if free is not None and estimate > CACHE_MEMORY_SHARE * free:
+    if offload_to_disk(estimate, free):
         note = f"disk (auto: ~{estimate / 2**30:.1f} GiB of activations, {free / 2**30:.1f} GiB memory available)"
         log.info("layerwise: cached activations go to disk: %s", note)
         return "disk", note
     return "cpu", "cpu"
+
+
+#: values cached per token at a cut, in hidden-state widths (the hidden states, and what travels beside them)
+CACHED_VALUES_PER_TOKEN = 3
+
+
+def hidden_size(config: Any) -> int:
+    """The model's hidden width (its text part's for a multimodal config), 0 when unknown."""
+    hidden = getattr(config, "hidden_size", None) or getattr(getattr(config, "text_config", None), "hidden_size", 0)
+    return int(hidden or 0)
+
+
+def cache_bytes(tokens: int, hidden: int, element: int) -> int:
+    """The activation cache at one cut: :data:`CACHED_VALUES_PER_TOKEN` hidden-state values per token."""
+    return CACHED_VALUES_PER_TOKEN * tokens * hidden * element
+
+
+def offload_to_disk(cache: int, free: int | None) -> bool:
+    """``offload="auto"``'s rule: disk when the cache would take more than :data:`CACHE_MEMORY_SHARE` of ``free``."""
+    return free is not None and cache > CACHE_MEMORY_SHARE * free

@@ -61,7 +61,7 @@ from layerwise.runtime.finite import check_weights
 from layerwise.runtime.memory_policy import choose_offload
 from layerwise.runtime.sizes import parameter_bytes
 from layerwise.tracing.targets import check_entries, choose_targets
-from layerwise.verbs.options import CompressOptions, setting_names
+from layerwise.verbs.options import CompressOptions, setting_names, with_everyday
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,14 +121,20 @@ def compress(
     weights rest where they were loaded and each piece is onloaded there; running out of memory
     there is a named error listing the fixes that apply.
 
+    With ``options.placement.weights="model-free"`` no model is built: a data-free recipe quantizes the
+    folder's safetensors shard by shard (:mod:`layerwise.model_io.model_free`) and the run's
+    :class:`~layerwise.reports.run_report.CompressionReport` is returned instead of a model.
+
     Every other setting is in ``options`` (:class:`~layerwise.verbs.options.CompressOptions`:
     calibration, placement, output and safety groups, each field documented there); the everyday
     arguments above, when given, override their fields. The run's summary is
     ``model.layerwise_report``.
     """
     start = time.perf_counter()
-    options = _with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
+    options = with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
     calibration, placement, output, safety = options.calibration, options.placement, options.output, options.safety
+    if placement.weights == "model-free":  # no model at all: the report is what there is to return
+        return _model_free(model, recipe, output_dir, options)
     execution_device = resolve_device(placement.device)
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)  # a mistyped folder fails in a moment, before plugins load
@@ -164,6 +170,10 @@ def compress(
                              f"disk (its saver does not stream); use save_format='compressed-tensors' or "
                              f"weights='memory'")
     writes = output_dir is not None and distributed.is_main()
+    if distributed.is_main():  # what `layerwise plan` says will fail never starts (the folder is checked above)
+        from layerwise.verbs.plan import preflight
+
+        preflight(model, recipe, dataset, options, None)
     with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed:  # a 2nd run fails now
         source, stream = None, None
         tokenizer = calibration.tokenizer
@@ -272,15 +282,16 @@ def compress(
         return model
 
 
-def _with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,
-                   device: str | torch.device | None, overwrite: Overwrite | None) -> CompressOptions:
-    """``options`` with the everyday arguments that were given (``None``: not given) put in their groups."""
-    if not isinstance(options, CompressOptions):
-        raise InvalidArgumentError(f"options must be a CompressOptions, not {type(options).__name__}: "
-                                   f"CompressOptions.of(pieces='layers', ...)")
-    given = {"num_calibration_samples": num_calibration_samples, "max_seq_length": max_seq_length,
-             "device": device, "overwrite": overwrite}
-    return options.replace(**{name: value for name, value in given.items() if value is not None})
+def _model_free(model: Any, recipe: RecipeLike, output_dir: Any, options: CompressOptions) -> Any:
+    """``weights="model-free"``: :func:`~layerwise.model_io.model_free.compress_model_free`; returns its report."""
+    from layerwise.model_io.model_free import compress_model_free
+
+    if isinstance(model, torch.nn.Module) or output_dir is None:
+        raise InvalidArgumentError("weights='model-free' reads a model folder's safetensors and writes an output "
+                                   "folder: pass the folder and output_dir= (CLI: --model FOLDER --output-dir OUT)")
+    return compress_model_free(model, recipe, output_dir, ignore=list(options.calibration.ignore or []),
+                               overwrite=options.output.overwrite, workers=options.placement.workers,
+                               save_format=options.output.save_format)
 
 
 def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any,
@@ -342,7 +353,6 @@ def _claim(output_dir: str | os.PathLike | None, overwrite: bool, resume: bool =
 
 def _check_resumable(model: Any, weights: str, output_dir: Any) -> None:
     """``resume=True`` needs a model folder, an output folder, and weights streamed from disk."""
-    from layerwise.errors import InvalidArgumentError
 
     if output_dir is None:
         raise InvalidArgumentError("resume=True continues writing an output folder: pass output_dir= "

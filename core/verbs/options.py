@@ -37,6 +37,8 @@ from layerwise.runtime.finite import check_mode
 
 #: where cached activations rest between pieces (``auto``: disk when they would not fit in memory)
 OFFLOADS = ("auto", "cpu", "disk")
+#: where the weights rest: the streaming choices, and ``model-free`` (no model at all: shard by shard)
+WEIGHT_CHOICES = (*WEIGHTS, "model-free")
 #: how chat rows (``messages``) become text: the tokenizer's chat template when it has one (``auto``; an error
 #: when a chat row meets a tokenizer without one), always (``on``: every row must be a chat), never (``off``)
 CHAT_TEMPLATES = ("auto", "on", "off")
@@ -100,15 +102,20 @@ class PlacementOptions:
     #: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None``: the first GPU torch sees, else the CPU
     device: str | None = None
     #: ``"memory"`` loads the model whole, ``"stream"`` reads each piece from the model folder and
-    #: writes it to the output when done, ``"auto"`` streams when the model would not fit in memory
+    #: writes it to the output when done, ``"auto"`` streams when the model would not fit in memory;
+    #: ``"model-free"`` builds no model: a data-free recipe quantizes the safetensors shard by shard
     weights: str = "auto"
     #: where cached activations rest between pieces: ``"cpu"``, ``"disk"`` or ``"auto"``
     offload: str = "auto"
+    #: ``weights="model-free"``: shards quantized at once (``None``: as many as shards, cores and memory allow)
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
-        check_choice(self.weights, WEIGHTS, "weights", "--weights")
+        check_choice(self.weights, WEIGHT_CHOICES, "weights", "--weights")
+        if self.workers is not None:
+            require_positive(self.workers, "workers", "--workers")
         check_choice(self.offload, OFFLOADS, "offload", "--offload")
 
 
@@ -204,3 +211,15 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def with_everyday(options: CompressOptions, num_calibration_samples: int | None, max_seq_length: int | None,
+                  device: str | torch.device | None, overwrite: Overwrite | None) -> CompressOptions:
+    """``options`` with the everyday arguments that were given (``None``: not given) put in their groups
+    (``compress()`` and ``plan()`` take them the same way)."""
+    if not isinstance(options, CompressOptions):
+        raise InvalidArgumentError(f"options must be a CompressOptions, not {type(options).__name__}: "
+                                   f"CompressOptions.of(pieces='layers', ...)")
+    given = {"num_calibration_samples": num_calibration_samples, "max_seq_length": max_seq_length,
+             "device": device, "overwrite": overwrite}
+    return options.replace(**{name: value for name, value in given.items() if value is not None})

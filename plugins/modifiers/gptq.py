@@ -14,7 +14,8 @@ nobody uses.
 
 Schemes, targets, ignore lists and overrides are those of
 :class:`~layerwise.plugins.modifiers.quantization.QuantizationModifier`; GPTQ adds
-``block_size``, ``dampening_frac`` and ``actorder``. A layer whose Hessian cannot be
+``block_size``, ``dampening_frac``, ``actorder`` and ``gptaq`` (:mod:`.gptaq`: aim at the uncompressed
+model's outputs). A layer whose Hessian cannot be
 factorised (or that saw no data) is rounded to nearest instead, with a warning
 naming it and why. An input holding NaN or inf is left out of the Hessian (it would
 poison it) and counted; the layer's warning says how many, and a layer whose every input
@@ -28,7 +29,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +57,7 @@ from layerwise.plugin.quantization import (
 from layerwise.plugin.sparsity import pruned_mask
 
 from . import llm_compressor
+from .gptaq import AsymmetricTerms
 from .hessians import HessianHooks
 from .quantization import QuantizationModifier, _in_piece
 
@@ -81,7 +83,11 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
       or ``"group"`` (groups formed in that order; needs a group index, which
       compressed-tensors cannot load back, so such a model stays in memory only).
       A scheme that names an ``actorder`` takes precedence over the default; a
-      different, explicitly given one is an error.
+      different, explicitly given one is an error;
+    * ``gptaq``: GPTAQ (GPTQ v2): fit each layer to the *uncompressed* model's outputs, so it also
+      corrects the error earlier layers left in its inputs (:mod:`.gptaq`); the pipeline then carries
+      a second stream of activations (twice the cache) and cuts at blocks; ``gptaq_alpha`` (0.25)
+      scales that correction (1: the full least-squares step).
     """
 
     requires_data: ClassVar[bool] = True
@@ -94,12 +100,30 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: str | None = DEFAULT_ACTORDER
+    gptaq: bool = False
+    gptaq_alpha: float = 0.25
+
+    block_reason: ClassVar[str] = "with gptaq, compares each block's inputs with the uncompressed model's"
+
+    @property
+    def needs_uncompressed_block(self) -> bool:  # type: ignore[override]
+        return self.gptaq
+
+    @property
+    def needs_reference_inputs(self) -> bool:  # type: ignore[override]
+        return self.gptaq
 
     def __post_init__(self) -> None:
         self._check_solver_fields()
         if self.actorder not in ACTORDERS:
             raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
+        if not isinstance(self.gptaq, bool):
+            raise RecipeError(f"GPTQModifier.gptaq must be true or false, got {self.gptaq!r}")
+        alpha = self.gptaq_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise RecipeError(f"GPTQModifier.gptaq_alpha must be a number in [0, 1] (0.25 usual), got {alpha!r}")
         super().__post_init__()
+        self._asymmetric = AsymmetricTerms()
         #: one record per quantized layer: name, method, loss, seconds, samples, dampening_frac
         self.summary: list[dict[str, Any]] = []
         self._init_hessians()
@@ -125,11 +149,26 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     def on_calibration_start(self, state: CompressionState) -> None:
         self._hook_hessians(state, self._modules)
         self._observe_inputs()
+        if self.gptaq:
+            for name, module in self._modules.items():
+                if name not in self._done:
+                    self.register_hook(module, self._asymmetric.compressed_hook(name), "forward_pre",
+                                       with_kwargs=True)
+
+    def reference_hooks(self, modules: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
+        """GPTAQ: each layer of ``modules`` still to quantize keeps its input in the uncompressed model."""
+        return [module.register_forward_pre_hook(self._asymmetric.original_hook(name), with_kwargs=True)
+                for name, module in self._modules.items() if name not in self._done and _in_piece(name, modules)]
 
     def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
-        """Sum the Hessians (Gram matrices and token counts) and merge the input observers over the ranks."""
+        """Sum the Hessians (Gram matrices and token counts), GPTAQ's cross terms, and merge the input
+        observers over the ranks."""
         super().on_reduce(state, reducer, modules)
         self._reduce_hessians(reducer, modules)
+        if self.gptaq:
+            names = sorted(n for n in self._modules if n not in self._done and (modules is None or _in_piece(n, modules)))
+            widths = {n: linear_weight(self._modules[n]).shape[-1] for n in names}
+            self._asymmetric.reduce(reducer, names, widths, state.execution_device)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         self._last = None
@@ -148,6 +187,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         """Remove the Hessian hooks and free every Hessian still held (also after an error)."""
         super().remove_hooks()
         self._free_all()
+        self._asymmetric.clear()
 
     def output_files(self) -> dict[str, str]:
         return {SUMMARY_FILE: json.dumps(self.summary, indent=1)} if self.summary else {}
@@ -176,7 +216,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         which one solve can take together (:meth:`GPTQResult.split`); per-tensor scales span a whole
         weight, so those layers stay apart."""
         runs: list[list[str]] = []
-        stackable = self.args.strategy in ("channel", "group")
+        stackable = self.args.strategy in ("channel", "group") and not self.gptaq  # GPTAQ: one target per layer
         for name in names:
             if runs and stackable and self._shares_input(runs[-1][-1], name):
                 runs[-1].append(name)
@@ -238,9 +278,12 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         result: GPTQResult | None = None
         reason = None
         pruned = pruned_mask(module)  # a pruning modifier's zeros stay zeros
+        extra: dict[str, Any] = {}
         if hessian is None or samples == 0:
             reason = "it saw no calibration data"
         else:
+            if self.gptaq:
+                weight, extra = self._asymmetric.target(name, weight, hessian, self.gptaq_alpha, self.dampening_frac)
             try:
                 with self._accounting.timed(SOLVE_PHASE, gptq_solve_flops(*weight.shape)):
                     result = gptq_quantize(weight, hessian, self.args, observer=self._observer,
@@ -252,7 +295,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         if result is None:
             result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype,
                                   global_scale=self._global_scale(name))
-        return _Solved(result, reason, samples, dropped, time.perf_counter() - start)
+        return _Solved(result, reason, samples, dropped, time.perf_counter() - start, extra)
 
     def _global_scale(self, name: str) -> torch.Tensor | None:
         """NVFP4: the layer's global scale (:meth:`prepare_global_scales`; its own weight's when not prepared)."""
@@ -283,6 +326,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
                   "dampening_frac": None if math.isnan(result.dampening_frac) else result.dampening_frac}
         if dropped:
             record["non_finite_inputs"] = dropped
+        record.update(solved.extra)
         if method == "gptq" and result.dampening_frac != self.dampening_frac:
             log.warning("GPTQ: layer %r needed dampening %g (asked %g) to factorise its Hessian",
                         name, result.dampening_frac, self.dampening_frac)
@@ -303,6 +347,8 @@ class _Solved:
     samples: int
     dropped: int
     seconds: float
+    #: more fields for the layer's record (GPTAQ's)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_finite_weight(name: str, weight: torch.Tensor) -> None:

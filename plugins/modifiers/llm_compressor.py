@@ -47,7 +47,9 @@ SMOOTHQUANT = {
 }
 PRUNING = {
     **SESSION_FIELDS,
-    "sequential_update": _SEQUENTIAL_UPDATE,
+    "sequential_update": ForeignField(
+        "layerwise's SparseGPT and Wanda calibrate a block's layers on its unpruned inputs, as their papers do; "
+        "true_sequential: true calibrates each layer on the outputs of the layers pruned before it"),
     "sequential_targets": _SEQUENTIAL_TARGETS,
     "preserve_sparsity_mask": ForeignField(
         "a layer layerwise pruned keeps its zeros through every later modifier (GPTQ quantizes them to 0)"),

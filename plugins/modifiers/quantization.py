@@ -37,6 +37,7 @@ from layerwise.plugin.quantization import (
     is_transposed,
     linear_weight,
     nvfp4_global_scale,
+    read_config_groups,
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
@@ -54,6 +55,9 @@ class QuantizationModifier(Modifier):
     :class:`~layerwise.algorithms.quantization.args.QuantizationArgs` fields (or ``weights`` /
     ``input_activations`` mappings), or a scheme object. ``num_bits`` / ``symmetric`` /
     ``strategy`` / ``group_size`` / ``observer``, when given, override the scheme's weight args.
+    ``config_groups`` (llm-compressor's form: one group, a mapping or compressed-tensors'
+    ``QuantizationScheme``) gives the scheme and targets instead; several groups are several
+    modifiers, which a recipe mapping builds: ``{"QuantizationModifier": {"config_groups": ...}}``.
     """
 
     foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.QUANTIZATION
@@ -67,9 +71,12 @@ class QuantizationModifier(Modifier):
     strategy: str | None = None
     group_size: int | None = None
     observer: str | None = None
+    config_groups: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.config_groups is not None:
+            self._take_config_group()
         self.targets, self.ignore = target_lists(type(self).__name__, self.targets, self.ignore)
         self.args: QuantizationArgs = self.resolve_args()  # fail at recipe time, not mid-run
         self.input_args: QuantizationArgs | None = resolve_scheme(self.scheme).input_activations
@@ -86,6 +93,24 @@ class QuantizationModifier(Modifier):
         return self.input_args is not None and self.input_args.calibrated
 
     # -- configuration -----------------------------------------------------------------
+    def _take_config_group(self) -> None:
+        """One config group given to the constructor becomes this modifier's scheme and targets."""
+        owner = type(self).__name__
+        groups = read_config_groups(self.config_groups, f"{owner}.config_groups")
+        if len(groups) > 1:
+            raise RecipeError(f"{owner}(config_groups=...) got {len(groups)} groups; one {owner} object holds one "
+                              f"scheme: pass the recipe as a mapping, compress(model, {{'{owner}': "
+                              f"{{'config_groups': ..., 'ignore': [...]}}}}), which builds one modifier per group, "
+                              f"or build one {owner} per group")
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(type(self)) if f.name in ("scheme", "targets")}
+        given = [name for name in ("scheme", "targets") if getattr(self, name) != defaults[name]]
+        if given:
+            raise RecipeError(f"{owner}: give config_groups or {' and '.join(given)}, not both: a config group "
+                              f"carries its own scheme and targets")
+        (group,) = groups
+        self.scheme, self.targets, self.config_groups = group.scheme, list(group.targets), None
+
     def resolve_args(self) -> QuantizationArgs:
         """The weight args: the scheme's, with this modifier's explicit overrides applied."""
         scheme: QuantizationScheme = resolve_scheme(self.scheme)

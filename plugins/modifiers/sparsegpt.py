@@ -3,7 +3,10 @@
 Every targeted layer's inputs are folded into its Hessian exactly as for GPTQ (shared
 float32 Gram matrices, :mod:`.hessians`); when the pipeline finishes a piece, its layers
 are pruned with the SparseGPT solver (:mod:`layerwise.algorithms.sparsity.sparsegpt`), so the next
-piece calibrates on the outputs of the already pruned model (error propagation). A layer
+piece calibrates on the outputs of the already pruned model (error propagation). As in the paper,
+the layers of one block are calibrated on the block's unpruned inputs by default (the pipeline cuts
+at blocks); ``true_sequential=True`` calibrates each layer on the outputs of the layers pruned
+before it (a cut at layers). A layer
 without data or with a Hessian that cannot be factorised is magnitude-pruned, with a
 warning naming it. Per-layer results go to :attr:`SparseGPTModifier.summary` and
 ``sparsegpt_summary.json`` next to the saved model.
@@ -16,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, ForeignField
+from layerwise.plugin import CompressionState, ForeignField, RecipeError
 from layerwise.plugin.calibration import HessianError, Reducer
 from layerwise.plugin.sparsity import sparsegpt_prune
 
@@ -34,7 +37,10 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
 
     * ``block_size``: columns per block: the unstructured mask is chosen per block, from
       the weights as updated by the blocks before (128, as in the paper);
-    * ``dampening_frac``: added to the Hessian diagonal, as a fraction of its mean.
+    * ``dampening_frac``: added to the Hessian diagonal, as a fraction of its mean;
+    * ``true_sequential``: ``False`` (default, the paper's): every layer of a block sees the
+      block's unpruned inputs; ``True``: each layer sees the inputs of the model pruned so far
+      (a cut at layers: the later layers of a block compensate the earlier ones' pruning).
     """
 
     summary_file: ClassVar[str] = "sparsegpt_summary.json"
@@ -44,8 +50,18 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
 
     block_size: int = 128
     dampening_frac: float = 0.01
+    true_sequential: bool = False
+
+    block_reason: ClassVar[str] = ("calibrates a block's layers on its unpruned inputs, as in the paper "
+                                   "(true_sequential=True cuts at layers)")
+
+    @property
+    def needs_uncompressed_block(self) -> bool:  # type: ignore[override]
+        return not self.true_sequential
 
     def __post_init__(self) -> None:
+        if not isinstance(self.true_sequential, bool):
+            raise RecipeError(f"SparseGPTModifier.true_sequential must be true or false, got {self.true_sequential!r}")
         self._check_solver_fields()
         super().__post_init__()
         self._init_hessians()

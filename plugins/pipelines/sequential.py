@@ -131,23 +131,37 @@ class SequentialPipeline(Pipeline):
                     if options.stream is not None else plan_placement(device, weights, largest, working_set)
             if hasattr(lifecycle.state, "placement"):
                 lifecycle.state.placement = placement.reason
-            cache = IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir,
-                                       device_budget=0 if options.offload == "disk" else placement.cache_budget)
+            def new_cache() -> IntermediatesCache:
+                return IntermediatesCache(options.offload, execution_device=device, offload_dir=options.offload_dir,
+                                          device_budget=0 if options.offload == "disk" else placement.cache_budget)
+
+            cache = new_cache()
+            # a second stream through the uncompressed weights, for modifiers that compare with it (GPTAQ)
+            reference = new_cache() if _reads_reference(lifecycle) else None
+            if reference is not None and at_layers:
+                raise PipelineFailed("a modifier reading the uncompressed model's inputs needs the blocks cut")
             accounting = getattr(lifecycle.state, "accounting", None)
             run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
                           accounting if accounting is not None else Accounting(),
                           batcher=TokenBatcher(_token_wise(model, traces, assignment, batches, options, device)
-                                               if at_layers else set()))
+                                               if at_layers else set()), reference=reference)
             try:
                 wanted = set().union(*(p.input_names for p in pieces))
                 for index, batch in enumerate(batches):
-                    cache.update(index, {k: v for k, v in batch.items() if k in wanted})
+                    for stream in (cache, reference) if reference is not None else (cache,):
+                        stream.update(index, {k: v for k, v in batch.items() if k in wanted})
                 with lifecycle.calibrating():
                     run.resume()
                     run.layers() if at_layers else run.blocks()
                     run.leftovers()
             finally:
                 cache.close()
+                if reference is not None:
+                    reference.close()
+
+
+def _reads_reference(lifecycle: Lifecycle) -> bool:
+    return any(getattr(m, "needs_reference_inputs", False) for m in lifecycle.modifiers)
 
 
 @dataclass
@@ -164,6 +178,8 @@ class _Runner:
     compressed: bool = False  # has any modifier changed a weight yet? (then no other pipeline may take over)
     #: joins short samples in the forwards of pieces found token-wise (none: every sample alone)
     batcher: TokenBatcher = field(default_factory=TokenBatcher)
+    #: the inputs of each piece in the uncompressed model (modifiers with ``needs_reference_inputs``), or None
+    reference: IntermediatesCache | None = None
 
     def __post_init__(self) -> None:
         self.dropped: set[int] = set()  # batches whose activations became non-finite
@@ -178,8 +194,9 @@ class _Runner:
             self.compressed = self.compressed or self.start > 0
 
     def _checkpoint(self, position: int) -> None:
-        """Piece ``position`` is done (written, its inputs freed): save the run for a resume."""
-        if self.options.checkpoint is not None:
+        """Piece ``position`` is done (written, its inputs freed): save the run for a resume (not with a
+        reference stream, which a checkpoint does not hold: such a run starts again from the beginning)."""
+        if self.options.checkpoint is not None and self.reference is None:
             self.options.checkpoint.save(position, len(self.pieces), self.options.stream, self.cache,
                                          self.num_batches, self.dropped, self.lifecycle)
 
@@ -236,7 +253,9 @@ class _Runner:
             feeds_next = position + 1 < last or (position + 1 == last and tail_runs)
             keep = feeds_next and not propagate
             with self.offloader.onloaded(piece.onload_names):
-                if position < last or tail_runs:
+                if (position < last or tail_runs) and self.reference is not None:
+                    self._forward_beside_reference(piece, keep=keep, feeds_next=feeds_next)
+                elif position < last or tail_runs:
                     self._forward(piece, keep=keep, observed=True)
                 self.lifecycle.sequential_epoch_end(list(piece.modules))
                 self.compressed = True
@@ -245,7 +264,31 @@ class _Runner:
                         self._forward(piece, keep=True)
                 self.offloader.retire(self.finished[position])
             piece.free(self.cache, self.num_batches)
+            if self.reference is not None:
+                piece.free(self.reference, self.num_batches)
             self._checkpoint(position)
+
+    def _forward_beside_reference(self, piece: Piece, keep: bool, feeds_next: bool) -> None:
+        """Each batch through the uncompressed model's stream first (only the modifiers' reference hooks
+        on; its outputs feed the stream's next piece), then observed, as :meth:`_forward` runs it."""
+        readers = [m for m in self.lifecycle.modifiers if getattr(m, "needs_reference_inputs", False)]
+        names = list(piece.modules)
+        with self.accounting.timed("forward"):
+            for i in self._live():
+                handles = [handle for m in readers for handle in m.reference_hooks(names)]
+                try:
+                    with calibration_hooks_paused(self.lifecycle):
+                        original = self._run(piece, piece.run, i, self.reference)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                if feeds_next:
+                    self.reference.update(i, original)
+                del original
+                self.reference.free(piece.subgraph(i).consumed_names, batch=i)
+                outputs = self._run(piece, piece.run, i, self.cache)
+                if keep:
+                    self._keep(piece, i, outputs)
 
     def _forward(self, piece: Piece, keep: bool, observed: bool = False) -> None:
         """Run every live batch through ``piece``; cache the outputs when ``keep``.

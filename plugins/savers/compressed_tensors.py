@@ -378,6 +378,13 @@ class CompressedTensorsSaver(Saver):
     def encode_module(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return quantized_tensors(name, module)
 
+    def quantization_config(self, model: torch.nn.Module, modules: dict[str, torch.nn.Module],
+                            extra_ignore: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        config = build_quantization_config(model, modules)
+        if config["config_groups"]:
+            config["ignore"] = list(dict.fromkeys([*config["ignore"], *extra_ignore]))
+        return config
+
     def saved_bytes(self, model: torch.nn.Module) -> int:
         """The bytes of the tensors :func:`compressed_state_dict` writes, without encoding anything: quantized
         weights in their stored form and their qparams (:func:`quantized_bytes`), every other tensor (pruned

@@ -1,5 +1,6 @@
 """The `layerwise` command as a user runs it."""
 
+import json
 
 from layerwise.cli import main
 
@@ -31,7 +32,7 @@ def test_demo_w8a16_keeps_minilm_embeddings(minilm_path, tmp_path, capsys, monke
     monkeypatch.setenv("LAYERWISE_CACHE", str(cache))
     assert main(["compress", "--recipe", "W8A16", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    cosine = float(printed.split("embedding cosine:")[1].split()[0])
     assert cosine > 0.98
     saved = cache / "demo" / "minilm-w8a16"
     assert (saved / "config.json").is_file()
@@ -65,10 +66,14 @@ def test_demo_default_is_gptq_calibrated_on_the_shipped_sentences(minilm_path, t
     assert "GPTQ_W4A16" in printed and "GPTQModifier" in printed and "pipeline:           sequential" in printed
     samples = int(printed.split("calibration:")[1].split()[0])
     assert samples == 320
-    cosine = float(printed.split("sentence-embedding cosine to fp32:")[1].split()[0])
+    cosine = float(printed.split("embedding cosine:")[1].split()[0])
     assert cosine > 0.975  # round-to-nearest W4A16 gives ~0.948 on the same sentences
-    assert (tmp_path / "demo" / "minilm-gptq_w4a16" / "config.json").is_file()
-    assert (tmp_path / "demo" / "minilm-gptq_w4a16" / "gptq_summary.json").is_file()
+    saved = tmp_path / "demo" / "minilm-gptq_w4a16"
+    assert (saved / "config.json").is_file() and (saved / "gptq_summary.json").is_file()
+    # the printed numbers are the report card's, recorded with the model (summary and card)
+    quality = json.loads((saved / "layerwise_summary.json").read_text())["quality"]
+    assert f"{quality['embeddings']['mean_cosine']:.4f}" == f"{cosine:.4f}" and quality["kind"] == "encoder"
+    assert f"| embedding cosine to the original | 1 | {cosine:.4f} |" in (saved / "README.md").read_text()
 
 
 def test_demo_folder_name_from_a_yaml_recipe_file(minilm_path, tmp_path, capsys, monkeypatch):

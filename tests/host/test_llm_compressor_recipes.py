@@ -145,7 +145,7 @@ def test_config_groups_conflicts_are_refused():
 
 @pytest.mark.parametrize("modifier, field, value, fragment", [
     ("GPTQModifier", "offload_hessians", False, "float32 upper triangle"),
-    ("SparseGPTModifier", "sequential_update", True, "nothing to switch"),
+    ("SparseGPTModifier", "sequential_update", True, "true_sequential: true calibrates each layer"),
     ("SparseGPTModifier", "preserve_sparsity_mask", True, "keeps its zeros"),
     ("SmoothQuantModifier", "num_calibration_steps", 64, "every calibration sample"),
     ("AWQModifier", "offload_device", "cpu", "one block's search samples"),
@@ -171,3 +171,34 @@ def test_llm_compressor_fields_with_a_layerwise_equivalent_are_refused_naming_it
         parse_recipe({modifier: {field: value}})
     assert f"recipe.{modifier}.{field}: an llm-compressor field layerwise does not take" in str(info.value)
     assert fragment in str(info.value)
+
+
+def test_a_python_modifier_takes_one_config_group_built_with_compressed_tensors_objects():
+    from compressed_tensors.quantization import QuantizationArgs as CtArgs
+    from compressed_tensors.quantization import QuantizationScheme as CtScheme
+
+    from layerwise.plugins.modifiers.gptq import GPTQModifier
+
+    group = CtScheme(targets=["Linear"], weights=CtArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                                                        group_size=128, actorder="weight"))
+    modifier = GPTQModifier(config_groups={"group_0": group}, ignore=["lm_head"])
+    (preset,) = parse_recipe("GPTQ_W4A16")
+    assert modifier.args == preset.args and modifier.targets == ["Linear"] and modifier.config_groups is None
+    # the same objects in a recipe mapping; several groups there are one modifier each
+    two = parse_recipe({"QuantizationModifier": {"config_groups": {
+        "attention": CtScheme(targets=["re:.*self_attn.*"], weights=CtArgs(num_bits=8, strategy="channel")),
+        "rest": CtScheme(targets=["Linear"], weights=CtArgs(num_bits=4, group_size=32))}}})
+    assert [m.args.num_bits for m in two] == [8, 4] and "re:.*self_attn.*" in two[1].ignore
+    assert parse_recipe(recipe_to_yaml([modifier]))[0].args == modifier.args  # saved as scheme + targets
+
+
+def test_a_python_modifier_with_several_config_groups_says_how_to_build_them():
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    groups = {"a": {"targets": ["re:.*q_proj"], "weights": {"num_bits": 8}},
+              "b": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32}}}
+    with pytest.raises(RecipeError, match=r"got 2 groups; one QuantizationModifier object holds one scheme: pass "
+                                          r"the recipe as a mapping"):
+        QuantizationModifier(config_groups=groups)
+    with pytest.raises(RecipeError, match="give config_groups or scheme, not both"):
+        QuantizationModifier(scheme="W8A16", config_groups={"a": groups["a"]})

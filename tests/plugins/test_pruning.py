@@ -179,8 +179,8 @@ def test_wanda_sums_an_input_once_for_the_layers_reading_it_and_again_after_an_i
     assert_wanda_masks(model, reference, {"q": x, "k": x, "v": x, "after": x * torch.linspace(3, 0.1, 32)})
 
 # -- sparse, then quantized ---------------------------------------------------------------------
-@pytest.mark.parametrize("pieces", ["layers", "blocks"])
-def test_gptq_after_sparsegpt_keeps_every_pruned_weight_at_zero(monkeypatch, pieces):
+@pytest.mark.parametrize("true_sequential, pieces", [(True, "layers"), (False, "blocks")])
+def test_gptq_after_sparsegpt_keeps_every_pruned_weight_at_zero(monkeypatch, true_sequential, pieces):
     masks = {}
     cls = registry("modifiers").get("SparseGPTModifier")
     original = cls.prune_module
@@ -190,7 +190,7 @@ def test_gptq_after_sparsegpt_keeps_every_pruned_weight_at_zero(monkeypatch, pie
         masks[name] = (module.weight == 0).clone()
 
     monkeypatch.setattr(cls, "prune_module", recording)
-    recipe = [{"SparseGPTModifier": {"mask_structure": "2:4"}},
+    recipe = [{"SparseGPTModifier": {"mask_structure": "2:4", "true_sequential": true_sequential}},
               {"GPTQModifier": {"scheme": "W4A16_ASYM", "group_size": 32}}]
     model = prune_tiny_llama(recipe, pieces=pieces)
     layers = linears(model)
@@ -326,6 +326,22 @@ def test_wanda_true_sequential_cuts_at_layers_and_scores_on_the_pruned_model():
     assert not torch.equal(model.get_submodule(o_proj).weight == 0, dense_scored.get_submodule(o_proj).weight == 0)
     q_proj = "model.layers.0.self_attn.q_proj"  # the block's first layer reads the same input either way
     assert torch.equal(model.get_submodule(q_proj).weight == 0, dense_scored.get_submodule(q_proj).weight == 0)
+
+
+def test_sparsegpt_calibrates_a_block_on_its_unpruned_inputs_unless_true_sequential():
+    paper = prune_tiny_llama({"SparseGPTModifier": {"sparsity": 0.5}})
+    assert paper.layerwise_report.pieces.startswith("blocks")
+    layered = prune_tiny_llama({"SparseGPTModifier": {"sparsity": 0.5, "true_sequential": True}})
+    assert layered.layerwise_report.pieces.startswith("layers")
+    q_proj = "model.layers.0.self_attn.q_proj"  # the block's first layer reads the same input either way
+    assert torch.equal(paper.get_submodule(q_proj).weight, layered.get_submodule(q_proj).weight)
+    o_proj = "model.layers.0.self_attn.o_proj"  # reads v_proj's output: pruned or not
+    assert not torch.equal(paper.get_submodule(o_proj).weight, layered.get_submodule(o_proj).weight)
+
+
+def test_sparsegpt_true_sequential_must_be_a_bool():
+    with pytest.raises(RecipeError, match="true_sequential must be true or false"):
+        parse_recipe({"SparseGPTModifier": {"true_sequential": "yes"}})
 
 
 def test_sparsegpt_then_gptq_share_one_gram_per_input(monkeypatch):

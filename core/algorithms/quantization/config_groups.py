@@ -72,11 +72,24 @@ class ConfigGroup:
 
 
 def read_config_groups(groups: Any, where: str) -> list[ConfigGroup]:
-    """The config groups of a recipe, each as a layerwise scheme; ``where`` names the field in errors."""
+    """The config groups of a recipe, each as a layerwise scheme; ``where`` names the field in errors.
+
+    A group may be a mapping or compressed-tensors' own ``QuantizationScheme`` object (as llm-compressor
+    scripts build them): it is read through its plain form."""
+    groups = plain(groups)
+    if isinstance(groups, Mapping):
+        groups = {name: plain(group) for name, group in groups.items()}
     if not isinstance(groups, Mapping) or not groups:
         raise RecipeError(f"{where}: config_groups is a mapping of group names to schemes, e.g. "
                           f"{{group_0: {{targets: [Linear], weights: {{num_bits: 4, group_size: 128}}}}}}; got {groups!r}")
     return [_group(str(name), group, f"{where}.{name}") for name, group in groups.items()]
+
+
+def plain(value: Any) -> Any:
+    """A pydantic object (compressed-tensors' QuantizationScheme / QuantizationArgs) as the mapping it
+    saves as, without its unset (None) fields; anything else as it is."""
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json", exclude_none=True) if callable(dump) else value
 
 
 def _group(name: str, group: Any, where: str) -> ConfigGroup:

@@ -45,12 +45,14 @@ class StreamingError(LayerwiseError, RuntimeError):
     """This model or run cannot stream its weights from disk (the message says why and what to do)."""
 
 
-def should_stream(folder: str | os.PathLike) -> tuple[bool, str]:
-    """Whether a run on ``folder`` would not fit in memory (then ``weights="auto"`` streams), and why."""
+def should_stream(folder: str | os.PathLike, free: int | None = None) -> tuple[bool, str]:
+    """Whether a run on ``folder`` would not fit in memory (then ``weights="auto"`` streams), and why;
+    ``free``: the memory to plan for (``None``: what this machine has available now)."""
     size = checkpoint_bytes(folder)
     if size is None:
         return False, "no safetensors checkpoint to stream"
-    free = memory_policy.available_memory()  # looked up here, so one monkeypatch serves both choices
+    if free is None:
+        free = memory_policy.available_memory()  # looked up here, so one monkeypatch serves both choices
     if free is None:
         return False, "available memory unknown"
     need = int(size * IN_MEMORY_PEAK)

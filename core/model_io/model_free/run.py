@@ -1,0 +1,294 @@
+"""``compress_model_free``: a data-free recipe applied to a safetensors folder without building the model.
+
+1. Checked first, before any tensor is read: the folder (config.json, safetensors, not quantized
+   already), the output folder (never an input, replaced only as ``overwrite`` allows), the recipe
+   (data-free quantization modifiers only), every target and ignore entry against the tensor
+   names (:mod:`.selection`, with did-you-mean errors), group sizes against the layers' widths,
+   and memory: each worker holds one source tensor and its float32 work plus its shard's encoded
+   outputs; the workers are as many as fit in the memory available (an error when not one does).
+2. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file copies
+   release the GIL); their files are written into
+   the output's locked temporary folder, which becomes the output in one rename at the end
+   (:func:`~layerwise.model_io.saving.atomic_output_dir`): complete or absent.
+3. Beside the shards: the index, ``config.json`` with the saver's ``quantization_config``, every
+   other file of the folder (tokenizer, generation config, ...) copied, ``recipe.yaml`` and
+   ``layerwise_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerwise.errors import LayerwiseError
+from layerwise.host.recipe import RecipeLike, parse_recipe, recipe_to_yaml
+from layerwise.host.saver import Saver
+from layerwise.model_io.model_free.selection import Layer, SelectionError, layers, select
+from layerwise.model_io.model_free.worker import (
+    LayerJob,
+    ShardJob,
+    ShardResult,
+    default_threads,
+    run_shard,
+)
+from layerwise.model_io.model_paths import check_model_path, check_not_quantized
+from layerwise.model_io.saving import (
+    Overwrite,
+    atomic_output_dir,
+    check_not_an_input,
+    check_output_dir,
+)
+from layerwise.model_io.streaming.checkpoint import INDEX_FILE, SINGLE_FILE
+from layerwise.model_io.streaming.safetensors_io import StoredTensor, read_header
+from layerwise.runtime import memory_policy
+
+#: float32 copies of one layer's weight a worker's quantization holds at its peak (the weight, its
+#: fake-quantized values and the rounding's temporaries), beside the tensor as stored
+WORK_COPIES = 4
+#: files of a model folder that are weights (never copied to the output as they are)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class ModelFreeError(LayerwiseError, ValueError):
+    """A model-free run that cannot go as asked (the message says why and what to do)."""
+
+
+def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir: str | os.PathLike, *,
+                        ignore: list[str] | None = None, overwrite: Overwrite = False, workers: int | None = None,
+                        save_format: str = "compressed-tensors") -> Any:
+    """Quantize the safetensors folder ``model`` with the data-free ``recipe`` into ``output_dir``, shard by
+    shard, without a model class; returns the run's :class:`~layerwise.reports.run_report.CompressionReport`.
+
+    ``ignore`` adds module-name entries to every modifier's; ``workers`` (default: as many as there are
+    shards, cores and memory for) is the number of shards quantized at once.
+    """
+    from layerwise.host.plugin_manager import registry
+
+    start = time.perf_counter()
+    folder = Path(model).expanduser()
+    check_model_path(str(model))
+    check_not_quantized(str(model))
+    if not folder.is_dir():
+        raise ModelFreeError(f"{str(model)!r} is not a local folder: model-free compression reads the safetensors "
+                             f"files of a folder; download it first")
+    check_not_an_input(output_dir, [("model", str(folder))])
+    check_output_dir(output_dir, overwrite)
+    saver = registry("savers").get(save_format)
+    if type(saver).quantization_config is Saver.quantization_config or not saver.streams:
+        raise ModelFreeError(f"save format {save_format!r} cannot write a model-free run (its saver encodes no "
+                             f"module on its own, or has no quantization_config); use save_format="
+                             f"'compressed-tensors'")
+    modifiers = parse_recipe(recipe)
+    shards, tensors = _shards(folder)
+    all_layers = layers(tensors)
+    plan = _layer_jobs(modifiers, all_layers, list(ignore or []))
+    by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
+    for job in plan.values():
+        by_file[all_layers[job.module].file].append(job)
+    workers = _workers(workers, shards, by_file, all_layers, tensors)
+
+    with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+        jobs = [ShardJob(folder / file, tmp / file, tuple(by_file[file]), save_format, default_threads(workers))
+                for file in shards]
+        results = _run(jobs, workers)
+        weight_map = {name: result.file for result in results for name in result.names}
+        total = sum(result.nbytes for result in results)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        _copy_other_files(folder, tmp)
+        config = json.loads((folder / "config.json").read_text())
+        shadow = _shadow_model(all_layers, plan)
+        config["quantization_config"] = saver.quantization_config(
+            shadow, {name: shadow.get_submodule(name) for name in plan}, _ignore_entries(modifiers, ignore))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "recipe.yaml").write_text(recipe_to_yaml(modifiers))
+        report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
+        report.output_dir = str(Path(output_dir))
+        from layerwise.reports.run_summary import SUMMARY_FILE, summary_json
+
+        (tmp / SUMMARY_FILE).write_text(summary_json(report))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _shards(folder: Path) -> tuple[list[str], dict[str, tuple[str, StoredTensor]]]:
+    """The folder's safetensors files and every tensor's (file, location), from the headers alone."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        files = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+        raise ModelFreeError(f"{str(folder)!r} has no {SINGLE_FILE} or {INDEX_FILE}"
+                             f"{' (it has ' + ', '.join(found) + ')' if found else ''}: model-free compression reads "
+                             f"safetensors only; save the model with save_pretrained() first")
+    tensors: dict[str, tuple[str, StoredTensor]] = {}
+    for file in files:
+        for name, stored in read_header(folder / file).items():
+            tensors[name] = (file, stored)
+    return files, tensors
+
+
+def _layer_jobs(modifiers: list, all_layers: dict[str, Layer], extra_ignore: list[str]) -> dict[str, LayerJob]:
+    """Each selected layer's job, from data-free quantization modifiers; anything else is refused."""
+    jobs: dict[str, LayerJob] = {}
+    for modifier in modifiers:
+        owner = type(modifier).__name__
+        args = getattr(modifier, "args", None)
+        if modifier.requires_data or args is None or not hasattr(modifier, "targets") or (
+                type(modifier).quantize_module is not _data_free_quantize_module(modifier)):
+            raise ModelFreeError(
+                f"{owner} cannot run model-free: model-free compression applies data-free round-to-nearest schemes "
+                f"(QuantizationModifier with W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK, ...); "
+                f"{'it needs calibration data' if modifier.requires_data else 'it is not one'}: run without "
+                f"--model-free (weights memory or stream)")
+        inputs = getattr(modifier, "input_args", None)
+        try:
+            selected = select(all_layers, list(modifier.targets), [*modifier.ignore, *extra_ignore], owner)
+        except SelectionError as exc:
+            raise ModelFreeError(str(exc)) from None
+        for module in selected:
+            layer = all_layers[module]
+            if args.strategy == "group" and layer.columns % args.group_size:
+                divisors = [g for g in (32, 64, 128) if layer.columns % g == 0]
+                alt = f", or group_size {divisors[-1]}" if divisors else ""
+                raise ModelFreeError(f"{owner}: group_size {args.group_size} does not divide in_features "
+                                     f"{layer.columns} of layer {module!r}; use strategy: channel{alt}, or add "
+                                     f"{module!r} to ignore")
+            if inputs is not None and inputs.strategy == "group" and layer.columns % inputs.group_size:
+                raise ModelFreeError(f"{owner}: input_activations group_size {inputs.group_size} does not divide the "
+                                     f"{layer.columns} inputs of layer {module!r}; add it to ignore")
+            if module in jobs:
+                raise ModelFreeError(f"layer {module!r} is selected by two modifiers; give each its own targets")
+            jobs[module] = LayerJob(module, args, inputs)
+    return jobs
+
+
+def _data_free_quantize_module(modifier: Any) -> Any:
+    """The round-to-nearest ``quantize_module`` of the registered ``QuantizationModifier``: a subclass that
+    overrides it (AWQ, GPTQ) computes something :mod:`.worker` does not."""
+    from layerwise.host.plugin_manager import registry
+
+    try:
+        return registry("modifiers").get("QuantizationModifier").quantize_module
+    except LayerwiseError:
+        return None
+
+
+def _workers(asked: int | None, shards: list[str], by_file: dict[str, list[LayerJob]], all_layers: dict[str, Layer],
+             tensors: dict[str, tuple[str, StoredTensor]]) -> int:
+    """How many shards at once: asked for, else one per shard and core; fewer when memory is short."""
+    per_worker = worker_memory(shards, by_file, all_layers)
+    free = memory_policy.available_memory()
+    if free is not None and per_worker > free:
+        raise ModelFreeError(f"a model-free worker needs ~{_size(per_worker)} (its largest layer in float32 "
+                             f"x {WORK_COPIES} and its shard's quantized output), {_size(free)} is available: "
+                             f"free memory, or re-shard the checkpoint into smaller files (save_pretrained("
+                             f"max_shard_size=...))")
+    count = asked if asked is not None else min(len(shards), os.cpu_count() or 1)
+    if asked is not None and asked < 1:
+        raise ModelFreeError(f"workers must be 1 or more, got {asked}")
+    if free is not None:
+        count = min(count, max(1, free // max(per_worker, 1)))
+    return max(1, min(count, len(shards)))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def worker_memory(shards: list[str], by_file: dict[str, list[LayerJob]], all_layers: dict[str, Layer]) -> int:
+    """One worker's peak: its largest layer in float32 times :data:`WORK_COPIES` beside the stored tensor, and
+    the largest shard's encoded output (at most its quantized layers' stored bytes)."""
+    largest = max((all_layers[job.module] for jobs in by_file.values() for job in jobs),
+                  key=lambda layer: layer.rows * layer.columns, default=None)
+    work = 0 if largest is None else largest.rows * largest.columns * 4 * WORK_COPIES + largest.stored.nbytes
+    output = max((sum(all_layers[job.module].stored.nbytes for job in jobs) for jobs in by_file.values()), default=0)
+    return work + output
+
+
+def _run(jobs: list[ShardJob], workers: int) -> list[ShardResult]:
+    """Every shard's result, in order, ``workers`` shards at a time.
+
+    Threads, not processes: the work is torch kernels and file copies, which release the GIL, and one
+    interpreter is held once (measured in ``bench/model_free_bench.py``: forked workers each carried their
+    own ~350 MiB of interpreter, torch and plugins, 1.2-1.7x llm-compressor's peak; threads do not)."""
+    if workers == 1:
+        return [run_shard(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="layerwise-shard") as pool:
+        return list(pool.map(run_shard, jobs))
+
+
+def _copy_other_files(folder: Path, tmp: Path) -> None:
+    """Every file of the model folder but its weights and their index (tokenizer, generation config, ...)."""
+    for path in folder.iterdir():
+        if path.is_file() and not path.name.startswith(".") and path.suffix not in WEIGHT_SUFFIXES \
+                and path.name not in (INDEX_FILE, "config.json"):
+            shutil.copy2(path, tmp / path.name)
+
+
+def _shadow_model(all_layers: dict[str, Layer], jobs: dict[str, LayerJob]) -> torch.nn.Module:
+    """Meta ``nn.Linear`` modules named as the checkpoint's layers (embeddings aside), the quantized ones marked
+    with their args: what the saver's config builder reads of a model."""
+    from layerwise.model_io.model_free.selection import is_embedding
+
+    root = torch.nn.Module()
+    for name in all_layers:
+        if is_embedding(name):
+            continue
+        parent = root
+        *path, last = name.split(".")
+        for part in path:
+            child = parent._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        linear = torch.nn.Linear(1, 1, bias=False, device="meta")
+        job = jobs.get(name)
+        if job is not None:
+            linear.quantization_args = job.weights
+            if job.inputs is not None:
+                linear.input_quantization_args = job.inputs
+        parent.add_module(last, linear)
+    return root
+
+
+def _ignore_entries(modifiers: list, extra: list[str] | None) -> list[str]:
+    """The recipe's ignore entries (and ``ignore``): kept in the config's ignore list, as a module the
+    checkpoint does not hold (a tied ``lm_head``) still exists in the model that loads it."""
+    entries = [entry for m in modifiers for entry in getattr(m, "ignore", [])] + list(extra or [])
+    return list(dict.fromkeys(entries))
+
+
+def _report(folder: Path, modifiers: list, jobs: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
+            total: int, results: list[ShardResult], workers: int, start: float) -> Any:
+    from layerwise.reports.run_report import CompressionReport
+
+    report = CompressionReport(
+        pipeline="model-free", modifiers=[type(m).__name__ for m in modifiers], compressed_modules=list(jobs),
+        seconds=time.perf_counter() - start, bytes_before=sum(s.nbytes for _, s in tensors.values()),
+        bytes_after=total, calibration_samples=0, model=str(folder), recipe=recipe_to_yaml(modifiers),
+        weights=f"model-free ({len(results)} shard(s), {workers} worker(s))", activations="none",
+        targets_found="none (no model class: layers selected by tensor name)", targets_source="none")
+    report.peak_rss_bytes = max([_own_peak(), *(r.peak_rss_bytes for r in results)])
+    report.accounting = {"shards": {"seconds": round(sum(r.seconds for r in results), 4), "flops": 0.0,
+                                    "calls": len(results), "gflops_per_second": None}}
+    return report
+
+
+def _own_peak() -> int:
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

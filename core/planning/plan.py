@@ -1,0 +1,538 @@
+"""``make_plan``: everything a run can be told before it starts, from shapes alone.
+
+The model is built on the meta device from its config (:mod:`.model_shape`); the recipe's
+modifiers resolve their layers and mappings on it with the methods a run calls
+(``resolve_modules``, :func:`~layerwise.algorithms.quantization.mappings.mappings_for_run`), so
+a target or mapping that matches nothing is the same error here as an hour into a run. What is
+found wrong is a :class:`Finding` of level ``error``; a plan with none runs as asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerwise.errors import LayerwiseError
+from layerwise.host.patch_selection import use_patch
+from layerwise.host.recipe import RecipeLike, parse_recipe
+from layerwise.host.state import CompressionState
+from layerwise.model_io.calibration_data import default_max_seq_length
+from layerwise.model_io.model_paths import check_model_path, check_not_quantized
+from layerwise.model_io.saving import check_not_an_input, check_output_dir, run_inputs
+from layerwise.model_io.streaming.stream import IN_MEMORY_PEAK, should_stream
+from layerwise.planning.estimate import (
+    PieceEstimate,
+    Quantized,
+    estimate_piece,
+    forward_flops,
+    hessian_flops,
+    solve_flops,
+    stored_weight_bytes,
+)
+from layerwise.planning.hardware import (
+    GPU,
+    Rates,
+    find_gpu,
+    measured_rates,
+    present_gpu,
+    table_rates,
+)
+from layerwise.planning.model_shape import CheckpointInfo, meta_model
+from layerwise.planning.serving import TABLE_DATE, Serving, vllm_support
+from layerwise.runtime import memory_policy
+from layerwise.runtime.devices import free_memory
+from layerwise.runtime.memory_policy import (
+    cache_bytes,
+    hidden_size,
+    offload_to_disk,
+)
+from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION
+from layerwise.tracing.targets import check_entries, choose_targets, resolve_modules
+
+
+class PlanError(LayerwiseError):
+    """The run would not run as asked (the plan's errors, each with its fix)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the plan found: ``error`` (the run would fail), ``warning`` or ``note``."""
+
+    level: str
+    text: str
+    #: what it is about: ``memory`` (a placement that does not fit), else ``""``
+    topic: str = ""
+    #: the error a run would raise for it (re-raised by ``compress()``'s preflight), when there is one
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to place a run: where weights and cached activations rest, and what that needs."""
+
+    weights: str
+    offload: str
+    host_peak: int
+    disk: int
+    fits: bool
+
+
+@dataclass
+class Plan:
+    """What ``layerwise plan`` reports; :attr:`ok` is the verdict."""
+
+    model: str
+    architecture: str = ""
+    patch: str | None = None
+    dtype: torch.dtype = torch.float32
+    targets: tuple[str, ...] = ()
+    targets_found: str = ""
+    ignore: list[str] = field(default_factory=list)
+    pieces: list[PieceEstimate] = field(default_factory=list)
+    targets_per_piece: int = 1
+    mappings: dict[str, list[str]] = field(default_factory=dict)
+    layers: dict[str, Quantized] = field(default_factory=dict)
+    samples: int = 0
+    seq_length: int = 0
+    checkpoint: CheckpointInfo | None = None
+    weight_bytes: int = 0
+    output_bytes: int = 0
+    cache_bytes: int = 0
+    baseline_bytes: int = 0
+    host_memory: int | None = None
+    host_memory_source: str = ""
+    disk_free: int | None = None
+    device: str = "cpu"
+    gpu_budget: int | None = None
+    choices: list[Choice] = field(default_factory=list)
+    chosen: Choice | None = None
+    auto_note: str = ""
+    flops: dict[str, float] = field(default_factory=dict)
+    rates: Rates | None = None
+    serve_on: GPU | None = None
+    serving: list[tuple[str, int, Serving]] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def errors(self) -> list[str]:
+        return [f.text for f in self.findings if f.level == "error"]
+
+    @property
+    def seconds(self) -> float | None:
+        if self.rates is None:
+            return None
+        return (self.flops.get("forwards", 0.0) / self.rates.model_dtype
+                + (self.flops.get("Hessians", 0.0) + self.flops.get("solves", 0.0)) / self.rates.fp32)
+
+    def verdict(self) -> str:
+        if not self.ok:
+            return "verdict: will not run as asked: " + "; ".join(self.errors)
+        where = f"weights {self.chosen.weights}, activations {self.chosen.offload}" if self.chosen else ""
+        time = f", ~{_duration(self.seconds)}" if self.seconds is not None else ""
+        serving = ""
+        if self.serve_on is not None and self.serving:
+            worst = min((s.status for _, _, s in self.serving), key=["none", "fallback", "native"].index)
+            serving = f", serves on {self.serve_on.name} ({worst} kernels)"
+        return f"verdict: runs as asked ({where}{time}{serving})"
+
+    def error(self, text: str, topic: str = "") -> None:
+        self.findings.append(Finding("error", text, topic))
+
+    def note(self, text: str, level: str = "note") -> None:
+        self.findings.append(Finding(level, text))
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """A layerwise error inside the block becomes an error finding (the plan goes on)."""
+        try:
+            yield
+        except LayerwiseError as exc:
+            self.findings.append(Finding("error", str(exc), exception=exc))
+
+
+def make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike = "W4A16", dataset: Any = None, *,
+              options: Any, output_dir: str | os.PathLike | None = None, gpu_memory: int | None = None,
+              host_memory: int | None = None, serve_on: str | None = None, measure: bool = True) -> Plan:
+    """The plan of ``compress(model, recipe, dataset, output_dir=..., options=options)``.
+
+    ``options`` is a :class:`~layerwise.verbs.options.CompressOptions` (everyday arguments folded in).
+    ``gpu_memory`` / ``host_memory`` (bytes) plan for another machine; ``serve_on`` names the GPU the
+    output will be served on (:data:`~layerwise.planning.hardware.GPUS`). ``measure=False`` leaves out
+    the matmul measurement (``compress`` checks without timing).
+    """
+    calibration, placement, output, safety = options.calibration, options.placement, options.output, options.safety
+    modifiers = parse_recipe(recipe)
+    plan = Plan(model=str(model) if not isinstance(model, torch.nn.Module) else type(model).__name__)
+    plan.serve_on = find_gpu(serve_on) if serve_on else None
+    info = None
+    if not isinstance(model, torch.nn.Module):
+        check_model_path(model)
+        with plan.checking():
+            check_not_quantized(model)
+        model, info = meta_model(model, calibration.patch, safety.trust_remote_code)
+    plan.checkpoint = info
+    patch = use_patch(model, calibration.patch)
+    plan.architecture, plan.patch = type(model).__name__, patch.name if patch is not None else None
+    plan.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if output_dir is not None:
+        with plan.checking():
+            check_not_an_input(output_dir, run_inputs(plan.model if info is not None else model, dataset, recipe))
+            check_output_dir(output_dir, output.overwrite)
+
+    given = list(calibration.sequential_targets) if calibration.sequential_targets is not None else None
+    targets: dict[str, torch.nn.Module] = {}
+    with plan.checking():
+        choice = choose_targets(model, given, patch)
+        plan.targets, plan.targets_found = choice.targets, choice.describe(model)
+        targets = resolve_modules(model, list(choice.targets)) if choice.targets else {}
+    with plan.checking():
+        if calibration.ignore is not None:
+            check_entries(model, list(calibration.ignore), "ignore entry")
+    plan.ignore = list(calibration.ignore) if calibration.ignore is not None else list(patch.ignore if patch else [])
+    state = CompressionState(model=model, modifiers=modifiers, patch=patch, sequential_targets=list(plan.targets),
+                             ignore=list(plan.ignore))
+    _resolve_modifiers(plan, model, patch, modifiers, state)
+
+    needs_data = any(m.requires_data for m in modifiers)
+    plan.seq_length = calibration.max_seq_length or default_max_seq_length(model)
+    plan.samples = calibration.num_calibration_samples if needs_data else 0
+    tokens = plan.samples * plan.seq_length
+    element = torch.empty((), dtype=plan.dtype).element_size()
+    hidden = hidden_size(model.config) if hasattr(model, "config") else 0
+    plan.cache_bytes = cache_bytes(tokens, hidden, element)
+    plan.targets_per_piece = calibration.targets_per_subgraph
+    awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
+    plan.pieces = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers, dtype=plan.dtype,
+                          seq_length=plan.seq_length if needs_data else 0, hidden=hidden, awq_tokens=awq_tokens)
+    plan.weight_bytes = sum(piece.weights for piece in plan.pieces)
+    quantized = [layer for layer in plan.layers.values() if layer.weights is not None]
+    plan.output_bytes = plan.weight_bytes + sum(stored_weight_bytes(layer, element) - layer.rows * layer.columns
+                                                * element for layer in quantized)
+    _memory(plan, model, info, placement, output_dir, needs_data, gpu_memory, host_memory)
+    _time(plan, model, modifiers, needs_data, tokens, hidden, placement, calibration, gpu_memory, measure)
+    _serving(plan, placement)
+    return plan
+
+
+def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers: list, state: CompressionState) -> None:
+    """Each modifier's layers (its own ``resolve_modules``) and smoothing mappings, as a run resolves them."""
+    from layerwise.algorithms.quantization.mappings import mappings_for_run
+    from layerwise.algorithms.quantization.storage import linear_weight
+    from layerwise.common.matching import find_modules, unmatched
+    from layerwise.tracing.smoothing_layout import discover_mappings
+
+    for modifier in modifiers:
+        owner = type(modifier).__name__
+        hessian = hasattr(type(modifier), "hessian_phase")
+        with plan.checking():
+            if hasattr(modifier, "mappings"):
+                resolved = mappings_for_run(model, patch, modifier.mappings, owner=owner, discover=discover_mappings)
+                plan.mappings[owner] = [f"{m.smoothed} -> {', '.join(m.balance)}" for m in resolved]
+            if hasattr(modifier, "resolve_modules"):
+                modules = modifier.resolve_modules(state)
+            elif getattr(modifier, "targets", None):
+                missing = unmatched(model, modifier.targets)
+                if missing:
+                    raise PlanError(f"{owner}: target(s) {', '.join(map(repr, missing))} match no module of "
+                                    f"{type(model).__name__}")
+                modules = {n: m for n, m in find_modules(model, modifier.targets,
+                                                         [*getattr(modifier, "ignore", []), *state.ignore]).items()
+                           if isinstance(getattr(m, "weight", None), torch.Tensor)}
+            else:
+                continue
+            weights, inputs = getattr(modifier, "args", None), getattr(modifier, "input_args", None)
+            for name, module in modules.items():
+                rows, columns = (int(d) for d in linear_weight(module).shape[:2])
+                known = plan.layers.get(name)
+                plan.layers[name] = Quantized(name, rows, columns, weights or (known.weights if known else None),
+                                              inputs or (known.inputs if known else None),
+                                              hessian or (known.hessian if known else False))
+
+
+def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_piece: int, layers: dict[str, Quantized],
+            **sizes: Any) -> list[PieceEstimate]:
+    """One estimate per piece: ``per_piece`` consecutive targets, then the rest of the model. Parameters,
+    Linear widths and compressed layers go to their piece by their names' prefixes, in one pass each."""
+    names = list(targets)
+    group_of = {name: position // per_piece for position, name in enumerate(names)}
+    size = torch.empty((), dtype=sizes["dtype"]).element_size()
+    weights: dict[int, int] = {}
+    members: dict[int, list[str]] = {}
+    for name, param in model.named_parameters():  # a tied parameter once, as a checkpoint holds it
+        owner = name.rpartition(".")[0]
+        group = group_of_module(owner, group_of)
+        weights[group] = weights.get(group, 0) + param.numel() * (size if param.is_floating_point()
+                                                                  else param.element_size())
+        if group < 0 and (not members.get(group) or members[group][-1] != owner):
+            members.setdefault(group, []).append(owner)
+    widest: dict[int, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            group = group_of_module(name, group_of)
+            widest[group] = max(widest.get(group, 0), int(module.weight.shape[0]))
+    held: dict[int, list[Quantized]] = {}
+    for name, layer in layers.items():
+        held.setdefault(group_of_module(name, group_of), []).append(layer)
+    pieces = []
+    for group, start in enumerate(range(0, len(names), per_piece)):
+        chosen = names[start:start + per_piece]
+        label = chosen[0] if len(chosen) == 1 else f"{chosen[0]} .. {chosen[-1]}"
+        pieces.append(estimate_piece(label, chosen, held.get(group, []), weights=weights.get(group, 0),
+                                     widest=widest.get(group, 0), **sizes))
+    if -1 in weights or not pieces:
+        pieces.append(estimate_piece("the rest (embeddings, head, ...)" if names else "the whole model",
+                                     members.get(-1, [""]), held.get(-1, []), weights=weights.get(-1, 0),
+                                     widest=widest.get(-1, 0), **sizes))
+    return pieces
+
+
+def group_of_module(name: str, group_of: dict[str, int]) -> int:
+    """The piece holding module ``name`` (``-1``: none, the rest of the model)."""
+    parts = name.split(".")
+    return next((group_of[p] for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in group_of), -1)
+
+
+def current_rss() -> int:
+    """This process's resident memory now (torch and transformers imported: every run's floor)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, placement: Any,
+            output_dir: Any, needs_data: bool, gpu_memory: int | None, host_memory: int | None) -> None:
+    """Host RAM per placement choice, the device's need per piece, disk, and what ``auto`` picks."""
+    plan.baseline_bytes = current_rss()
+    plan.host_memory = host_memory if host_memory is not None else memory_policy.available_memory()
+    plan.host_memory_source = "given" if host_memory is not None else "available now"
+    on_gpu = gpu_memory is not None or (placement.device or "").startswith("cuda") or (
+        placement.device is None and torch.cuda.is_available())
+    plan.device = "cuda" if on_gpu else "cpu"
+    work = max((p.activations + p.statistics + p.temporary for p in plan.pieces), default=0)
+    largest_piece = max((p.weights for p in plan.pieces), default=0)
+    quantized_out = plan.output_bytes - plan.weight_bytes + sum(
+        layer.rows * layer.columns * torch.empty((), dtype=plan.dtype).element_size()
+        for layer in plan.layers.values() if layer.weights is not None)
+    on_host = 0 if on_gpu else work
+    can_stream = info is not None
+    plan.disk_free = _disk_free(output_dir)
+    for weights in ("memory", "stream") if can_stream else ("memory",):
+        for offload in ("cpu", "disk") if needs_data else ("cpu",):
+            cache = plan.cache_bytes if offload == "cpu" and needs_data else 0
+            if weights == "memory":
+                peak = plan.baseline_bytes + plan.weight_bytes + max(cache + on_host, quantized_out)
+            else:
+                peak = plan.baseline_bytes + 2 * largest_piece + cache + on_host
+            disk = (plan.output_bytes if output_dir is not None else 0) + (
+                plan.cache_bytes if offload == "disk" and needs_data else 0)
+            fits = (plan.host_memory is None or peak <= plan.host_memory) and (
+                plan.disk_free is None or disk <= plan.disk_free)
+            plan.choices.append(Choice(weights, offload, peak, disk, fits))
+    weights = placement.weights
+    if weights == "auto":
+        streams = can_stream and isinstance(plan.model, str) and should_stream(plan.model, plan.host_memory)[0]
+        weights = "stream" if streams else "memory"
+        plan.auto_note = (f"weights auto -> {weights} (stream when {IN_MEMORY_PEAK}x the checkpoint exceeds the "
+                          f"memory)")
+    elif weights == "stream" and not can_stream:
+        from layerwise.model_io.streaming.checkpoint import Checkpoint
+
+        with plan.checking():  # the run's own error: what the folder has, and the fix
+            Checkpoint(plan.model)
+            plan.error("weights='stream' reads a model folder's safetensors; pass the folder, or weights='memory'")
+        weights = "memory"
+    offload = placement.offload
+    if offload == "auto":
+        offload = "disk" if offload_to_disk(plan.cache_bytes, plan.host_memory) else "cpu"
+        plan.auto_note += f"; offload auto -> {offload} (disk when the cache exceeds half the memory)"
+    offload = offload if needs_data else "cpu"
+    plan.chosen = next((c for c in plan.choices if c.weights == weights and c.offload == offload), None)
+    if plan.chosen is not None and not plan.chosen.fits:
+        fitting = [f"weights={c.weights} offload={c.offload}" for c in plan.choices if c.fits]
+        need = f"~{_gib(plan.chosen.host_peak)} of memory ({_gib(plan.host_memory)} {plan.host_memory_source})"
+        if plan.disk_free is not None and plan.chosen.disk > plan.disk_free:
+            need = f"~{_gib(plan.chosen.disk)} of disk ({_gib(plan.disk_free)} free)"
+        plan.error(f"weights={weights}, offload={offload} needs {need}; "
+                   + (f"these fit: {', '.join(fitting)}" if fitting else
+                      "no placement fits: fewer samples or shorter ones, or a larger machine"), "memory")
+    if on_gpu:
+        free = gpu_memory
+        if free is None and torch.cuda.is_available():
+            free = free_memory(torch.device(placement.device or "cuda"))
+        if free is not None:
+            plan.gpu_budget = int(free * DEVICE_MEMORY_FRACTION)
+            largest = max(plan.pieces, key=lambda p: p.total)
+            if largest.total > plan.gpu_budget:
+                plan.error(f"piece {largest.label} needs ~{_gib(largest.total)} on the GPU, over "
+                           f"{DEVICE_MEMORY_FRACTION:.0%} of {_gib(free)}: fewer targets per piece, a shorter "
+                           f"max_seq_length, or a larger GPU", "memory")
+
+
+def _disk_free(output_dir: Any) -> int | None:
+    where = Path(output_dir).expanduser().absolute() if output_dir is not None else Path.cwd()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
+def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool, tokens: int, hidden: int,
+          placement: Any, calibration: Any, gpu_memory: int | None, measure: bool) -> None:
+    """FLOPs per phase and the rates to turn them into seconds."""
+    hessian_layers = [layer for layer in plan.layers.values() if layer.hessian]
+    if needs_data:
+        blocks = calibration.pieces == "blocks" or (
+            calibration.pieces == "auto" and any(getattr(m, "needs_uncompressed_block", False) for m in modifiers))
+        passes = 2 if blocks and calibration.propagate_error else 1
+        layers = max(1, len(plan.pieces) - 1)
+        plan.flops["forwards"] = passes * forward_flops(model, tokens, plan.seq_length, layers, hidden)
+    if hessian_layers:
+        plan.flops["Hessians"] = hessian_flops(hessian_layers, tokens)
+        plan.flops["solves"] = solve_flops(hessian_layers)
+    if not measure:
+        return
+    present = present_gpu(torch.device(placement.device or "cuda")) if plan.device == "cuda" else None
+    if plan.device == "cuda" and present is not None and present.half_tflops == 0.0 or (
+            present is not None and gpu_memory is None):
+        plan.rates = measured_rates(torch.device(placement.device or "cuda"), plan.dtype)
+    elif plan.device == "cuda":
+        gpu = plan.serve_on or present
+        plan.rates = table_rates(gpu) if gpu is not None else None
+        if gpu is None:
+            plan.note("no time estimate: the GPU is not here and none is named (--serve-on H100, ...)")
+    else:
+        plan.rates = measured_rates(torch.device("cpu"), plan.dtype)
+
+
+def _serving(plan: Plan, placement: Any) -> None:
+    """Per scheme, whether vLLM has a kernel on the named GPU (or the one here)."""
+    gpu = plan.serve_on
+    if gpu is None and plan.device == "cuda" and torch.cuda.is_available():
+        gpu = present_gpu(torch.device(placement.device or "cuda"))
+    groups: dict[tuple, list[str]] = {}
+    for layer in plan.layers.values():
+        if layer.weights is not None:
+            groups.setdefault((layer.weights, layer.inputs), []).append(layer.name)
+    if gpu is None:
+        if groups:
+            plan.note("serving not checked: name the GPU it will be served on (--serve-on H100, A100, L4, ...)")
+        return
+    for (weights, inputs), names in groups.items():
+        support = vllm_support(weights, inputs, gpu.capability)
+        plan.serving.append((describe_scheme(weights, inputs), len(names), support))
+        if not support.serves and plan.serve_on is not None:
+            plan.error(f"vLLM has no kernel for {describe_scheme(weights, inputs)} on {gpu.name} "
+                       f"(compute capability {gpu.capability[0]}.{gpu.capability[1]}): {support.kernel}")
+
+
+def describe_scheme(weights: Any, inputs: Any) -> str:
+    """``int4 group 128 sym`` / ``float8 channel + float8 token dynamic inputs``."""
+    def one(args: Any) -> str:
+        kind = "float8" if args.type == "float" else f"int{args.num_bits}"
+        how = f"group {args.group_size}" if args.strategy == "group" else (
+            f"block {args.block_structure[0]}x{args.block_structure[1]}" if args.strategy == "block" else args.strategy)
+        return f"{kind} {how}{'' if args.symmetric else ' asym'}"
+    text = f"weights {one(weights)}"
+    if inputs is not None:
+        text += f", inputs {one(inputs)}{' dynamic' if inputs.dynamic else ''}"
+    return text
+
+
+# -- text -------------------------------------------------------------------------------------------------
+def _gib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "unknown"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _flop(value: float) -> str:
+    return f"{value / 1e12:.2f} TFLOP" if value >= 1e11 else f"{value / 1e9:.3f} GFLOP"
+
+
+def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
+    """The plan as the CLI prints it."""
+    lines = [f"model:       {plan.model} ({plan.architecture}, {str(plan.dtype).removeprefix('torch.')}, "
+             f"built on meta from its config; no weight read)"]
+    if plan.checkpoint is not None:
+        info = plan.checkpoint
+        lines.append(f"checkpoint:  {info.tensors} tensors, {_gib(info.bytes)} in {info.shards} safetensors file(s) "
+                     f"(from their headers)")
+    lines.append(f"patch:       {plan.patch or 'none'}")
+    lines.append(f"targets:     {plan.targets_found or 'none'}")
+    lines.append(f"ignore:      {', '.join(plan.ignore) or 'nothing'}")
+    lines.append(f"cut:         {len(plan.pieces)} pieces ({plan.targets_per_piece} target(s) each, then the rest)")
+    for owner, mappings in plan.mappings.items():
+        lines.append(f"mappings:    {owner}: {len(mappings)} resolved, e.g. {mappings[0]}")
+    if plan.layers:
+        by_scheme: dict[str, int] = {}
+        for layer in plan.layers.values():
+            key = describe_scheme(layer.weights, layer.inputs) if layer.weights is not None else "pruned"
+            by_scheme[key] = by_scheme.get(key, 0) + 1
+        lines.append("layers:      " + "; ".join(f"{count} x {key}" for key, count in by_scheme.items()))
+    lines.append(f"data:        {plan.samples} samples x {plan.seq_length} tokens" if plan.samples else
+                 "data:        none (a data-free recipe)")
+    lines.append("memory per piece on the execution device (weights + activations in flight + statistics + "
+                 "largest temporary):")
+    shown = plan.pieces if len(plan.pieces) <= pieces_shown else [*plan.pieces[:pieces_shown - 1], plan.pieces[-1]]
+    for piece in shown:
+        if piece is plan.pieces[-1] and len(plan.pieces) > pieces_shown:
+            lines.append(f"  ... {len(plan.pieces) - pieces_shown} more alike")
+        lines.append(f"  {piece.label}: {_gib(piece.total)} = {_gib(piece.weights)} + {_gib(piece.activations)} + "
+                     f"{_gib(piece.statistics)} + {_gib(piece.temporary)}")
+    if plan.gpu_budget is not None:
+        lines.append(f"GPU budget:  {_gib(plan.gpu_budget)} ({DEVICE_MEMORY_FRACTION:.0%} of its free memory)")
+    lines.append(f"cache:       {_gib(plan.cache_bytes)} of activations at a cut" if plan.samples else
+                 "cache:       none")
+    lines.append(f"host RAM:    {_gib(plan.host_memory)} {plan.host_memory_source}; process floor "
+                 f"{_gib(plan.baseline_bytes)} (measured now)")
+    for choice in plan.choices:
+        mark = "fits" if choice.fits else "does not fit"
+        chosen = "  <- chosen" if choice is plan.chosen else ""
+        lines.append(f"  weights={choice.weights:<6} offload={choice.offload:<4} peak ~{_gib(choice.host_peak)}, "
+                     f"disk {_gib(choice.disk)}: {mark}{chosen}")
+    if plan.auto_note:
+        lines.append(f"auto:        {plan.auto_note.lstrip('; ')}")
+    lines.append(f"disk:        output ~{_gib(plan.output_bytes)} (from {_gib(plan.weight_bytes)}); "
+                 f"{_gib(plan.disk_free)} free there")
+    if plan.flops:
+        flops = ", ".join(f"{phase} {_flop(value)}" for phase, value in plan.flops.items())
+        lines.append(f"work:        {flops}")
+    else:
+        lines.append("work:        no calibration forwards (round-to-nearest of each weight)")
+    if plan.rates is not None:
+        lines.append(f"time:        ~{_duration(plan.seconds)} (an estimate; rates {plan.rates.model_dtype / 1e9:.0f} / "
+                     f"{plan.rates.fp32 / 1e9:.0f} GFLOP/s, {plan.rates.source})")
+    if plan.serving:
+        gpu = plan.serve_on or "this GPU"
+        name = gpu.name if isinstance(gpu, GPU) else gpu
+        lines.append(f"serving on {name} (vLLM kernel table of {TABLE_DATE}):")
+        for scheme, count, support in plan.serving:
+            lines.append(f"  {count} x {scheme}: {support.status} ({support.kernel})")
+    for finding in plan.findings:
+        if finding.level != "error":
+            lines.append(f"{finding.level}: {finding.text}")
+    lines.append(plan.verdict())
+    return lines

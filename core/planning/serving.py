@@ -1,0 +1,95 @@
+"""Will vLLM run a scheme on a GPU generation? A small table of its kernels' limits.
+
+Source: vLLM's compressed-tensors schemes and linear kernels (``get_min_capability`` of
+``CompressedTensorsWNA16`` / ``W8A8Fp8`` / ``W8A16Fp8`` / ``W8A8Int8`` / ``W4A4Fp4``, Marlin's
+``MARLIN_SUPPORTED_GROUP_SIZES``, Machete's SM90-only rule, ``cutlass_scaled_mm_supports_fp8`` /
+``supports_block_fp8``) and its quantization hardware table, main branch as read on
+:data:`TABLE_DATE`. vLLM moves fast: the verdict is the table's, said as such.
+
+Each rule gives one of :data:`STATUSES`: ``native`` (a kernel made for the scheme), ``fallback``
+(it runs, slower: weight-only emulation, Triton or Exllama kernels), ``none`` (vLLM refuses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerwise.algorithms.quantization.args import QuantizationArgs
+
+TABLE_DATE = "2026-11-26"
+STATUSES = ("native", "fallback", "none")
+#: group sizes Marlin (and so most weight-only int kernels) takes; -1 is per channel
+MARLIN_GROUP_SIZES = (32, 64, 128)
+#: Machete (Hopper's weight-only int kernel): per channel, or these group sizes
+MACHETE_GROUP_SIZES = (64, 128)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Whether vLLM serves one scheme on one compute capability."""
+
+    status: str
+    kernel: str
+
+    @property
+    def serves(self) -> bool:
+        return self.status != "none"
+
+
+def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
+                 capability: tuple[int, int]) -> Serving:
+    """The table's answer for a layer quantized with ``weights`` (and ``inputs``) on ``capability``."""
+    cc = capability[0] * 10 + capability[1]
+    if weights.type == "float":
+        return _fp8(weights, inputs, cc)
+    if inputs is not None:
+        return _int8_w8a8(weights, cc)
+    return _weight_only_int(weights, cc)
+
+
+def _weight_only_int(weights: QuantizationArgs, cc: int) -> Serving:
+    if weights.strategy not in ("channel", "group"):
+        return Serving("none", f"int{weights.num_bits} weight-only per {weights.strategy}: vLLM's WNA16 scheme takes "
+                               f"channel or group strategies only")
+    if weights.num_bits not in (4, 8):
+        return Serving("none", f"int{weights.num_bits}: vLLM's WNA16 kernels take 4 or 8 bits")
+    group = weights.group_size if weights.strategy == "group" else -1
+    marlin_group = group == -1 or group in MARLIN_GROUP_SIZES
+    marlin_type = weights.symmetric or weights.num_bits == 4  # asymmetric: Marlin's uint4 (AWQ style) only
+    if cc < 60:
+        return Serving("none", "compute capability below 6.0: no weight-only int kernel")
+    if cc == 90 and weights.symmetric and (group == -1 or group in MACHETE_GROUP_SIZES):
+        return Serving("native", "Machete (Hopper)")
+    if cc >= 75 and marlin_group and marlin_type:
+        return Serving("native", "Marlin")
+    if weights.symmetric:
+        why = f"group size {group} is not one Marlin takes ({', '.join(map(str, MARLIN_GROUP_SIZES))}, channel)" \
+            if not marlin_group else "no Marlin below compute capability 7.5"
+        return Serving("fallback", f"Exllama/Triton ({why})")
+    why = "asymmetric 8-bit" if not marlin_type else f"asymmetric, group size {group}"
+    return Serving("none", f"{why}: no vLLM kernel (Marlin takes asymmetric int4 with groups "
+                           f"{', '.join(map(str, MARLIN_GROUP_SIZES))} or per channel)")
+
+
+def _fp8(weights: QuantizationArgs, inputs: QuantizationArgs | None, cc: int) -> Serving:
+    if cc < 75:
+        return Serving("none", "FP8 needs compute capability 7.5 or higher (FP8 Marlin, weight-only)")
+    if weights.strategy == "block":
+        if cc >= 90:
+            return Serving("native", "CUTLASS/DeepGEMM block FP8")
+        return Serving("fallback", "Triton/Marlin block FP8 (no CUTLASS block FP8 below Hopper)")
+    if inputs is None:
+        return Serving("native" if cc >= 89 else "fallback", "FP8 weight-only (Marlin FP8)")
+    if cc >= 89:
+        return Serving("native", "CUTLASS FP8 scaled matmul")
+    return Serving("fallback", "weight-only FP8 Marlin (no FP8 tensor cores below 8.9: inputs stay 16-bit)")
+
+
+def _int8_w8a8(weights: QuantizationArgs, cc: int) -> Serving:
+    if weights.num_bits != 8:
+        return Serving("none", f"int{weights.num_bits} weights with quantized inputs: no vLLM kernel")
+    if cc < 75:
+        return Serving("none", "int8 W8A8 needs compute capability 7.5 or higher")
+    if cc >= 100:
+        return Serving("none", "int8 W8A8 is not supported on compute capability 10.0 and above (vLLM docs)")
+    return Serving("native", "CUTLASS int8 scaled matmul")

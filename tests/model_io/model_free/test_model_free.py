@@ -1,0 +1,185 @@
+"""Model-free compression: the bytes an in-memory data-free run saves, without a model class, shard by shard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import layerwise
+from layerwise.model_io.model_free import ModelFreeError, compress_model_free
+from layerwise.model_io.saving import OutputExistsError, OutputIsInputError
+
+G32 = "{QuantizationModifier: {scheme: W4A16, group_size: 32}}"
+RECIPES = {
+    "W4A16_G32": G32,
+    "W4A16_ASYM_G32": "{QuantizationModifier: {scheme: W4A16_ASYM, group_size: 32}}",
+    "W8A16": "W8A16",
+    "W8A8": "W8A8",
+    "FP8_DYNAMIC": "FP8_DYNAMIC",
+}
+
+
+def _save_llama(folder: Path, shard: str | None = "100KB", **overrides) -> Path:
+    from tests.conftest import build_tiny_llama, make_word_tokenizer
+
+    model = build_tiny_llama(**overrides).to(torch.bfloat16)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    make_word_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def sharded_llama(tmp_path):
+    folder = _save_llama(tmp_path / "llama")
+    assert len(list(folder.glob("*.safetensors"))) >= 2
+    return folder
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(file))
+    return found
+
+
+def _assert_same_output(model_free: Path, in_memory: Path) -> None:
+    a, b = _tensors(model_free), _tensors(in_memory)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    config_a = json.loads((model_free / "config.json").read_text())["quantization_config"]
+    config_b = json.loads((in_memory / "config.json").read_text())["quantization_config"]
+    assert config_a == config_b
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_bit_identical_to_the_in_memory_run(sharded_llama, tmp_path, name):
+    recipe = RECIPES[name]
+    report = compress_model_free(sharded_llama, recipe, tmp_path / "free", workers=2 if name == "W4A16_G32" else 1)
+    layerwise.compress(str(sharded_llama), recipe, output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    _assert_same_output(tmp_path / "free", tmp_path / "memory")
+    assert len(report.compressed_modules) == 14 and report.pipeline == "model-free"
+    index = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(p.name for p in sharded_llama.glob("*.safetensors"))
+
+
+def test_compress_with_weights_model_free_is_the_same_run(sharded_llama, tmp_path):
+    report = layerwise.compress(str(sharded_llama), G32, output_dir=tmp_path / "out", show_progress=False,
+                                options=layerwise.CompressOptions.of(weights="model-free", workers=1))
+    assert report.pipeline == "model-free" and (tmp_path / "out" / "layerwise_summary.json").is_file()
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "recipe.yaml").is_file()
+    assert layerwise.CompressOptions.of(weights="model-free").as_dict()["weights"] == "model-free"
+
+
+def test_an_architecture_transformers_does_not_know(tmp_path):
+    folder = _save_llama(tmp_path / "mystery", shard=None)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mystery-lm", architectures=["MysteryForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception):  # noqa: B017 - what a model class would need: transformers refuses it
+        layerwise.load_model(str(folder))
+    report = compress_model_free(folder, G32, tmp_path / "out", workers=1)
+    out = tmp_path / "out"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == "mystery-lm" and saved["quantization_config"]["ignore"] == ["lm_head"]
+    tensors = _tensors(out)
+    assert "model.layers.0.mlp.down_proj.weight_packed" in tensors and "lm_head.weight" in tensors
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # embeddings are not Linear layers
+    assert len(report.compressed_modules) == 14
+
+
+def test_the_output_reloads_with_transformers_as_the_in_memory_output_does(sharded_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    compress_model_free(sharded_llama, "W8A16", tmp_path / "free", workers=1)
+    layerwise.compress(str(sharded_llama), "W8A16", output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    logits = [AutoModelForCausalLM.from_pretrained(tmp_path / which).eval()(ids).logits
+              for which in ("free", "memory")]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_targets_and_ignore_are_patterns_on_tensor_names_with_did_you_mean(sharded_llama, tmp_path):
+    only_mlp = "{QuantizationModifier: {scheme: W8A16, targets: ['re:.*mlp\\..*_proj'], ignore: [lm_head]}}"
+    report = compress_model_free(sharded_llama, only_mlp, tmp_path / "mlp", workers=1)
+    assert sorted(report.compressed_modules) == sorted(f"model.layers.{i}.mlp.{p}_proj" for i in range(2)
+                                                       for p in ("gate", "up", "down"))
+    config = json.loads((tmp_path / "mlp" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.q_proj" in config["ignore"]  # the loader leaves them dense
+    typo = "{QuantizationModifier: {scheme: W8A16, targets: [model.layers.0.mlp.down_prj]}}"
+    with pytest.raises(ModelFreeError, match="did you mean 'model.layers.0.mlp.down_proj'"):
+        compress_model_free(sharded_llama, typo, tmp_path / "typo")
+    with pytest.raises(ModelFreeError, match="class name.*pattern"):
+        compress_model_free(sharded_llama, "{QuantizationModifier: {scheme: W8A16, targets: [LlamaMLP]}}",
+                            tmp_path / "class")
+    with pytest.raises(ModelFreeError, match="GPTQModifier cannot run model-free.*calibration data"):
+        compress_model_free(sharded_llama, "GPTQ_W8A16", tmp_path / "gptq")
+    with pytest.raises(ModelFreeError, match="group_size 128 does not divide in_features 64"):
+        compress_model_free(sharded_llama, "W4A16", tmp_path / "g128")
+    assert not any((tmp_path / name).exists() for name in ("typo", "class", "gptq", "g128"))
+
+
+def test_a_folder_too_large_for_the_memory_is_refused_before_any_work(sharded_llama, tmp_path, monkeypatch):
+    from layerwise.model_io.model_free import run
+
+    monkeypatch.setattr(run.memory_policy, "available_memory", lambda: 64 * 1024)
+    monkeypatch.setattr(run, "run_shard", lambda job: pytest.fail("a shard ran"))
+    with pytest.raises(ModelFreeError, match=r"a model-free worker needs ~.* MiB .* 0.06 MiB is available"):
+        compress_model_free(sharded_llama, G32, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_memory_bounds_the_workers(sharded_llama, monkeypatch):
+    from layerwise.model_io.model_free import run
+
+    shards, tensors = run._shards(sharded_llama)
+    all_layers = run.layers(tensors)
+    jobs = run._layer_jobs(layerwise.host.recipe.parse_recipe(G32), all_layers, [])
+    by_file = {file: [job for job in jobs.values() if all_layers[job.module].file == file] for file in shards}
+    need = run.worker_memory(shards, by_file, all_layers)
+    largest = max(all_layers.values(), key=lambda layer: layer.rows * layer.columns)  # 128 x 64 (MLP)
+    assert need >= largest.rows * largest.columns * 4 * run.WORK_COPIES
+    monkeypatch.setattr(run.memory_policy, "available_memory", lambda: 2 * need)
+    assert run._workers(None, shards, by_file, all_layers, tensors) == min(2, len(shards))
+
+
+def test_the_output_is_written_completely_or_not_at_all(sharded_llama, tmp_path, monkeypatch):
+    from layerwise.model_io.model_free import run
+
+    calls = []
+
+    def fail_on_second(job):
+        calls.append(job)
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+        return original(job)
+
+    original = run.run_shard
+    monkeypatch.setattr(run, "run_shard", fail_on_second)
+    with pytest.raises(RuntimeError, match="disk full"):
+        compress_model_free(sharded_llama, G32, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    with pytest.raises(OutputIsInputError):
+        compress_model_free(sharded_llama, G32, sharded_llama / "inside")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        compress_model_free(sharded_llama, G32, tmp_path / "taken")
+    monkeypatch.setattr(run, "run_shard", original)
+    compress_model_free(sharded_llama, G32, tmp_path / "out", workers=1)
+    compress_model_free(sharded_llama, G32, tmp_path / "out", workers=1, overwrite=True)  # a layerwise output
+
+
+def test_the_cli_flag(sharded_llama, tmp_path, capsys):
+    from layerwise.cli import main
+
+    assert main(["compress", "--model", str(sharded_llama), "--model-free", "--recipe", "W8A16", "--output-dir",
+                 str(tmp_path / "out"), "--workers", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline:           model-free" in out and "modules compressed: 14" in out

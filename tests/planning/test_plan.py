@@ -1,0 +1,139 @@
+"""``layerwise plan``: built on meta from the config, the same checks as compress, numbers from shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.cli import main
+from layerwise.planning.estimate import forward_flops
+from layerwise.planning.plan import PlanError
+
+GROUP32 = "{QuantizationModifier: {scheme: W4A16, group_size: 32}}"
+
+
+@pytest.fixture
+def bf16_llama_dir(tmp_path):
+    from tests.conftest import build_tiny_llama, make_word_tokenizer
+
+    model = build_tiny_llama().to(torch.bfloat16)
+    folder = tmp_path / "tiny-llama-bf16"
+    model.save_pretrained(folder)
+    make_word_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
+def _no_weight_read(monkeypatch):
+    """Any read of a tensor's bytes fails the test: a plan reads headers only."""
+    import safetensors
+
+    from layerwise.model_io.streaming import safetensors_io
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan read weights")
+
+    monkeypatch.setattr(safetensors_io.MappedFiles, "tensor", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_a_plan_reads_no_weight_and_reports_targets_pieces_and_layers(bf16_llama_dir, monkeypatch):
+    _no_weight_read(monkeypatch)
+    plan = layerwise.plan(str(bf16_llama_dir), GROUP32)
+    assert plan.ok, plan.errors
+    assert plan.patch == "llama" and plan.dtype == torch.bfloat16
+    assert plan.targets == ("LlamaDecoderLayer",) and "model.layers.0-1" in plan.targets_found
+    assert [p.label for p in plan.pieces][:2] == ["model.layers.0", "model.layers.1"] and len(plan.pieces) == 3
+    assert len(plan.layers) == 14 and "lm_head" not in plan.layers  # the preset ignores the head
+    assert plan.checkpoint is not None and plan.checkpoint.tensors == 21
+    assert plan.samples == 0 and "forwards" not in plan.flops  # data-free: no calibration forwards
+
+
+@pytest.mark.parametrize("recipe", ["W8A16", "W4A16_ASYM_G32", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK_SMALL"])
+def test_the_planned_output_size_is_what_the_saver_counts(bf16_llama_dir, recipe):
+    recipes = {"W4A16_ASYM_G32": "{QuantizationModifier: {scheme: W4A16_ASYM, group_size: 32}}",
+               "FP8_BLOCK_SMALL": "{QuantizationModifier: {scheme: {preset: FP8_BLOCK, block_structure: [32, 48], "
+                                      "input_activations: {type: float, strategy: group, group_size: 32, "
+                                      "dynamic: true}}}}"}
+    recipe = recipes.get(recipe, recipe)
+    plan = layerwise.plan(str(bf16_llama_dir), recipe)
+    assert plan.ok, plan.errors
+    model = layerwise.compress(str(bf16_llama_dir), recipe, show_progress=False)
+    assert plan.output_bytes == model.layerwise_report.bytes_after
+    assert plan.weight_bytes == model.layerwise_report.bytes_before
+
+
+def test_a_target_typo_fails_the_plan_and_compress_before_the_model_loads(bf16_llama_dir, monkeypatch, capsys):
+    from layerwise.tracing.targets import TargetError
+
+    plan = layerwise.plan(str(bf16_llama_dir), GROUP32, options=layerwise.CompressOptions.of(
+        sequential_targets=["LlamaDecoderLayr"]))
+    assert not plan.ok and "LlamaDecoderLayer" in plan.errors[0]  # did you mean
+    assert main(["plan", "--model", str(bf16_llama_dir), "--recipe", GROUP32, "--targets", "LlamaDecoderLayr"]) == 1
+    assert "verdict: will not run as asked" in capsys.readouterr().out
+
+    from layerwise.verbs import compression
+
+    monkeypatch.setattr(compression, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(TargetError, match="LlamaDecoderLayer"):
+        layerwise.compress(str(bf16_llama_dir), GROUP32, show_progress=False, options=layerwise.CompressOptions.of(
+            sequential_targets=["LlamaDecoderLayr"], weights="memory"))
+
+
+def test_smoothing_mappings_that_match_nothing_are_an_error(bf16_llama_dir):
+    recipe = ("{SmoothQuantModifier: {mappings: [[[re:.*nothing_proj], re:.*input_layernorm]]}, "
+              "QuantizationModifier: {scheme: W8A8}}")
+    plan = layerwise.plan(str(bf16_llama_dir), recipe, dataset=["some text"] * 4)
+    assert not plan.ok and "SmoothQuantModifier" in plan.errors[0]
+    found = layerwise.plan(str(bf16_llama_dir), "{SmoothQuantModifier: {}, QuantizationModifier: {scheme: W8A8}}",
+                           dataset=["some text"] * 4)
+    assert found.ok, found.errors
+    assert any("input_layernorm -> " in m and "q_proj" in m for m in found.mappings["SmoothQuantModifier"])
+
+
+def test_memory_choices_follow_the_machine_planned_for(bf16_llama_dir):
+    size = layerwise.plan(str(bf16_llama_dir), GROUP32).checkpoint.bytes
+    roomy = layerwise.plan(str(bf16_llama_dir), GROUP32, host_memory=2**40)
+    assert roomy.chosen.weights == "memory" and all(c.fits for c in roomy.choices)
+    # less than 1.5x the checkpoint: auto streams (compress's rule); a chosen weights=memory does not fit
+    small = layerwise.plan(str(bf16_llama_dir), GROUP32, host_memory=size)
+    assert small.chosen.weights == "stream"
+    tight = layerwise.plan(str(bf16_llama_dir), GROUP32, host_memory=size,
+                           options=layerwise.CompressOptions.of(weights="memory"))
+    assert not tight.ok and "does not fit" not in tight.errors[0] and "weights=memory" in tight.errors[0]
+
+
+def test_a_gpu_too_small_for_a_piece_is_an_error_naming_it(bf16_llama_dir):
+    plan = layerwise.plan(str(bf16_llama_dir), "GPTQ_W8A16", dataset=["a b c"] * 8, max_seq_length=64,
+                          gpu_memory=2**18, serve_on="A100")
+    assert not plan.ok and "on the GPU" in plan.errors[0] and "model.layers" in plan.errors[0]
+    hessians = plan.pieces[0].statistics
+    assert hessians == sum(4 * layer.columns ** 2 for layer in plan.layers.values() if ".layers.0." in layer.name)
+
+
+def test_serving_on_a_named_gpu_without_a_kernel_fails_the_plan(bf16_llama_dir, capsys):
+    asym8 = "{QuantizationModifier: {scheme: W8A16, symmetric: false}}"
+    assert main(["plan", "--model", str(bf16_llama_dir), "--recipe", asym8, "--serve-on", "H100"]) == 1
+    out = capsys.readouterr().out
+    assert "none (asymmetric 8-bit" in out and "verdict: will not run as asked" in out
+    assert main(["plan", "--model", str(bf16_llama_dir), "--recipe", "W8A16", "--serve-on", "H100"]) == 0
+    assert "native (Machete (Hopper))" in capsys.readouterr().out
+
+
+def test_forward_flops_count_two_per_weight_and_token_plus_attention(tiny_llama):
+    config = tiny_llama.config
+    per_layer = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 3 * 64 * 128  # q, k, v (2 kv heads), o; gate, up, down
+    matrices = config.num_hidden_layers * per_layer // 2 + 128 * 64  # + lm_head (the embedding is left out)
+    tokens, seq = 10, 5
+    expected = 2 * matrices * tokens + 4 * seq * 64 * 2 * tokens
+    assert forward_flops(tiny_llama, tokens, seq, 2, 64) == expected
+
+
+def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir, monkeypatch):
+    from layerwise.runtime import memory_policy
+
+    monkeypatch.setattr(memory_policy, "available_memory", lambda: 4096)
+    with pytest.raises(PlanError, match="weights=memory, offload=cpu needs"):
+        layerwise.compress(str(bf16_llama_dir), GROUP32, show_progress=False,
+                           options=layerwise.CompressOptions.of(weights="memory", offload="cpu"))
