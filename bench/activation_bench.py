@@ -26,7 +26,11 @@ calibration samples), plus ``fp32``:
   QuantizationModifier(scheme="W4A16_ASYM", targets=["Linear"], ignore=...)]``;
 * ``AWQ 3-bit g128``: the same at 3 bits (asymmetric, group 128): layerwise ``AWQModifier`` with
   ``scheme: {preset: W4A16_ASYM, num_bits: 3}``; llm-compressor's quantizer gets the W4A16_ASYM
-  preset's scheme with ``num_bits=3`` as its one config group.
+  preset's scheme with ``num_bits=3`` as its one config group;
+* ``NVFP4A16``, ``MXFP4A16``, ``MXFP8A16``, ``W4AFP8``: the preset of that name, round-to-nearest,
+  data-free on both sides (``QuantizationModifier(scheme=...)``);
+* ``GPTQ NVFP4A16``, ``GPTQ MXFP4A16``: layerwise's ``GPTQ_<preset>``, llm-compressor's
+  ``GPTQModifier(scheme=<preset>)``, both tools' GPTQ defaults.
 
 Ignored on both sides: ``lm_head`` (tiny-llama), the pooler (MiniLM), as gptq_bench's ``ignore``; the
 layerwise presets take the same from the model patch.
@@ -131,7 +135,17 @@ CONFIGS: dict[str, dict | None] = {
     "FP8_DYNAMIC": {"recipe": "FP8_DYNAMIC", "data": False},
     "AWQ W4A16_ASYM": {"recipe": "AWQ_W4A16_ASYM", "data": True},
     "AWQ 3-bit g128": {"recipe": {"AWQModifier": {"scheme": {"preset": "W4A16_ASYM", "num_bits": 3}}}, "data": True},
+    # the low-bit float formats (GUIDE "Low-bit float weights"), round-to-nearest and GPTQ
+    "NVFP4A16": {"recipe": "NVFP4A16", "data": False},
+    "MXFP4A16": {"recipe": "MXFP4A16", "data": False},
+    "MXFP8A16": {"recipe": "MXFP8A16", "data": False},
+    "W4AFP8": {"recipe": "W4AFP8", "data": False},
+    "GPTQ NVFP4A16": {"recipe": "GPTQ_NVFP4A16", "data": True},
+    "GPTQ MXFP4A16": {"recipe": "GPTQ_MXFP4A16", "data": True},
 }
+#: configurations that are one llm-compressor preset: QuantizationModifier (round-to-nearest) or GPTQModifier
+PRESET_CONFIGS = {"NVFP4A16": "rtn", "MXFP4A16": "rtn", "MXFP8A16": "rtn", "W4AFP8": "rtn",
+                  "GPTQ NVFP4A16": "gptq", "GPTQ MXFP4A16": "gptq"}
 #: the fp32 run writes the MiniLM reference embeddings here (a file in the run's temporary folder)
 REFERENCE_ENV = "LAYERWISE_BENCH_REFERENCE"
 #: the smoothing mappings of layerwise's model patch (JSON), read by the fp32 run, given to llm-compressor
@@ -342,6 +356,11 @@ def llmcompressor_recipe(config: str, mappings: list, ignore: list[str]) -> list
         return [QuantizationModifier(scheme="W8A8", targets="Linear", ignore=ignore)]
     if config == "FP8_DYNAMIC":
         return [QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear", ignore=ignore)]
+    if config in PRESET_CONFIGS:
+        scheme = config.removeprefix("GPTQ ")
+        if PRESET_CONFIGS[config] == "gptq":
+            return [GPTQModifier(scheme=scheme, targets="Linear", ignore=ignore)]
+        return [QuantizationModifier(scheme=scheme, targets="Linear", ignore=ignore)]
     from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
 
     awq = AWQModifier(mappings=[AWQMapping(smoothed, balance) for balance, smoothed in mappings],

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from layerwise.algorithms.quantization.float_formats import e8m0_values, fp4_values, unpack_fp4
 from layerwise.algorithms.sparsity.bitmask import DECODERS, PARTS, SparseFormatError
 from layerwise.algorithms.sparsity.masks import parse_mask_structure
 from layerwise.algorithms.sparsity.storage import mark_sparse
@@ -83,12 +84,16 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     fmt = sparse_format(loaded)
     if fmt is None:
         cls = model_class or checkpoint_class(loaded, folder)
-        if "quantization_config" not in kwargs and packed_asymmetric(loaded):
+        bfloat16 = kwargs.get("dtype") in (torch.bfloat16, "bfloat16")
+        redecode = packed_fp4(loaded) and not bfloat16 and "quantization_config" not in kwargs
+        if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or redecode):
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
         result = cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
+        if redecode and folder.is_dir():
+            decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
         return result
     return load_sparse(folder, loaded, model_class, **kwargs)
 
@@ -102,6 +107,59 @@ def packed_asymmetric(config: Any) -> bool:
     return not quant.get("dequantize") and quant.get("format") in ("pack-quantized", "mixed-precision") and any(
         not (group.get("weights") or {}).get("symmetric", True)
         for group in (quant.get("config_groups") or {}).values())
+
+
+#: the formats compressed-tensors 0.20 decompresses in bfloat16 whatever the model's dtype
+BFLOAT16_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+
+
+def packed_fp4(config: Any) -> bool:
+    """Does the folder hold NVFP4 / MXFP4 / MXFP8 weights? compressed-tensors 0.20 decodes them in bfloat16
+    (FP4 unpacked, E8M0 scales) and its compressed forward then fails in a float32 model ("self and mat2
+    must have the same dtype");
+    transformers' dequantize-on-load path gives dense weights in the model's dtype (bfloat16-exact: in a
+    float32 model they are the bfloat16-rounded values), without input quantization. :func:`load_compressed`
+    takes that path unless ``dtype=torch.bfloat16`` is asked for, where compressed-tensors' own forward runs
+    (input quantization included)."""
+    quant = quantization_config(config)
+    formats = {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
+    return bool(formats & set(BFLOAT16_FORMATS))
+
+
+@torch.no_grad()
+def decode_float_formats(model: torch.nn.Module, folder: Path) -> list[str]:
+    """Decode the folder's NVFP4 / MXFP4 / MXFP8 weights again in float32 into ``model`` (loaded dequantized):
+    compressed-tensors 0.20 decodes them in bfloat16, which in a float32 model is not the checkpoint's value
+    (``q * s8 / g`` needs more bits); returns the layers decoded."""
+    from safetensors import safe_open
+
+    decoded = []
+    prefix = getattr(model, "base_model_prefix", "")
+    for file in _weight_files(folder):
+        with safe_open(str(file), "pt") as tensors:
+            keys = set(tensors.keys())
+            for key in sorted(k for k in keys if k.endswith(".weight_scale")):
+                stem = key.removesuffix(".weight_scale")
+                scale = tensors.get_tensor(key)
+                if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:  # NVFP4
+                    values = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed")))
+                    block = scale.to(torch.float32) / tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
+                elif scale.dtype == torch.uint8 and f"{stem}.weight_packed" in keys:  # MXFP4
+                    values, block = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), e8m0_values(scale)
+                elif scale.dtype == torch.uint8 and f"{stem}.weight" in keys:  # MXFP8
+                    values, block = tensors.get_tensor(f"{stem}.weight").to(torch.float32), e8m0_values(scale)
+                else:
+                    continue
+                candidates = [stem, stem.removeprefix(f"{prefix}."), f"{prefix}.{stem}"] if prefix else [stem]
+                module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
+                weight = getattr(module, "weight", None)
+                if weight is None or tuple(weight.shape) != tuple(values.shape):
+                    continue
+                group = values.shape[1] // block.shape[1]
+                exact = (values.reshape(*block.shape, group) * block.unsqueeze(-1)).reshape(values.shape)
+                weight.copy_(exact.to(weight.dtype))
+                decoded.append(stem)
+    return decoded
 
 
 def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:

@@ -109,9 +109,10 @@ class AWQModifier(QuantizationModifier):
         self.mappings = recipe_mappings(self.mappings, owner)
         super().__post_init__()
         inputs = getattr(self, "input_args", None)  # a scheme that also quantizes layer inputs
-        if inputs is not None and not getattr(inputs, "dynamic", True):
-            raise RecipeError(f"{owner}: static input scales would be calibrated on inputs that smoothing then "
-                              f"rescales; use a weight-only scheme (W4A16_ASYM, W4A16, W8A16) or a dynamic one")
+        if inputs is not None and inputs.calibrated:  # static scales, NVFP4's global input scale
+            raise RecipeError(f"{owner}: calibrated input scales would be calibrated on inputs that smoothing then "
+                              f"rescales; use a weight-only scheme (W4A16_ASYM, W4A16, W8A16, NVFP4A16) or a "
+                              f"dynamic one")
         #: one record per mapping: smoothed, balance, method, alpha, loss, rtn_loss, tokens, seconds
         self.summary: list[dict[str, Any]] = []
         #: the scales folded in, per smoothed module (float32, on the CPU)

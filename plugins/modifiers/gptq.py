@@ -48,6 +48,7 @@ from layerwise.plugin.quantization import (
     GPTQError,
     GPTQResult,
     QuantizationArgs,
+    global_scales,
     gptq_quantize,
     linear_weight,
     rtn_quantize,
@@ -195,6 +196,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     def quantize_modules(self, names: list[str], state: CompressionState | None = None) -> None:
         """Quantize layers ``names`` (:meth:`quantize_module` each); with several ranks each rank solves its
         share and every rank applies them all."""
+        self.prepare_global_scales(names)  # NVFP4: fixed (and fused) from the weights before any is solved
         if world_size() == 1:
             for group in self._stackable_runs(names):
                 solved = self._solve_stacked(group) if len(group) > 1 else [self._solve(group[0])]
@@ -286,13 +288,23 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
                 with self._accounting.timed(SOLVE_PHASE, gptq_solve_flops(*weight.shape)):
                     result = gptq_quantize(weight, hessian, self.args, observer=self._observer,
                                            block_size=self.block_size, dampening_frac=self.dampening_frac,
-                                           scale_dtype=dtype, pruned=pruned)
+                                           scale_dtype=dtype, pruned=pruned, global_scale=self._global_scale(name))
             except GPTQError as exc:
                 reason = str(exc)
             del hessian
         if result is None:
-            result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype)
+            result = rtn_quantize(weight, self.args, observer=self._observer, scale_dtype=dtype,
+                                  global_scale=self._global_scale(name))
         return _Solved(result, reason, samples, dropped, time.perf_counter() - start, extra)
+
+    def _global_scale(self, name: str) -> torch.Tensor | None:
+        """NVFP4: the layer's global scale (:meth:`prepare_global_scales`; its own weight's when not prepared)."""
+        if self.args.float_format != "nvfp4":
+            return None
+        if name not in self._global_scales:
+            self._global_scales[name] = global_scales({name: linear_weight(self._modules[name]).detach()},
+                                                      self.args)[name]
+        return self._global_scales[name]
 
     @torch.no_grad()
     def _apply(self, name: str, module: torch.nn.Module, solved: _Solved, state: CompressionState | None) -> None:
@@ -304,7 +316,8 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
             message = f"GPTQ: layer {name!r} is rounded to nearest instead: {solved.fallback}"
             warn_user(message, GPTQFallbackWarning)
         set_quantized_weight(module, result.weight, result.scale, result.zero_point, self.args, result.g_idx,
-                             on_grid=True)
+                             on_grid=True, global_scale=self._global_scale(name))
+        self._global_scales.pop(name, None)
         self.quantize_inputs(name, module)
         self._done.add(name)
         samples, dropped = solved.samples, solved.dropped

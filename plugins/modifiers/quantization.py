@@ -33,8 +33,10 @@ from layerwise.plugin.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
+    global_scales,
     is_transposed,
     linear_weight,
+    nvfp4_global_scale,
     read_config_groups,
     resolve_scheme,
     set_input_quantization,
@@ -82,11 +84,13 @@ class QuantizationModifier(Modifier):
         self._done: set[str] = set()
         self._observer: Any = None
         self._input_observers: dict[str, Any] = {}
+        self._global_scales: dict[str, torch.Tensor] = {}
 
     @property
     def requires_data(self) -> bool:  # type: ignore[override]
-        """Only static input scales need calibration data; weights and dynamic inputs do not."""
-        return self.input_args is not None and not self.input_args.dynamic
+        """Only calibrated input scales (static ones, NVFP4's global one) need data; weights and dynamic inputs
+        do not."""
+        return self.input_args is not None and self.input_args.calibrated
 
     # -- configuration -----------------------------------------------------------------
     def _take_config_group(self) -> None:
@@ -131,6 +135,7 @@ class QuantizationModifier(Modifier):
                 raise RecipeError(f"{type(self).__name__}: layer {transposed!r} is a transformers Conv1D (GPT-2 "
                                   f"style): input-activation quantization is for nn.Linear layers only; use a "
                                   f"weight-only scheme (W4A16, W8A16) or add it to ignore")
+        check_float_format(type(self).__name__, self.args, modules)
         inputs = self.input_args
         if inputs is not None and inputs.strategy == "group":
             for name, module in modules.items():
@@ -138,7 +143,7 @@ class QuantizationModifier(Modifier):
                     raise RecipeError(f"{type(self).__name__}: input_activations group_size {inputs.group_size} does "
                                       f"not divide the {linear_weight(module).shape[-1]} inputs of layer {name!r}; "
                                       f"add it to ignore or choose a group size that divides it")
-        if self.args.strategy == "group":
+        if self.args.strategy == "group" and self.args.float_format is None:
             for name, module in modules.items():
                 in_features = linear_weight(module).shape[-1]
                 if in_features % self.args.group_size:
@@ -170,7 +175,7 @@ class QuantizationModifier(Modifier):
 
     def _observe_inputs(self) -> None:
         """Static input scales: one observer per layer, fed by a pre-hook until the layer is quantized."""
-        if self.input_args is None or self.input_args.dynamic:
+        if self.input_args is None or not self.input_args.calibrated:
             return
         observer_cls = registry("observers").get(self.input_args.observer)
         for name, module in self._modules.items():
@@ -189,22 +194,33 @@ class QuantizationModifier(Modifier):
                 observer.reduce(reducer)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
-        for name in self._modules:
-            if name not in self._done and _in_piece(name, modules):
-                self.quantize_module(name, self._modules[name])
+        names = [name for name in self._modules if name not in self._done and _in_piece(name, modules)]
+        self.prepare_global_scales(names)
+        for name in names:
+            self.quantize_module(name, self._modules[name])
 
     def on_calibration_end(self, state: CompressionState) -> None:
-        for name, module in self._modules.items():
-            if name not in self._done:
-                self.quantize_module(name, module)
+        names = [name for name in self._modules if name not in self._done]
+        self.prepare_global_scales(names)
+        for name in names:
+            self.quantize_module(name, self._modules[name])
+
+    def prepare_global_scales(self, names: list[str]) -> None:
+        """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the
+        projections a server fuses (q/k/v, gate/up); nothing for other formats."""
+        weights = {name: linear_weight(self._modules[name]).detach() for name in names}
+        self._global_scales.update(global_scales(weights, self.args))
 
     # -- work --------------------------------------------------------------------------
     @torch.no_grad()
     def quantize_module(self, name: str, module: torch.nn.Module) -> None:
         """Round-to-nearest: observe the weight, compute qparams, store the fake-quantized weight."""
         weight = linear_weight(module).detach().to(torch.float32)
-        scale, zero_point = weight_qparams(weight, self.args, self._observer)
-        set_quantized_weight(module, weight, scale, zero_point, self.args)
+        global_scale = self._global_scales.pop(name, None)
+        if global_scale is None and self.args.float_format == "nvfp4":
+            global_scale = global_scales({name: weight}, self.args)[name]
+        scale, zero_point = weight_qparams(weight, self.args, self._observer, global_scale)
+        set_quantized_weight(module, weight, scale, zero_point, self.args, global_scale=global_scale)
         self.quantize_inputs(name, module)
         self._done.add(name)
 
@@ -212,7 +228,7 @@ class QuantizationModifier(Modifier):
         """After the weight: make the layer quantize its input as the scheme says (calibrated scale if static)."""
         if self.input_args is None:
             return
-        if self.input_args.dynamic:
+        if not self.input_args.calibrated:
             set_input_quantization(module, self.input_args)
             return
         observer = self._input_observers.pop(name, None)
@@ -220,6 +236,11 @@ class QuantizationModifier(Modifier):
             raise RecipeError(f"{type(self).__name__}: layer {name!r} saw no calibration data, so its static input "
                               f"scale cannot be calibrated; give data that reaches it, add it to ignore, or use a "
                               f"dynamic scheme (W8A8, FP8_DYNAMIC)")
+        if self.input_args.strategy == "tensor_group":  # NVFP4: the global input scale from the widest range seen
+            low, high = observer.result()
+            amax = torch.maximum(low.abs(), high.abs()).amax()
+            set_input_quantization(module, self.input_args, global_scale=nvfp4_global_scale(amax))
+            return
         scale, zero_point = compute_qparams(*observer.result(), self.input_args)
         set_input_quantization(module, self.input_args, scale, zero_point)
 
@@ -228,6 +249,24 @@ class QuantizationModifier(Modifier):
         ((name, fields),) = super().to_dict().items()
         unset = {f.name for f in dataclasses.fields(self) if f.default is None and getattr(self, f.name) is None}
         return {name: {k: v for k, v in fields.items() if k not in unset}}
+
+
+def check_float_format(owner: str, args: QuantizationArgs, modules: dict[str, torch.nn.Module]) -> None:
+    """The low-bit float formats (NVFP4, MXFP4, MXFP8) scale fixed blocks of input columns of nn.Linear
+    weights: a width the block does not divide, or a transformers Conv1D, is an error naming the layer."""
+    if args.float_format is None:
+        return
+    fmt = args.float_format.upper()
+    for name, module in modules.items():
+        if is_transposed(module):
+            raise RecipeError(f"{owner}: layer {name!r} is a transformers Conv1D (GPT-2 style); {fmt} block scales "
+                              f"are stored for nn.Linear weights only (compressed-tensors and vLLM); add it to "
+                              f"ignore or use an integer scheme (W4A16)")
+        in_features = linear_weight(module).shape[-1]
+        if in_features % args.group_size:
+            raise RecipeError(f"{owner}: {fmt} scales blocks of {args.group_size} input columns; layer {name!r} has "
+                              f"{in_features}, not a multiple of {args.group_size}: add {name!r} to ignore (the "
+                              f"block size is part of the format and cannot change)")
 
 
 def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list[str]]:

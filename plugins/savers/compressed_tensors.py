@@ -11,6 +11,15 @@ On disk, for every quantized Linear called ``<name>``:
   dimension for channel/group strategies, int8 for the tensor strategy;
 * ``<name>.weight_shape`` -- int64 ``[out, in]``.
 
+The low-bit float formats (``args.float_format``) are stored as compressed-tensors 0.20 stores them:
+
+* NVFP4 (``nvfp4-pack-quantized``): ``weight_packed`` uint8 ``(out, in / 2)``, two FP4 E2M1 codes a
+  byte (column ``2k`` in the low nibble), ``weight_scale`` float8_e4m3fn ``(out, in / 16)``,
+  ``weight_global_scale`` float32 ``(1,)``; ``w = q * weight_scale / weight_global_scale``;
+* MXFP4 (``mxfp4-pack-quantized``): ``weight_packed`` as NVFP4, ``weight_scale`` uint8 E8M0 exponents
+  ``(out, in / 32)``; ``w = q * 2**(weight_scale - 127)``;
+* MXFP8 (``mxfp8-quantized``): ``weight`` float8_e4m3fn, ``weight_scale`` as MXFP4.
+
 ``config.json`` gains ``quantization_config`` (``quant_method: compressed-tensors``,
 ``format: pack-quantized`` for int4 and int8 alike -- the weight-only format vLLM runs --
 one config group per distinct set of args, and ``ignore`` listing every Linear
@@ -49,8 +58,12 @@ import torch
 from layerwise.plugin.quantization import (
     QuantizationArgs,
     default_g_idx,
+    e8m0_codes,
+    fp4_codes,
     is_transposed,
     linear_weight,
+    nvfp4_block_scales,
+    pack_fp4,
     quantize_weight,
     quantized_modules,
 )
@@ -157,10 +170,15 @@ def _ct_args(args: QuantizationArgs) -> dict[str, Any]:
         "type": args.type,
         "symmetric": args.symmetric,
         "strategy": args.strategy,
-        "group_size": args.group_size if args.strategy == "group" else None,
+        "group_size": args.group_size if args.strategy in ("group", "tensor_group") else None,
         "dynamic": args.dynamic,
         "observer": None if args.dynamic else args.observer,
     }
+    if args.strategy == "tensor_group" and args.dynamic:  # NVFP4 inputs: block scales dynamic, global calibrated
+        fields.update(dynamic="local", observer=args.observer)
+    if args.scale_dtype is not None:
+        fields["scale_dtype"] = SCALE_DTYPES[args.scale_dtype]
+        fields["zp_dtype"] = SCALE_DTYPES[args.scale_dtype]  # compressed-tensors' presets name both
     if args.block_structure is not None:
         fields["block_structure"] = list(args.block_structure)
     if args.actorder == "static":
@@ -168,14 +186,24 @@ def _ct_args(args: QuantizationArgs) -> dict[str, Any]:
     return fields
 
 
+#: how compressed-tensors names our scale dtypes (E8M0 exponents are stored as uint8)
+SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "e8m0": torch.uint8}
+#: the compressed-tensors format of each low-bit float layout
+FLOAT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
+
+
 def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -> str:
-    """How a layer's weight is stored: float8 as is (``float-quantized``); integers with quantized inputs as
-    int8 tensors (``int-quantized``, what W8A8 kernels read, and what compressed-tensors 0.20 expects of
-    W4A8 too: it infers that format for every integer weight whose inputs are quantized); weight-only
-    integers packed into int32."""
+    """How a layer's weight is stored: the low-bit float layouts in their own formats; float8 as is
+    (``float-quantized``); integers with integer inputs as int8 tensors (``int-quantized``, what W8A8
+    kernels read, and what compressed-tensors 0.20 expects of W4A8 too: it infers that format for
+    every integer weight whose inputs are quantized); int8 with float8 inputs likewise; other
+    integers packed into int32 (``pack-quantized``: weight-only, and W4AFP8, whose int4 weights
+    vLLM's kernel reads packed, as llm-compressor writes them)."""
+    if args.float_format is not None:
+        return FLOAT_FORMATS[args.float_format]
     if args.type == "float":
         return "float-quantized"
-    if input_args is not None and args.type == "int":
+    if input_args is not None and args.type == "int" and (input_args.type == "int" or args.num_bits == 8):
         return "int-quantized"
     return FORMAT
 
@@ -202,7 +230,8 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
         groups[f"group_{i}"] = QuantizationScheme(
             targets=targets, weights=CTArgs(**_ct_args(args)),
             input_activations=None if input_args is None else CTArgs(**_ct_args(input_args)),
-            output_activations=None, format=weight_format(args, input_args) if len(formats) > 1 else None)
+            output_activations=None,
+            format=weight_format(args, input_args) if len(formats) > 1 or packed_with_inputs(args, input_args) else None)
     fmt = (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense"
     config = QuantizationConfig(config_groups=groups, format=fmt,
                                 quantization_status="compressed", ignore=ignore if groups else [])
@@ -211,6 +240,12 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
     if any(packs_zero_point(*key) for key in by_args):
         data["dequantize"] = True  # see the module docstring: transformers' own path for packed zero points
     return data
+
+
+def packed_with_inputs(args: QuantizationArgs, input_args: QuantizationArgs | None) -> bool:
+    """int4 weights with quantized inputs (``W4AFP8``): packed, but compressed-tensors 0.20 infers
+    ``int-quantized`` for any integer weight with quantized inputs, so the group names its format."""
+    return input_args is not None and weight_format(args, input_args) == FORMAT
 
 
 def packs_zero_point(args: QuantizationArgs, input_args: QuantizationArgs | None) -> bool:
@@ -253,6 +288,10 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
     input_args = getattr(module, "input_quantization_args", None)
     fmt = weight_format(args, input_args)
+    if args.float_format is not None:  # symmetric: no zero point
+        state = {f"{prefix}{key}": value for key, value in
+                 float_format_tensors(q, scale, getattr(module, "weight_global_scale", None), args).items()}
+        return {**state, **_input_tensors(prefix, module, input_args)}
     state = {f"{prefix}weight_scale": scale.to(module.weight.dtype).contiguous()}
     if fmt == "float-quantized":
         state[f"{prefix}weight"] = q.to(torch.float8_e4m3fn).contiguous()
@@ -266,11 +305,41 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
         if fmt == FORMAT and args.strategy in ("channel", "group"):
             zp = pack_to_int32(zp, args.num_bits, packed_dim=0)
         state[f"{prefix}weight_zero_point"] = zp.contiguous()
-    if input_args is not None and not input_args.dynamic:
-        state[f"{prefix}input_scale"] = module.input_scale.detach().to("cpu").contiguous()
-        if not input_args.symmetric:
-            state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
-                "cpu", torch.int8).contiguous()
+    return {**state, **_input_tensors(prefix, module, input_args)}
+
+
+def _input_tensors(prefix: str, module: torch.nn.Module, input_args: QuantizationArgs | None) -> dict[str, torch.Tensor]:
+    """The calibrated input scales: static ones (``input_scale``, ``input_zero_point``), NVFP4's float32
+    ``input_global_scale``; nothing for dynamic inputs."""
+    if input_args is None or not input_args.calibrated:
+        return {}
+    if input_args.strategy == "tensor_group":
+        return {f"{prefix}input_global_scale": module.input_global_scale.detach().to("cpu", torch.float32).contiguous()}
+    state = {f"{prefix}input_scale": module.input_scale.detach().to("cpu").contiguous()}
+    if not input_args.symmetric:
+        state[f"{prefix}input_zero_point"] = torch.round(module.input_zero_point.detach()).to(
+            "cpu", torch.int8).contiguous()
+    return state
+
+
+def float_format_tensors(q: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                         args: QuantizationArgs) -> dict[str, torch.Tensor]:
+    """The stored tensors of an NVFP4 / MXFP4 / MXFP8 weight from its grid values ``q`` (``(out, in)``, float),
+    effective float32 block ``scale`` and (NVFP4) ``global_scale``: what compressed-tensors 0.20 writes."""
+    state: dict[str, torch.Tensor] = {}
+    if args.num_bits == 4:
+        state["weight_packed"] = pack_fp4(fp4_codes(q)).contiguous()
+    else:
+        state["weight"] = q.to(torch.float8_e4m3fn).contiguous()
+    if args.float_format == "nvfp4":
+        if global_scale is None:
+            raise SaveError("an NVFP4 layer lacks weight_global_scale; quantize it with layerwise (its global scale "
+                            "is stored beside the block scales)")
+        global_scale = global_scale.detach().to("cpu", torch.float32).reshape(1)
+        state["weight_scale"] = nvfp4_block_scales(scale, global_scale).contiguous()
+        state["weight_global_scale"] = global_scale.contiguous()
+    else:
+        state["weight_scale"] = e8m0_codes(scale).contiguous()
     return state
 
 
@@ -343,19 +412,25 @@ def quantized_bytes(module: torch.nn.Module) -> int:
     input_args = getattr(module, "input_quantization_args", None)
     rows, columns = linear_weight(module).shape
     fmt = weight_format(args, input_args)
-    if fmt == FORMAT:
+    if args.float_format is not None:
+        total = rows * columns * args.num_bits // 8 + module.weight_scale.numel()  # fp8 / e8m0 scales: a byte each
+        total += 4 if args.float_format == "nvfp4" else 0  # the float32 global scale
+    elif fmt == FORMAT:
         total = rows * -(-columns * args.num_bits // 32) * 4 + 2 * 8  # int32 words, and weight_shape
     else:
         total = rows * columns  # int8 or float8
     scale = module.weight_scale
-    total += scale.numel() * module.weight.element_size()  # stored in the weight's dtype
+    if args.float_format is None:
+        total += scale.numel() * module.weight.element_size()  # stored in the weight's dtype
     if not args.symmetric:
         zero_rows = scale.shape[0] if scale.dim() else 1
         if fmt == FORMAT and args.strategy in ("channel", "group"):
             total += -(-zero_rows * args.num_bits // 32) * (scale.numel() // max(zero_rows, 1)) * 4
         else:
             total += scale.numel()  # int8
-    if input_args is not None and not input_args.dynamic:
+    if input_args is not None and input_args.strategy == "tensor_group":
+        total += 4  # the float32 input_global_scale
+    elif input_args is not None and not input_args.dynamic:
         total += module.input_scale.numel() * module.input_scale.element_size()
         if not input_args.symmetric:
             total += module.input_zero_point.numel()

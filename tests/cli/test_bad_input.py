@@ -139,13 +139,13 @@ quant_stage:
       scheme: W4A16
 """
 BINARY = b"w1 w2 w3\n" + bytes(range(256))
-LLMC_FP4 = """\
+LLMC_FP6 = """\
 QuantizationModifier:
   ignore: [lm_head]
   config_groups:
     group_0:
       targets: [Linear]
-      weights: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16}
+      weights: {num_bits: 6, type: float, strategy: group, group_size: 32}
 """
 CHAT = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n"
 
@@ -191,7 +191,7 @@ CASES = [
     ("unknown preset", None, ["--recipe", "W3A16"],
      ["unknown recipe 'W3A16'", "did you mean 'W4A16' or 'W8A16'?"]),
     ("unknown scheme in YAML", None, ["--recipe", "QuantizationModifier: {scheme: W5A16}"],
-     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, W4A16"]),
+     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4"]),
     ("unknown modifier field", None,
      ["--recipe", _file("recipe.yaml", "GPTQModifier:\n  blocksize: 64\n"), "--dataset", _file("c.txt", TEXT)],
      ["'blocksize' (did you mean 'block_size'?)", "valid fields:"]),
@@ -226,9 +226,9 @@ CASES = [
      ["argument --offload: invalid choice: 'gpu'"]),
     # -- coming from llm-compressor
     ("config group layerwise cannot express", None,
-     ["--recipe", _file("recipe.yaml", LLMC_FP4), "--dataset", _file("c.txt", TEXT)],
-     ["recipe.QuantizationModifier.config_groups.group_0.weights: type float with num_bits 4",
-      "nearest: type float, num_bits 8 (FP8"]),
+     ["--recipe", _file("recipe.yaml", LLMC_FP6), "--dataset", _file("c.txt", TEXT)],
+     ["recipe.QuantizationModifier.config_groups.group_0.weights: type float with num_bits 6",
+      "num_bits 8 (FP8 E4M3) or 4 (FP4 E2M1"]),
     ("llm-compressor field with a layerwise equivalent", None,
      ["--recipe", _file("recipe.yaml", "GPTQModifier:\n  scheme: W8A16\n  sequential_targets: [LlamaDecoderLayer]\n"),
       "--dataset", _file("c.txt", TEXT)],

@@ -101,11 +101,11 @@ def test_two_groups_quantize_each_layer_once_and_load_in_plain_transformers(tmp_
 
 
 @pytest.mark.parametrize("group, fragments", [
-    ({"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}},
-     ["config_groups.g.weights: type float with num_bits 4", "nearest: type float, num_bits 8 (FP8"]),
+    ({"targets": ["Linear"], "weights": {"num_bits": 6, "type": "float", "strategy": "group", "group_size": 32}},
+     ["config_groups.g.weights: type float with num_bits 6", "num_bits 8 (FP8 E4M3) or 4 (FP4 E2M1"]),
     ({"targets": ["Linear"], "weights": {"num_bits": 6}}, ["weights.num_bits 6", "nearest: num_bits: 8"]),
     ({"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 16, "strategy": "tensor_group"}},
-     ["weights.strategy 'tensor_group' cannot be expressed", "nearest: strategy: group"]),
+     ["config_groups.g.weights: strategy 'tensor_group'", "NVFP4's: type float, num_bits 4"]),
     ({"targets": ["Linear"], "weights": {"num_bits": 8}, "output_activations": {"num_bits": 8}},
      ["config_groups.g.output_activations", "nearest: input_activations"]),
     ({"targets": ["Linear"], "input_activations": {"num_bits": 8, "dynamic": True}},

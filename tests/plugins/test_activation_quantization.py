@@ -142,7 +142,7 @@ def test_activation_schemes_are_refused_on_conv1d_before_calibrating():
     ({"scheme": {"weights": {"num_bits": 8, "strategy": "token"}}}, r"weights: strategy 'token' is not for weights"),
     ({"scheme": {"preset": "W8A8", "input_activations": {"strategy": "token"}}},
      r"static \(calibrated\) scales are one per tensor; strategy 'token' needs dynamic: true"),
-    ({"scheme": {"weights": {"type": "float", "num_bits": 4}}}, r"type 'float' is float8 e4m3"),
+    ({"scheme": {"weights": {"type": "float", "num_bits": 3}}}, r"type .float. is float8 e4m3 \(num_bits 8\) or fp4"),
 ])
 def test_bad_activation_schemes_are_recipe_errors(fields, message):
     with pytest.raises(RecipeError, match=message):

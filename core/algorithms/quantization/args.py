@@ -15,28 +15,45 @@ from typing import Any
 from layerwise.errors import RecipeError
 
 TYPES = ("int", "float")
-#: tensor / channel / group / block for weights; tensor / token / group for activations
-STRATEGIES = ("tensor", "channel", "group", "block", "token")
-WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
-ACTIVATION_STRATEGIES = ("tensor", "token", "group")
+#: tensor / channel / group / block / tensor_group for weights; tensor / token / group / tensor_group for activations
+STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
+WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block", "tensor_group")
+ACTIVATION_STRATEGIES = ("tensor", "token", "group", "tensor_group")
 BITS = (2, 3, 4, 8)
+FLOAT_BITS = (4, 8)
 ACTORDERS = (None, "static", "group")
+#: how block scales are stored: ``None`` in the weight's dtype; ``float8_e4m3fn`` (NVFP4's block scales, with a
+#: global scale); ``e8m0`` power-of-two exponents (the MX formats; compressed-tensors spells it ``uint8``)
+SCALE_DTYPES = (None, "float8_e4m3fn", "e8m0")
+_SCALE_DTYPE_ALIASES = {"uint8": "e8m0", "torch.uint8": "e8m0", "torch.float8_e4m3fn": "float8_e4m3fn"}
+#: FP4 is stored in exactly two ways (compressed-tensors' formats and vLLM's kernels know no other)
+FP4_LAYOUTS = {"tensor_group": (16, "float8_e4m3fn"), "group": (32, "e8m0")}
 
 
 @dataclass(frozen=True)
 class QuantizationArgs:
     """How one tensor (a weight or a layer's input activations) is quantized.
 
-    * ``type``: ``"int"`` (signed integers) or ``"float"`` (float8 e4m3, 8 bits, symmetric);
-    * ``num_bits``: 2, 3, 4 or 8 for integers (int4 is -8..7, int8 is -128..127);
+    * ``type``: ``"int"`` (signed integers) or ``"float"`` (symmetric: float8 e4m3 with 8 bits, fp4
+      e2m1 with 4, see :mod:`.float_formats`);
+    * ``num_bits``: 2, 3, 4 or 8 for integers (int4 is -8..7, int8 is -128..127), 4 or 8 for floats;
     * ``symmetric``: zero point fixed at 0 (``True``) or fitted to the range;
     * ``strategy``: one scale for the whole ``"tensor"``, one per output ``"channel"``, one per
       ``group_size`` consecutive input columns (``"group"``), one per ``block_structure`` tile of
-      a weight (``"block"``), or one per token of an activation (``"token"``);
+      a weight (``"block"``), one per token of an activation (``"token"``), or one per group with one
+      float32 global scale for the whole tensor (``"tensor_group"``, NVFP4);
     * ``dynamic``: activations only: scales computed from each input as it comes (nothing
+      calibrated or stored; with ``tensor_group``, NVFP4's inputs, the block scales come from each
+      input and the global scale is calibrated: compressed-tensors' ``dynamic: local``)
       calibrated or stored) instead of calibrated once;
     * ``observer``: name of a registered observer that measures the range;
-    * ``actorder``: GPTQ activation ordering (``None``, ``"static"``, ``"group"``).
+    * ``actorder``: GPTQ activation ordering (``None``, ``"static"``, ``"group"``);
+    * ``scale_dtype``: how the scales are stored (:data:`SCALE_DTYPES`): ``None`` in the weight's dtype,
+      ``"float8_e4m3fn"`` (NVFP4), ``"e8m0"`` (MXFP4 / MXFP8: powers of two). FP4 fills it in.
+
+    The low-bit float formats: NVFP4 is ``type float, num_bits 4, strategy tensor_group, group_size 16``;
+    MXFP4 ``type float, num_bits 4, strategy group, group_size 32, scale_dtype e8m0``; MXFP8 the same with
+    ``num_bits 8``.
     """
 
     num_bits: int = 4
@@ -48,13 +65,14 @@ class QuantizationArgs:
     type: str = "int"
     dynamic: bool = False
     block_structure: tuple[int, int] | None = None
+    scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
             raise RecipeError(f"unknown type {self.type!r}; valid types: {', '.join(TYPES)}")
-        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
-            raise RecipeError(f"type 'float' is float8 e4m3: num_bits 8 and symmetric, got num_bits={self.num_bits!r}, "
-                              f"symmetric={self.symmetric!r}")
+        if self.type == "float" and (self.num_bits not in FLOAT_BITS or not self.symmetric):
+            raise RecipeError(f"type 'float' is float8 e4m3 (num_bits 8) or fp4 e2m1 (num_bits 4), symmetric; got "
+                              f"num_bits={self.num_bits!r}, symmetric={self.symmetric!r}")
         if isinstance(self.num_bits, bool) or self.num_bits not in BITS:
             raise RecipeError(f"num_bits={self.num_bits!r} is not supported; valid num_bits: "
                               f"{', '.join(map(str, BITS))}")
@@ -62,9 +80,9 @@ class QuantizationArgs:
             raise RecipeError(f"symmetric must be true or false, got {self.symmetric!r}")
         if self.strategy not in STRATEGIES:
             raise RecipeError(f"unknown strategy {self.strategy!r}; valid strategies: {', '.join(STRATEGIES)}")
-        if self.strategy == "group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+        if self.strategy in ("group", "tensor_group") and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
                                          or self.group_size <= 0):
-            raise RecipeError(f"strategy 'group' needs a positive integer group_size, got {self.group_size!r} "
+            raise RecipeError(f"strategy {self.strategy!r} needs a positive integer group_size, got {self.group_size!r} "
                               f"(or use strategy 'channel')")
         if self.actorder not in ACTORDERS:
             raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
@@ -83,6 +101,45 @@ class QuantizationArgs:
             object.__setattr__(self, "block_structure", tuple(block))
         elif self.block_structure is not None:
             raise RecipeError("block_structure goes with strategy 'block'")
+        self._check_float_layout()
+
+    def _check_float_layout(self) -> None:
+        """The scale layouts that exist: NVFP4 (tensor_group, 16, fp8 scales), MX (group 32, e8m0 scales)."""
+        scale_dtype = _SCALE_DTYPE_ALIASES.get(str(self.scale_dtype), self.scale_dtype)
+        if scale_dtype not in SCALE_DTYPES:
+            raise RecipeError(f"unknown scale_dtype {self.scale_dtype!r}; valid: float8_e4m3fn (NVFP4), e8m0 "
+                              f"(MXFP4 / MXFP8), or leave it out (scales in the weight's dtype)")
+        if self.type == "float" and self.num_bits == 4:
+            if self.strategy not in FP4_LAYOUTS:
+                raise RecipeError(f"fp4 (type float, num_bits 4) has scales per block: strategy tensor_group "
+                                  f"(NVFP4, group_size 16) or group (MXFP4, group_size 32), not {self.strategy!r}")
+            size, expected = FP4_LAYOUTS[self.strategy]
+            name = "NVFP4" if self.strategy == "tensor_group" else "MXFP4"
+            if self.group_size != size:
+                raise RecipeError(f"fp4 with strategy {self.strategy!r} is {name}, whose blocks are {size} values: "
+                                  f"group_size {size}, not {self.group_size!r}")
+            scale_dtype = scale_dtype or expected
+            if scale_dtype != expected:
+                raise RecipeError(f"{name} stores its block scales as {expected}, not scale_dtype {scale_dtype!r}")
+        if self.strategy == "tensor_group" and (self.type != "float" or self.num_bits != 4):
+            raise RecipeError("strategy 'tensor_group' (a global scale over fp8 block scales) is NVFP4's: "
+                              "type float, num_bits 4, group_size 16")
+        if scale_dtype == "e8m0" and (self.type != "float" or self.strategy != "group" or self.group_size != 32):
+            raise RecipeError("scale_dtype e8m0 is the MX formats' power-of-two scale: type float (num_bits 4 or 8), "
+                              "strategy group, group_size 32")
+        if scale_dtype == "float8_e4m3fn" and self.strategy != "tensor_group":
+            raise RecipeError("scale_dtype float8_e4m3fn goes with NVFP4 (strategy tensor_group): fp8 block scales "
+                              "need a global scale beside them")
+        object.__setattr__(self, "scale_dtype", scale_dtype)
+
+    @property
+    def float_format(self) -> str | None:
+        """``"nvfp4"``, ``"mxfp4"`` or ``"mxfp8"`` for the low-bit float layouts, else ``None``."""
+        if self.strategy == "tensor_group":
+            return "nvfp4"
+        if self.scale_dtype == "e8m0":
+            return f"mxfp{self.num_bits}"
+        return None
 
     def check_for(self, role: str) -> None:
         """Refuse a strategy that makes no sense for ``role`` (``"weights"`` or ``"input_activations"``)."""
@@ -94,19 +151,31 @@ class QuantizationArgs:
             raise RecipeError("weights: dynamic is for activations (weights are quantized once)")
         if role == "input_activations" and self.actorder is not None:
             raise RecipeError("input_activations: actorder is a GPTQ setting for weights")
+        if role == "input_activations" and self.strategy == "tensor_group" and not self.dynamic:
+            raise RecipeError("input_activations: NVFP4 inputs (strategy tensor_group) take their block scales from "
+                              "each input: dynamic: true (the global input scale is calibrated)")
         if role == "input_activations" and not self.dynamic and self.strategy != "tensor":
             raise RecipeError(f"input_activations: static (calibrated) scales are one per tensor; strategy "
                               f"{self.strategy!r} needs dynamic: true (scales computed from each input)")
 
     @property
+    def calibrated(self) -> bool:
+        """Does an input quantized with these args need calibration data? Static scales, and NVFP4's global
+        input scale (its block scales are dynamic)."""
+        return not self.dynamic or self.strategy == "tensor_group"
+
+    @property
     def effective_group_size(self) -> int | None:
         """``group_size`` when the strategy is ``"group"``, else ``None``."""
-        return self.group_size if self.strategy == "group" else None
+        return self.group_size if self.strategy in ("group", "tensor_group") else None
 
     def replace(self, **changes: Any) -> QuantizationArgs:
         """A copy with some fields changed (validated again)."""
         if changes.get("strategy") in ("tensor", "channel", "block", "token") and "group_size" not in changes:
             changes["group_size"] = None
+        if self.float_format and ({"type", "num_bits", "strategy", "group_size"} & set(changes)
+                                  and "scale_dtype" not in changes):
+            changes["scale_dtype"] = None  # a changed layout infers its own scales (or says what to give)
         return dataclasses.replace(self, **changes)
 
     @classmethod

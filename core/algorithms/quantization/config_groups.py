@@ -13,8 +13,8 @@ quantization as compressed-tensors ``QuantizationScheme`` mappings instead of a 
 :func:`read_config_groups` turns each group into a :class:`~layerwise.algorithms.quantization.args.QuantizationScheme`
 with compressed-tensors' defaults and inference rules (``num_bits`` 8, symmetric, the strategy from
 ``group_size``: none -> ``tensor``, > 0 -> ``group``, -1 -> ``channel``; ``actorder: weight`` is
-layerwise's ``static``). What layerwise cannot express (float4, ``tensor_group``, output
-activations, observer arguments, scale dtypes, ...) is a :class:`~layerwise.errors.RecipeError`
+layerwise's ``static``; NVFP4 / MXFP4 / MXFP8 weights with their ``scale_dtype``). What layerwise
+cannot express (output activations, observer arguments, other scale dtypes, ...) is a :class:`~layerwise.errors.RecipeError`
 naming the field, where it is, and the nearest thing layerwise does. A group's ``format`` is
 ignored with a warning: the saver picks the storage format from the scheme, as llm-compressor
 infers it.
@@ -139,19 +139,22 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     bits = data.get("num_bits", 8)
     if kind not in ("int", "float"):
         raise RecipeError(f"{where}.type {data['type']!r}: layerwise quantizes to int or float (float8 e4m3)")
-    if kind == "float" and bits != 8:
-        raise RecipeError(f"{where}: type float with num_bits {bits} (NVFP4 / MXFP4-style float{bits}) cannot be "
-                          f"expressed in layerwise; nearest: type float, num_bits 8 (FP8, FP8_DYNAMIC) or "
-                          f"type int, num_bits 4 (W4A16)")
+    if kind == "float" and bits not in (4, 8):
+        raise RecipeError(f"{where}: type float with num_bits {bits} cannot be expressed in layerwise; floats are "
+                          f"num_bits 8 (FP8 E4M3) or 4 (FP4 E2M1: NVFP4, MXFP4)")
     if kind == "int" and bits not in BITS:
         nearest = min(BITS, key=lambda b: (abs(b - bits), -b)) if isinstance(bits, int) else 8
         raise RecipeError(f"{where}.num_bits {bits!r}: layerwise quantizes integers to "
                           f"{', '.join(map(str, BITS))} bits; nearest: num_bits: {nearest}")
-    for field, fix in (("scale_dtype", "scales are stored in the weight's dtype"),
-                       ("zp_dtype", "zero points are stored int8 (packed into int32 for int4 weights)")):
-        if data.get(field) is not None:
-            raise RecipeError(f"{where}.{field} {data[field]!r} cannot be chosen in layerwise: {fix}; leave it out "
-                              f"(load the model in the dtype you want the scales in)")
+    scale_dtype = data.get("scale_dtype")
+    scale_dtype = None if scale_dtype is None else str(scale_dtype).removeprefix("torch.")
+    if scale_dtype not in (None, "float8_e4m3fn", "uint8"):
+        raise RecipeError(f"{where}.scale_dtype {data['scale_dtype']!r} cannot be chosen in layerwise: scales are stored "
+                          f"in the weight's dtype, except NVFP4's (float8_e4m3fn) and the MX formats' (uint8, "
+                          f"E8M0); leave it out (load the model in the dtype you want the scales in)")
+    if data.get("zp_dtype") is not None and scale_dtype is None:  # the float presets name it beside scale_dtype
+        raise RecipeError(f"{where}.zp_dtype {data['zp_dtype']!r} cannot be chosen in layerwise: zero points are "
+                          f"stored int8 (packed into int32 for int4 weights); leave it out")
     if data.get("observer_kwargs"):
         raise RecipeError(f"{where}.observer_kwargs: layerwise's observers take no arguments; leave them out, or "
                           f"pick another observer (minmax, moving_average_minmax, mse: the clipping that "
@@ -168,9 +171,8 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     if strategy is None:  # compressed-tensors infers the strategy from the group size
         strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
     strategy = str(strategy).lower()
-    if strategy in ("tensor_group", "attn_head"):
-        nearest = "strategy: group" if strategy == "tensor_group" else "strategy: channel"
-        raise RecipeError(f"{where}.strategy {strategy!r} cannot be expressed in layerwise; nearest: {nearest}")
+    if strategy == "attn_head":
+        raise RecipeError(f"{where}.strategy {strategy!r} cannot be expressed in layerwise; nearest: strategy: channel")
     if strategy == "group" and group_size == -1:
         raise RecipeError(f"{where}: group_size -1 means one scale per channel: write strategy: channel")
     actorder = data.get("actorder")
@@ -190,8 +192,9 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     elif str(observer) in OBSERVERS:
         observer = OBSERVERS[str(observer)][0 if role == "weights" else 1] if static else "minmax"
     fields: dict[str, Any] = {"num_bits": bits, "type": kind, "symmetric": data.get("symmetric", True),
-                              "strategy": strategy, "group_size": group_size if strategy == "group" else None,
-                              "observer": observer, "actorder": actorder, "dynamic": bool(dynamic)}
+                              "strategy": strategy, "group_size": group_size if strategy in ("group", "tensor_group") else None,
+                              "observer": observer, "actorder": actorder, "dynamic": bool(dynamic),
+                              "scale_dtype": scale_dtype}
     if data.get("block_structure") is not None:
         block = data["block_structure"]
         if isinstance(block, str):  # compressed-tensors still reads the old "128x128"

@@ -66,10 +66,13 @@ from layerwise.algorithms.hessian import (
     single_thread,
 )
 from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.float_formats import fp4_grid
 from layerwise.algorithms.quantization.qmath import (
     _check_weight,
     fake_quantize_weight,
+    float8_grid,
     qrange,
+    weight_global_scale,
     weight_qparams,
 )
 
@@ -128,7 +131,8 @@ class GPTQResult:
 @torch.no_grad()
 def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, observer: Any = None,
                   block_size: int = 128, dampening_frac: float = 0.01,
-                  scale_dtype: torch.dtype | None = None, pruned: Tensor | None = None) -> GPTQResult:
+                  scale_dtype: torch.dtype | None = None, pruned: Tensor | None = None,
+                  global_scale: Tensor | None = None) -> GPTQResult:
     """Quantize a ``(out, in)`` weight with GPTQ given its layer's ``(in, in)`` Hessian.
 
     ``observer(weight) -> (min, max)`` measures ranges as for round-to-nearest
@@ -139,11 +143,20 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obser
     exactly 0: they are quantized to 0 and their error, like any other, is pushed onto the
     columns not solved yet, so quantization never revives a pruned weight.
 
+    Float weights round onto their own grid (FP8 E4M3, FP4 E2M1) instead of the integers. The low-bit float
+    formats (NVFP4, MXFP4, MXFP8) solve in groups of their block: each block's scale is fixed from the
+    current (error-updated) columns just before they are solved, as for integer groups, and kept in
+    float32; NVFP4's block scales are relative to ``global_scale`` (default: the weight's own), which the
+    caller fixes once, before solving, for the layers a server fuses.
+
     Raises :class:`GPTQError` when the Hessian has non-finite entries or cannot be
     factorised; the caller decides what to do (round-to-nearest, usually).
     """
     with torch.profiler.record_function(PROFILER_RANGE):  # a profiler counts the launches inside (gpu_bench)
-        return _gptq_quantize(weight, hessian, args, observer, block_size, dampening_frac, scale_dtype, pruned)
+        if args.float_format is not None:
+            scale_dtype = None  # float32 effective scales: the stored fp8 / e8m0 scales are recovered from them
+        return _gptq_quantize(weight, hessian, args, observer, block_size, dampening_frac, scale_dtype, pruned,
+                              global_scale)
 
 
 #: the profiler range each solve runs in (``bench/gpu_bench.py --profile`` counts the kernels launched inside)
@@ -151,7 +164,8 @@ PROFILER_RANGE = "gptq_quantize"
 
 
 def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, observer: Any, block_size: int,
-                   dampening_frac: float, scale_dtype: torch.dtype | None, pruned: Tensor | None) -> GPTQResult:
+                   dampening_frac: float, scale_dtype: torch.dtype | None, pruned: Tensor | None,
+                   global_scale: Tensor | None = None) -> GPTQResult:
     _check_weight(weight, args)
     rows, columns = weight.shape
     if tuple(hessian.shape) != (columns, columns):
@@ -174,13 +188,15 @@ def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obse
     actorder = args.actorder
     # solve order: decreasing Hessian diagonal (dead columns, 0, last) or the original one
     perm = torch.argsort(diag, descending=True, stable=True) if actorder is not None else None
-    group = args.strategy == "group"
+    group = args.strategy in ("group", "tensor_group")
     gs = args.group_size if group else None
+    if args.float_format == "nvfp4" and global_scale is None:
+        global_scale = weight_global_scale(W, args)
 
     # up-front qparams: tensor / channel, and static groups (contiguous in the original order)
     upfront = not group or actorder == "static"
     if upfront:
-        scale, zero_point = weight_qparams(W, args, observer)
+        scale, zero_point = weight_qparams(W, args, observer, global_scale)
         scale, zero_point = _stored(scale, scale_dtype), zero_point.to(torch.float32)
     else:
         scale = torch.empty(rows, columns // gs, dtype=torch.float32, device=W.device)
@@ -215,7 +231,10 @@ def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obse
     if dynamic_groups:  # (sub-)blocks start on group boundaries: a group is observed up to date
         block_size = max(gs, block_size // gs * gs)
         sub_block = math.gcd(gs, _SUB_BLOCK)
-    group_args = args.replace(strategy="group", group_size=gs, actorder=None) if dynamic_groups else None
+    group_args = None
+    if dynamic_groups:  # the float formats keep their own strategy (tensor_group is NVFP4's)
+        group_args = (args.replace(actorder=None) if args.float_format is not None
+                      else args.replace(strategy="group", group_size=gs, actorder=None))
 
     qmin, qmax = qrange(args)
     row_loss = torch.zeros(rows, dtype=torch.float64, device=Wt.device)
@@ -235,7 +254,7 @@ def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obse
     # per-column views made once (a view costs ~1.5 us: more than the column's arithmetic when made per block)
     column_rows, q_buffer_rows, e_buffer_rows = Wt.unbind(0), Q1_buffer.unbind(0), E1_buffer.unbind(0)
     keep_columns = keep.unbind(0) if keep is not None else None
-    loop = _ColumnLoop(qmin, qmax, args.symmetric, sub_block)
+    loop = _ColumnLoop(qmin, qmax, args.symmetric, sub_block, _grid(args))
     graphs = None if dynamic_groups else _block_graphs(Wt.device, rows, block_size, loop, keep is not None)
 
     for i1 in range(0, columns, block_size):
@@ -259,7 +278,8 @@ def _gptq_quantize(weight: Tensor, hessian: Tensor, args: QuantizationArgs, obse
                                 keep[i1:i2] if keep is not None else None)
         elif dynamic_groups:
             _dynamic_group_block(loop, W1, V1, column_rows[i1:i2], q_buffer_rows[:count], e_buffer_rows[:count],
-                                 keep_block, E1, i1, gs, scale, zero_point, group_args, observer, scale_dtype)
+                                 keep_block, E1, i1, gs, scale, zero_point, group_args, observer, scale_dtype,
+                                 global_scale)
         else:
             with single_thread():  # many tiny ops: a second thread only adds synchronisation
                 loop.run(W1, V1, E1, column_rows[i1:i2], q_buffer_rows[:count], e_buffer_rows[:count],
@@ -295,14 +315,17 @@ class _ColumnLoop:
     product. Five torch calls per column symmetric, six asymmetric (``+1`` with a pruning mask).
     """
 
-    def __init__(self, qmin: float, qmax: float, symmetric: bool, sub_block: int) -> None:
+    def __init__(self, qmin: float, qmax: float, symmetric: bool, sub_block: int,
+                 grid: Any = None) -> None:
         self.qmin, self.qmax, self.symmetric, self.sub_block = qmin, qmax, symmetric, sub_block
+        #: ``None``: integers (round half to even); else rounds a clamped column onto a float grid in place
+        self.grid = grid
 
     def run(self, W1: Tensor, V1: Tensor, E1: Tensor, w_rows: Any, q_rows: Any, e_rows: Any, scales: Any,
             zeros: Any, keep: Any = None, start: int = 0, stop: int | None = None) -> None:
         """Columns ``start`` to ``stop`` of the block (its rows ``W1``, updates ``V1``, errors into ``E1``)."""
         count = W1.shape[0] if stop is None else stop
-        qmin, qmax, symmetric = self.qmin, self.qmax, self.symmetric
+        qmin, qmax, symmetric, grid = self.qmin, self.qmax, self.symmetric, self.grid
         for j1 in range(start, count, self.sub_block):
             j2 = min(j1 + self.sub_block, count)
             # a column's update reaches the whole sub-block (zeros up to its own row): one view, no slicing
@@ -313,7 +336,10 @@ class _ColumnLoop:
                     torch.div(w, s_col, out=q)
                 else:
                     torch.addcdiv(zeros[i], w, s_col, out=q)  # z + w / s: qmath's w / s + z, bit for bit
-                q.round_().clamp_(qmin, qmax)
+                if grid is None:
+                    q.round_().clamp_(qmin, qmax)
+                else:
+                    grid(q.clamp_(qmin, qmax))
                 if not symmetric:
                     q.sub_(zeros[i])
                 if keep is not None:
@@ -327,12 +353,13 @@ class _ColumnLoop:
 
 def _dynamic_group_block(loop: _ColumnLoop, W1: Tensor, V1: Tensor, w_rows: Any, q_rows: Any, e_rows: Any,
                          keep: Any, E1: Tensor, i1: int, gs: int, scale: Tensor, zero_point: Tensor,
-                         group_args: QuantizationArgs, observer: Any, scale_dtype: torch.dtype | None) -> None:
+                         group_args: QuantizationArgs, observer: Any, scale_dtype: torch.dtype | None,
+                         global_scale: Tensor | None = None) -> None:
     """A block whose groups are observed as the solve reaches them (``actorder="group"``, or none)."""
     with single_thread():
         for j in range(0, W1.shape[0], gs):  # sub-blocks start on group boundaries
             g = (i1 + j) // gs
-            s, z = weight_qparams(W1[j:j + gs].t(), group_args, observer)
+            s, z = weight_qparams(W1[j:j + gs].t(), group_args, observer, global_scale)
             scale[:, g:g + 1] = _stored(s, scale_dtype)
             zero_point[:, g:g + 1] = z
             s_col, z_col = scale[:, g].contiguous(), zero_point[:, g].contiguous()
@@ -438,6 +465,15 @@ def _block_graphs(device: torch.device, rows: int, width: int, loop: _ColumnLoop
     return graphs
 
 
+def _grid(args: QuantizationArgs) -> Any:
+    """How the column loop rounds: ``None`` for integers, else an in-place rounding onto the float grid."""
+    if args.type != "float":
+        return None
+    if args.num_bits == 8:
+        return float8_grid
+    return lambda q: q.copy_(fp4_grid(q))
+
+
 def _stored(scale: Tensor, dtype: torch.dtype | None) -> Tensor:
     """The scale as float32, after rounding to the dtype it will be stored in."""
     if dtype is not None and dtype != torch.float32:
@@ -448,10 +484,12 @@ def _stored(scale: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 
 def rtn_quantize(weight: Tensor, args: QuantizationArgs, observer: Any = None,
-                 scale_dtype: torch.dtype | None = None) -> GPTQResult:
+                 scale_dtype: torch.dtype | None = None, global_scale: Tensor | None = None) -> GPTQResult:
     """Round-to-nearest with the same result type (the fallback when GPTQ cannot run)."""
     W = weight.detach().to(torch.float32)
-    scale, zero_point = weight_qparams(W, args, observer)
+    if args.float_format is not None:
+        scale_dtype = None
+    scale, zero_point = weight_qparams(W, args, observer, global_scale)
     scale = _stored(scale, scale_dtype)
     zero_point = zero_point.to(torch.float32)
     return GPTQResult(weight=fake_quantize_weight(W, scale, zero_point, args), scale=scale,

@@ -39,8 +39,11 @@ class Observer:
         return weight_min_max(weight, self.args)
 
     def reduce_activation(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """One batch's range (per tensor: static activations take one scale)."""
-        return activation_min_max(x.detach().to(torch.float32), self.args)
+        """One batch's range (per tensor: static activations take one scale, NVFP4 inputs one global scale)."""
+        values = x.detach().to(torch.float32)
+        if self.args.strategy == "tensor_group":  # the block scales are dynamic; the global one is calibrated
+            return values.amin().reshape(1), values.amax().reshape(1)
+        return activation_min_max(values, self.args)
 
     @torch.no_grad()
     def update(self, x: Tensor) -> None:

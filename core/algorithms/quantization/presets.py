@@ -9,6 +9,10 @@ from layerwise.errors import RecipeError, UnknownNameError
 
 _INT8_CHANNEL = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel", group_size=None)
 _FP8 = dict(type="float", num_bits=8, symmetric=True, group_size=None)
+#: the low-bit float weight layouts (see float_formats): NVFP4, MXFP4, MXFP8
+_NVFP4 = QuantizationArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
+_MXFP4 = QuantizationArgs(type="float", num_bits=4, strategy="group", group_size=32, scale_dtype="e8m0")
+_MXFP8 = QuantizationArgs(type="float", num_bits=8, strategy="group", group_size=32, scale_dtype="e8m0")
 
 #: named schemes: ``W<bits>A16`` quantize weights only, ``W8A8`` / ``FP8*`` also the inputs of each layer
 PRESETS: dict[str, QuantizationScheme] = {
@@ -35,6 +39,21 @@ PRESETS: dict[str, QuantizationScheme] = {
     "FP8_BLOCK": QuantizationScheme(QuantizationArgs(strategy="block", block_structure=(128, 128), **_FP8),
                                     input_activations=QuantizationArgs(**{**_FP8, "group_size": 128},
                                                                        strategy="group", dynamic=True)),
+    # fp4 e2m1 weights in blocks of 16 with an fp8 scale each and one float32 scale per tensor (Blackwell)
+    "NVFP4A16": QuantizationScheme(_NVFP4),
+    # fp4 e2m1 weights in blocks of 32 with a power-of-two (e8m0) scale each (OCP MX)
+    "MXFP4A16": QuantizationScheme(_MXFP4),
+    # fp8 e4m3 weights in blocks of 32 with a power-of-two (e8m0) scale each (OCP MX)
+    "MXFP8A16": QuantizationScheme(_MXFP8),
+    # NVFP4 weights, fp4 inputs in blocks of 16: block scales at run time, one global input scale calibrated
+    "NVFP4": QuantizationScheme(_NVFP4, input_activations=_NVFP4.replace(dynamic=True)),
+    # MXFP4 weights and inputs (the inputs' power-of-two block scales at run time)
+    "MXFP4": QuantizationScheme(_MXFP4, input_activations=_MXFP4.replace(dynamic=True)),
+    # MXFP8 weights and inputs (the inputs' power-of-two block scales at run time)
+    "MXFP8": QuantizationScheme(_MXFP8, input_activations=_MXFP8.replace(dynamic=True)),
+    # int4 weights per group of 128, float8 inputs with a scale per token at run time (Hopper's W4A8 kernels)
+    "W4AFP8": QuantizationScheme(QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=128),
+                                 input_activations=QuantizationArgs(strategy="token", dynamic=True, **_FP8)),
 }
 
 _SCHEME_FIELDS = ("weights", "targets", "input_activations")

@@ -28,6 +28,12 @@ float8 (``type: float``): e4m3, symmetric, ``scale = max|x| / 448`` (448 is the 
 value); ``q = float8(clamp(x / scale, -448, 448))`` (the cast rounds to the nearest e4m3 value),
 ``x' = q * scale``.
 
+The low-bit float formats (``args.float_format``: NVFP4, MXFP4, MXFP8; definitions and why the scales
+are what they are in :mod:`.float_formats`): ``scale`` is the effective float32 scale of each block
+(``2**e`` for MX, ``s8 / global_scale`` for NVFP4), ``q`` the FP4 E2M1 (or FP8 E4M3) value of
+``x / scale`` (nearest, ties to even, saturating), ``x' = q * scale``. NVFP4 block scales need the
+tensor's global scale: :func:`weight_global_scale` (one for several tensors when they are fused).
+
 Activations (a layer's input, last dimension = channels): ``token`` -> one scale per row,
 ``group`` -> one per ``group_size`` channels of each row, ``tensor`` -> one; dynamic ones are
 computed from each input, static ones calibrated once.
@@ -35,7 +41,6 @@ computed from each input, static ones calibrated once.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +48,14 @@ import torch
 from torch import Tensor
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.float_formats import (
+    FP4_MAX,
+    float8_grid,
+    fp4_grid,
+    mx_scale,
+    nvfp4_global_scale,
+    nvfp4_scale,
+)
 
 Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
 
@@ -51,14 +64,27 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
 def qrange(args: QuantizationArgs) -> tuple[float, float]:
-    """The representable range: ``(-2**(b-1), 2**(b-1) - 1)`` for integers, ``(-448, 448)`` for float8."""
+    """The representable range: ``(-2**(b-1), 2**(b-1) - 1)`` for integers, ``(-448, 448)`` for float8,
+    ``(-6, 6)`` for fp4."""
     if args.type == "float":
-        return -FP8_MAX, FP8_MAX
+        return (-FP4_MAX, FP4_MAX) if args.num_bits == 4 else (-FP8_MAX, FP8_MAX)
     return -(1 << (args.num_bits - 1)), (1 << (args.num_bits - 1)) - 1
 
 
-def compute_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tensor]:
-    """Scale and zero point, elementwise, from observed minima and maxima."""
+def compute_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
+                    global_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Scale and zero point, elementwise, from observed minima and maxima; NVFP4 (``tensor_group``) block
+    scales are relative to the tensor's ``global_scale`` (:func:`weight_global_scale`)."""
+    if args.float_format is not None:
+        amax = torch.maximum(min_val.abs(), max_val.abs())
+        if args.float_format == "nvfp4":
+            if global_scale is None:
+                raise ValueError("NVFP4 block scales are relative to the tensor's global scale: pass global_scale "
+                                 "(qmath.weight_global_scale of the weight, or of the fused q/k/v or gate/up weights)")
+            scale = nvfp4_scale(amax, global_scale)
+        else:
+            scale = mx_scale(amax, args.num_bits)
+        return scale, torch.zeros_like(scale)
     min_val = torch.minimum(min_val, torch.zeros_like(min_val))
     max_val = torch.maximum(max_val, torch.zeros_like(max_val))
     qmin, qmax = qrange(args)
@@ -81,35 +107,10 @@ def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: Quantiza
     qmin, qmax = qrange(args)
     scaled = x / scale  # a fresh tensor: the steps below work in place (one pass each, no copies)
     if args.type == "float":
-        return float8_grid(scaled.clamp_(qmin, qmax))
+        return float8_grid(scaled.clamp_(qmin, qmax)) if args.num_bits == 8 else fp4_grid(scaled.clamp_(qmin, qmax))
     if zero_point is not None and not args.symmetric:  # a symmetric zero point is 0
         scaled.add_(zero_point.to(scaled.dtype))
     return scaled.round_().clamp_(qmin, qmax)
-
-
-def float8_grid(x: Tensor) -> Tensor:
-    """``x`` (within +-448) rounded in place to float8 e4m3 values (nearest, ties to even); returns ``x``.
-
-    On the CPU torch converts float8 back one element at a time (6 ms for 3.5 M values on 2
-    cores); looking each code's value up in a 256-entry table gives the same values in 2.5 ms.
-    The lookup writes into ``x`` itself: a fresh output of a weight's size would cost as much
-    again in page faults as the lookup (MiniLM's Linears: 17 ms in place, 34 ms into a new tensor).
-    """
-    codes = x.to(torch.float8_e4m3fn)
-    if x.device.type != "cpu":
-        return x.copy_(codes)
-    index = codes.view(torch.uint8).reshape(-1).to(torch.int32)
-    table = _float8_values(x.dtype)
-    if x.is_contiguous():
-        torch.index_select(table, 0, index, out=x.view(-1))
-        return x
-    return x.copy_(table.index_select(0, index).view(x.shape))
-
-
-@functools.cache
-def _float8_values(dtype: torch.dtype) -> Tensor:
-    """The value of every float8 e4m3 code (the index is the code's bits), in ``dtype``."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:
@@ -136,6 +137,10 @@ def _check_weight(weight: Tensor, args: QuantizationArgs) -> None:
         raise ValueError(f"weight quantization expects a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
     if args.strategy in ("token",):
         raise ValueError("strategy 'token' is for activations, not weights")
+    if args.float_format is not None and weight.shape[1] % args.group_size:
+        raise ValueError(f"{args.float_format.upper()} scales blocks of {args.group_size} input columns, which do not "
+                         f"divide in_features {weight.shape[1]}; leave this layer unquantized (ignore) or use "
+                         f"an integer scheme")
     if args.strategy == "group" and weight.shape[1] % args.group_size:
         raise ValueError(f"group_size {args.group_size} does not divide in_features {weight.shape[1]}; "
                          f"use strategy 'channel' or a group size that divides {weight.shape[1]}")
@@ -159,15 +164,29 @@ def weight_min_max(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tens
     return groups.amin(dim=-1), groups.amax(dim=-1)
 
 
-def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | Any = None) -> tuple[Tensor, Tensor]:
+def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | Any = None,
+                   global_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Scale and zero point of a ``(out, in)`` weight, shaped as compressed-tensors stores them.
 
     ``observer`` is a callable ``observer(weight) -> (min_vals, max_vals)`` returning
     the reduced ranges (e.g. a registered observer instance); ``None`` means min-max.
+    NVFP4 takes ``global_scale`` (default: the weight's own, :func:`weight_global_scale`).
     """
     _check_weight(weight, args)
+    if args.float_format == "nvfp4" and global_scale is None:
+        global_scale = weight_global_scale(weight, args)
     min_val, max_val = observer(weight) if observer is not None else weight_min_max(weight, args)
-    return compute_qparams(min_val, max_val, args)
+    return compute_qparams(min_val, max_val, args, global_scale)
+
+
+def weight_global_scale(weights: Tensor | list[Tensor], args: QuantizationArgs) -> Tensor | None:
+    """NVFP4's float32 global scale (shape ``(1,)``) for one weight, or one shared by several (the q/k/v or
+    gate/up projections vLLM fuses: the largest magnitude of them all); ``None`` for other formats."""
+    if args.float_format != "nvfp4":
+        return None
+    tensors = [weights] if isinstance(weights, Tensor) else list(weights)
+    amax = torch.stack([t.detach().abs().amax().to(torch.float32) for t in tensors]).amax()
+    return nvfp4_global_scale(amax)
 
 
 def default_g_idx(in_features: int, group_size: int, device: torch.device | None = None) -> Tensor:
@@ -196,7 +215,7 @@ def expand_qparams(weight: Tensor, scale: Tensor, zero_point: Tensor | None, arg
     if args.strategy == "block":
         return (_untile(scale, args.block_structure, weight.shape),
                 None if zero_point is None else _untile(zero_point, args.block_structure, weight.shape))
-    if args.strategy != "group":
+    if args.strategy not in ("group", "tensor_group"):
         return scale, zero_point
     _check_weight(weight, args)
     if g_idx is None:  # groups in order: a repeat, 3x faster than the gather below on the CPU (same values)
@@ -209,6 +228,8 @@ def expand_qparams(weight: Tensor, scale: Tensor, zero_point: Tensor | None, arg
 def quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
                     g_idx: Tensor | None = None) -> Tensor:
     """Integer values of a ``(out, in)`` weight (floating dtype); group columns use ``g_idx``."""
+    if args.float_format is not None and g_idx is None:
+        return _blockwise(quantize, weight, scale, args)
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
     return quantize(weight, s, z, args)
 
@@ -217,8 +238,19 @@ def fake_quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | Non
                          g_idx: Tensor | None = None) -> Tensor:
     """Fake-quantized ``(out, in)`` weight; with ``group``, column ``j`` uses group ``g_idx[j]``
     (default ``j // group_size``)."""
+    if args.float_format is not None and g_idx is None:
+        return _blockwise(fake_quantize, weight, scale, args)
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
     return fake_quantize(weight, s, z, args)
+
+
+def _blockwise(operation: Callable, weight: Tensor, scale: Tensor, args: QuantizationArgs) -> Tensor:
+    """``operation`` over the weight's blocks of ``group_size`` columns, each block's scale broadcast (the
+    same values as the per-column scales of :func:`expand_qparams`, without building them)."""
+    _check_weight(weight, args)
+    rows, columns = weight.shape
+    blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
+    return operation(blocks, scale.unsqueeze(-1), None, args).reshape(rows, columns)
 
 
 # -- activations --------------------------------------------------------------------------
@@ -227,10 +259,10 @@ def activation_min_max(x: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tenso
     group results have shape ``(..., channels // group_size, 1)``."""
     if args.strategy == "token":
         return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    if args.strategy == "group":
+    if args.strategy == "group" or (args.strategy == "tensor_group" and args.dynamic):
         grouped = _activation_groups(x, args.group_size)
         return grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
-    return x.amin().reshape(1), x.amax().reshape(1)
+    return x.amin().reshape(1), x.amax().reshape(1)  # and NVFP4's global range, calibrated
 
 
 def _activation_groups(x: Tensor, group_size: int) -> Tensor:
@@ -240,18 +272,21 @@ def _activation_groups(x: Tensor, group_size: int) -> Tensor:
 
 
 def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | None = None,
-                             zero_point: Tensor | None = None) -> Tensor:
+                             zero_point: Tensor | None = None, global_scale: Tensor | None = None) -> Tensor:
     """The values a quantized layer computes with for input ``x``: dynamic args take their scales from
-    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor)."""
+    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor); NVFP4's block
+    scales are dynamic, relative to the calibrated ``global_scale``."""
     values = x.to(torch.float32)
     if args.dynamic:
-        scale, zero_point = compute_qparams(*activation_min_max(values, args), args)
+        if args.strategy == "tensor_group" and global_scale is None:
+            raise ValueError("NVFP4 input quantization needs the calibrated global input scale")
+        scale, zero_point = compute_qparams(*activation_min_max(values, args), args, global_scale)
     elif scale is None:
         raise ValueError("static activation quantization needs a calibrated scale")
     else:
         scale = scale.to(torch.float32)
         zero_point = None if zero_point is None else zero_point.to(torch.float32)
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         grouped = fake_quantize(_activation_groups(values, args.group_size), scale, zero_point, args)
         return grouped.reshape(x.shape).to(x.dtype)
     return fake_quantize(values, scale, zero_point, args).to(x.dtype)

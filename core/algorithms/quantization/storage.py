@@ -5,6 +5,9 @@ After :func:`set_quantized_weight` a module carries
 * ``weight``: the fake-quantized values (so the model computes as it will after reload),
 * ``weight_scale`` / ``weight_zero_point`` (buffers, compressed-tensors shapes, Linear layout),
 * ``weight_g_idx`` (buffer, int32) when GPTQ reordered columns into groups,
+* ``weight_global_scale`` (buffer, float32, ``(1,)``) for NVFP4; the low-bit float formats keep
+  ``weight_scale`` as the effective float32 block scale (see :mod:`.float_formats`), whatever the
+  weight's dtype, so the saver recovers the stored FP8 / E8M0 scale bytes exactly,
 * ``quantization_args``: the :class:`~layerwise.algorithms.quantization.args.QuantizationArgs` used.
 
 After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
@@ -29,7 +32,8 @@ from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import fake_quantize_activation, fake_quantize_weight
 from layerwise.common.mapped_pages import release_mapped_pages
 
-QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "input_scale", "input_zero_point")
+QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_scale",
+               "input_zero_point", "input_global_scale")
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -46,15 +50,18 @@ def linear_weight(module: nn.Module) -> Tensor:
 @torch.no_grad()
 def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: Tensor,
                          zero_point: Tensor | None, args: QuantizationArgs, g_idx: Tensor | None = None,
-                         on_grid: bool = False) -> None:
+                         on_grid: bool = False, global_scale: Tensor | None = None) -> None:
     """Store the fake-quantized weight and its qparams on ``module`` (what the saver reads).
 
     ``weight_dequantized`` is in the Linear layout ``(out, in)``; it is fake-quantized
     again with ``scale``/``zero_point`` (a no-op for values already on the grid) so the
     stored weight is exactly what the packed checkpoint decodes to. ``on_grid=True`` says the
     caller computed it as ``(q - zero_point) * scale`` with these very qparams, scale already in
-    the weight's dtype (GPTQ and round-to-nearest results): the second pass is skipped.
+    the weight's dtype (GPTQ and round-to-nearest results): the second pass is skipped. NVFP4 needs the
+    ``global_scale`` its block scales were computed with.
     """
+    if args.float_format == "nvfp4" and global_scale is None:
+        raise ValueError("an NVFP4 weight needs the global_scale its block scales are relative to")
     if zero_point is None:
         zero_point = torch.zeros_like(scale)
     target = module.weight
@@ -67,8 +74,9 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     if tuple(weight.shape) != expected:
         raise ValueError(f"quantized weight has shape {tuple(weight.shape)}, the module's (out, in) weight "
                          f"is {expected}")
-    # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale
-    scale = scale.to(target.dtype)
+    # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale.
+    # The low-bit float formats keep float32: their stored FP8 / E8M0 scales are recovered from it exactly
+    scale = scale.to(torch.float32 if args.float_format else target.dtype)
     fq = weight if on_grid else fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32),
                                                      args, g_idx)
     replace_data(target, fq.t().contiguous() if is_transposed(module) else fq)
@@ -78,6 +86,10 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
         _set_buffer(module, "weight_g_idx", g_idx)
     elif "weight_g_idx" in module._buffers:
         del module._buffers["weight_g_idx"]
+    if global_scale is not None and args.float_format == "nvfp4":
+        _set_buffer(module, "weight_global_scale", global_scale.to(device=target.device, dtype=torch.float32).reshape(1))
+    else:
+        module._buffers.pop("weight_global_scale", None)
     module.quantization_args = args
 
 
@@ -120,9 +132,15 @@ def clear_quantization(module: nn.Module) -> None:
 
 
 def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Tensor | None = None,
-                           zero_point: Tensor | None = None) -> None:
-    """Make ``module`` fake-quantize its input with ``args`` (static ones with ``scale`` / ``zero_point``)."""
-    if not args.dynamic:
+                           zero_point: Tensor | None = None, global_scale: Tensor | None = None) -> None:
+    """Make ``module`` fake-quantize its input with ``args`` (static ones with ``scale`` / ``zero_point``,
+    NVFP4's with its calibrated ``global_scale``, kept float32 as ``input_global_scale``)."""
+    if args.strategy == "tensor_group":
+        if global_scale is None:
+            raise ValueError("NVFP4 input quantization needs a calibrated global input scale")
+        _set_buffer(module, "input_global_scale",
+                    global_scale.to(device=module.weight.device, dtype=torch.float32).reshape(1))
+    elif not args.dynamic:
         if scale is None:
             raise ValueError("static input quantization needs a calibrated scale")
         device = module.weight.device
@@ -135,5 +153,5 @@ def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Ten
 
 def _input_quantized_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Any:
     x = fake_quantize_activation(x, self.input_quantization_args, self._buffers.get("input_scale"),
-                                 self._buffers.get("input_zero_point"))
+                                 self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
     return type(self).forward(self, x, *args, **kwargs)

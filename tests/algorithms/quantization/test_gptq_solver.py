@@ -7,6 +7,7 @@ import torch
 
 from layerwise.algorithms.quantization import gptq as gptq_module
 from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.float_formats import nvfp4_block_scales
 from layerwise.algorithms.quantization.gptq import (
     GPTQError,
     accumulate_hessian,
@@ -18,6 +19,7 @@ from layerwise.algorithms.quantization.qmath import (
     fake_quantize,
     fake_quantize_weight,
     quantize_weight,
+    weight_global_scale,
     weight_qparams,
 )
 
@@ -29,6 +31,13 @@ SCHEMES = {
     "int8 channel": QuantizationArgs(num_bits=8, strategy="channel", group_size=None),
     "int8 group 32 asym": QuantizationArgs(num_bits=8, symmetric=False, strategy="group", group_size=32),
     "int4 tensor": QuantizationArgs(num_bits=4, strategy="tensor", group_size=None),
+}
+#: the low-bit float formats (solved in groups of their block) and float8 per channel
+FLOAT_SCHEMES = {
+    "nvfp4": QuantizationArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16),
+    "mxfp4": QuantizationArgs(type="float", num_bits=4, strategy="group", group_size=32),
+    "mxfp8": QuantizationArgs(type="float", num_bits=8, strategy="group", group_size=32, scale_dtype="e8m0"),
+    "fp8 channel": QuantizationArgs(type="float", num_bits=8, strategy="channel", group_size=None),
 }
 
 
@@ -67,10 +76,11 @@ def reference_gptq(weight, hessian, args, dampening_frac=0.01):
         order = torch.argsort(torch.diagonal(H).float(), descending=True, stable=True).tolist()
     H += torch.eye(columns, dtype=H.dtype) * dampening_frac * torch.diagonal(H).mean()
     Hinv = torch.linalg.inv(H)
-    group = args.strategy == "group"
+    group = args.strategy in ("group", "tensor_group")
     upfront = not group or args.actorder == "static"
+    global_scale = weight_global_scale(W.float(), args)  # NVFP4: fixed from the weight before the solve
     if upfront:
-        scale, zero_point = weight_qparams(W.float(), args)
+        scale, zero_point = weight_qparams(W.float(), args, global_scale=global_scale)
     else:
         scale = torch.zeros(W.shape[0], columns // args.group_size)
         zero_point = torch.zeros_like(scale)
@@ -85,7 +95,7 @@ def reference_gptq(weight, hessian, args, dampening_frac=0.01):
             g = position // args.group_size
             if position % args.group_size == 0:
                 cols = order[position:position + args.group_size]
-                sg, zg = weight_qparams(W[:, cols].float(), args.replace(actorder=None))
+                sg, zg = weight_qparams(W[:, cols].float(), args.replace(actorder=None), global_scale=global_scale)
                 scale[:, g], zero_point[:, g] = sg[:, 0], zg[:, 0]
             s, z = scale[:, g], zero_point[:, g]
             g_idx[j] = g
@@ -462,3 +472,40 @@ def test_recording_is_off_on_the_cpu_and_when_asked(monkeypatch):
     monkeypatch.setenv(gptq_module.GRAPHS_ENV, "0")
     assert gptq_module._block_graphs(torch.device("cuda", 0), 8, 16, gptq_module._ColumnLoop(-8, 7, True, 16),
                                      False) is None
+
+
+# -- float grids: FP8 per channel, and the block formats solved block by block ----------------------
+@pytest.mark.parametrize("name", sorted(FLOAT_SCHEMES))
+def test_float_identity_hessian_equals_round_to_nearest_bit_for_bit(name):
+    args = FLOAT_SCHEMES[name]
+    w, _, _ = problem()
+    expected, scale, _ = rtn(w, args)
+    # the block formats keep float32 effective scales whatever the storage dtype (the saver encodes them)
+    dtype = torch.bfloat16 if args.float_format else None
+    result = gptq_quantize(w, torch.eye(w.shape[1]), args, block_size=48, scale_dtype=dtype)
+    assert torch.equal(result.weight, expected)
+    assert torch.equal(result.scale, scale)
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT_SCHEMES))
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_float_solver_matches_the_plain_reference_and_beats_round_to_nearest(name, actorder):
+    args = FLOAT_SCHEMES[name].replace(actorder=actorder)
+    w, x, h = problem()
+    result = gptq_quantize(w, h, args, block_size=64)
+    q_ref, scale_ref, _, _ = reference_gptq(w, h, args)
+    assert torch.equal(fake_quantize_weight(result.weight, result.scale, result.zero_point, args), result.weight)
+    # float32 + lazy blocks vs float64 column by column: the same grid values almost everywhere
+    assert (result.weight == q_ref).float().mean() > 0.99
+    assert (result.scale == scale_ref.float()).float().mean() > 0.99
+    torch.testing.assert_close(output_error(w, result.weight, x), output_error(w, q_ref, x), rtol=5e-3, atol=0)
+    assert output_error(w, result.weight, x) < 0.9 * output_error(w, rtn(w, args)[0], x)
+
+
+def test_nvfp4_solve_keeps_the_global_scale_it_is_given():
+    args = FLOAT_SCHEMES["nvfp4"]
+    w, _, h = problem()
+    shared = weight_global_scale(w * 2, args)  # as if fused with a layer twice as large
+    result = gptq_quantize(w, h, args, global_scale=shared)
+    # every block scale is an fp8 value over the shared global scale
+    assert torch.equal(nvfp4_block_scales(result.scale, shared).to(torch.float32) / shared, result.scale)

@@ -172,7 +172,7 @@ def test_indivisible_group_is_an_error():
     ({"strategy": "rows"}, "valid strategies: tensor, channel, group, block, token"),
     ({"strategy": "block"}, r"strategy 'block' needs block_structure \[rows, columns\]"),
     ({"type": "fp4"}, "valid types: int, float"),
-    ({"type": "float", "num_bits": 4}, "type 'float' is float8 e4m3: num_bits 8 and symmetric"),
+    ({"type": "float", "num_bits": 2}, r"type .float. is float8 e4m3 \(num_bits 8\) or fp4 e2m1 \(num_bits 4\)"),
     ({"strategy": "group", "group_size": None}, "positive integer group_size"),
     ({"actorder": "dynamic"}, "valid actorders"),
 ])

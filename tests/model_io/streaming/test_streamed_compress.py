@@ -225,3 +225,18 @@ def test_a_streamed_dry_run_writes_nothing_and_still_reports(tmp_path):
     assert report.weights.startswith("stream") and len(report.compressed_modules) == 21
     assert 0 < report.bytes_after < report.bytes_before
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("recipe", ["NVFP4A16", "GPTQ_MXFP4A16", "NVFP4"])
+def test_low_bit_float_checkpoints_stream_bit_for_bit_too(tmp_path, recipe):
+    source = _save(tmp_path / "model")
+    outputs = {}
+    for weights in ("memory", "stream"):
+        outputs[weights] = tmp_path / f"out-{weights}"
+        layerwise.compress(str(source), recipe, dataset=_samples(), output_dir=outputs[weights], show_progress=False,
+                           options=layerwise.CompressOptions.of(weights=weights), device="cpu")
+    memory, streamed = _saved(outputs["memory"]), _saved(outputs["stream"])
+    assert sorted(memory) == sorted(streamed) and any(k.endswith("weight_packed") for k in memory)
+    assert [k for k in memory if not torch.equal(memory[k].view(torch.uint8), streamed[k].view(torch.uint8))] == []
+    config = [json.loads((outputs[w] / "config.json").read_text()) for w in ("memory", "stream")]
+    assert config[0] == config[1]

@@ -23,10 +23,10 @@ from tests.conftest import build_tiny_llama
 
 BATCHES = token_batches(4, 16, vocab=128)
 
-PRESETS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC", "FP8_DYNAMIC", "FP8", "FP8_BLOCK"]
+PRESETS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC", "FP8_DYNAMIC", "FP8", "FP8_BLOCK", "W4AFP8"]
 #: the calibrated algorithms, one preset each (GPTQ with and without quantized inputs, AWQ's asymmetric
-#: default, SmoothQuant before GPTQ)
-CALIBRATED = ["GPTQ_W4A16", "GPTQ_W8A8", "AWQ_W4A16_ASYM", "SQ_GPTQ_W8A8"]
+#: default, SmoothQuant before GPTQ, GPTQ onto the float8 grid)
+CALIBRATED = ["GPTQ_W4A16", "GPTQ_W8A8", "AWQ_W4A16_ASYM", "SQ_GPTQ_W8A8", "GPTQ_FP8_DYNAMIC"]
 SPARSEGPT_24 = {"SparseGPTModifier": {"mask_structure": "2:4", "ignore": ["lm_head"]}}
 SPARSEGPT_50 = {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}
 WANDA_24 = {"WandaModifier": {"mask_structure": "2:4", "ignore": ["lm_head"]}}
