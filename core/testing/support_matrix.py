@@ -18,7 +18,7 @@ from layerwise.host.model_patch import ModelPatch
 from layerwise.host.plugin_manager import PluginHost
 
 #: the matrix's check columns, in the order the kit runs them
-COLUMNS = ("ignore", "targets", "opaque", "mappings", "trace", "RTN", "GPTQ", "reload")
+COLUMNS = ("ignore", "targets", "opaque", "mappings", "rotation", "trace", "RTN", "GPTQ", "reload")
 MARKS = {"passed": "✔", "failed": "✘", "skipped": "·", "": "·"}
 
 
