@@ -32,6 +32,8 @@ GPTQ_W4A16 = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n"  # the preset'
 #: same inputs on one rank or two, and the comparison is about what the ranks reduce.
 RUNS = [("gptq", GPTQ_W4A16, True, {}), ("sq_gptq", "SQ_GPTQ_W8A8", False, {"propagate_error": False}),
         ("static", "W8A8_STATIC", False, {}),
+        # GPTAQ: the cross terms with the uncompressed stream summed over the ranks like the Hessians
+        ("gptaq", "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  gptaq: true\n", False, {}),
         # AutoRound: the ranks' samples gathered in the batches' order, one rank tunes each block
         ("autoround", "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 3\n  batch_size: 2\n", False,
          {})]
@@ -171,7 +173,11 @@ def single_process(recipe: str, **options) -> dict[str, dict[str, torch.Tensor]]
     return compressed(model)
 
 
-def assert_matches(reference: dict, distributed: dict) -> None:
+#: GPTAQ's step ``W P H^-1`` passes the ranks' summation order through a solve: its scales agree to 1e-5
+SCALE_RTOL = {"gptaq": 1e-5}
+
+
+def assert_matches(reference: dict, distributed: dict, scale_rtol: float = 1e-6) -> None:
     assert set(reference) == set(distributed) and reference
     same = total = 0
     for name, ref in reference.items():
@@ -181,7 +187,7 @@ def assert_matches(reference: dict, distributed: dict) -> None:
         total += ref["weight"].numel()
         for key in ("weight_scale", "input_scale"):
             if key in ref:
-                torch.testing.assert_close(got[key], ref[key], rtol=1e-6, atol=0, msg=f"{name}.{key}")
+                torch.testing.assert_close(got[key], ref[key], rtol=scale_rtol, atol=0, msg=f"{name}.{key}")
     assert same / total >= 0.999, f"only {same / total:.5f} of the quantized integers match"
 
 
@@ -206,7 +212,7 @@ def test_two_ranks_match_one_process(ranks, name, recipe, options):
     for module, tensors in rank0.items():  # every rank ends with the very same model
         for key, value in tensors.items():
             assert torch.equal(value, rank1[module][key]), f"{module}.{key} differs between the ranks"
-    assert_matches(single_process(recipe, **options), rank0)
+    assert_matches(single_process(recipe, **options), rank0, SCALE_RTOL.get(name, 1e-6))
     assert rank_result(ranks, 0)[name]["samples"] == SAMPLES
 
 
