@@ -76,6 +76,17 @@ def card_files(summary: RunSummary | CompressionReport, quality: Any | None = No
     return files
 
 
+def output_card_files(report: CompressionReport, output_dir: str | os.PathLike) -> dict[str, str]:
+    """The card and its pictures for a new output folder; a README of the user's in the folder about to be
+    replaced is carried over as it was instead of the card."""
+    output_dir = Path(output_dir)
+    files = card_files(report, name=output_dir.name)
+    readme = output_dir / CARD_FILE
+    if readme.is_file() and not is_layerwise_card(readme):
+        files[CARD_FILE] = readme.read_text(encoding="utf-8")
+    return files
+
+
 def write_card(folder: str | os.PathLike, summary: RunSummary | None = None, quality: Any | None = None
                ) -> Path | None:
     """Write the card and its pictures into ``folder``; returns the card's path, or ``None`` when a

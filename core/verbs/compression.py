@@ -301,7 +301,9 @@ def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | o
 
     report.output_dir = str(Path(output_dir))
     report.seconds = time.perf_counter() - start  # the saved summary counts up to saving
-    extra = {SUMMARY_FILE: summary_json(report), **_card(report, Path(output_dir))}
+    from layerwise.reports.model_card import output_card_files
+
+    extra = {SUMMARY_FILE: summary_json(report), **output_card_files(report, output_dir)}
     for modifier in modifiers:
         extra.update(modifier.output_files())
     if stream is not None:
@@ -310,17 +312,6 @@ def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | o
     else:
         saver.save(model, output_dir, tokenizer=tokenizer, recipe=report.recipe, extra_files=extra,
                    overwrite=overwrite)
-
-
-def _card(report: CompressionReport, output_dir: Path) -> dict[str, str]:
-    """The model card and its pictures for the output; a README of the user's in the folder replaced is kept."""
-    from layerwise.reports.model_card import CARD_FILE, card_files, is_layerwise_card
-
-    files = card_files(report, name=output_dir.name)
-    readme = output_dir / CARD_FILE
-    if readme.is_file() and not is_layerwise_card(readme):
-        files[CARD_FILE] = readme.read_text(encoding="utf-8")  # carried over into the new folder as it was
-    return files
 
 
 def _pipelines_not_streaming(requested: str | None) -> tuple[str, ...]:

@@ -112,9 +112,12 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
         (tmp / "recipe.yaml").write_text(recipe_to_yaml(modifiers))
         report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
         report.output_dir = str(Path(output_dir))
+        from layerwise.reports.model_card import output_card_files
         from layerwise.reports.run_summary import SUMMARY_FILE, summary_json
 
         (tmp / SUMMARY_FILE).write_text(summary_json(report))
+        for name, text in output_card_files(report, output_dir).items():  # over the source model's own card
+            (tmp / name).write_text(text, encoding="utf-8")
     report.seconds = time.perf_counter() - start
     return report
 

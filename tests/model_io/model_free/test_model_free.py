@@ -183,3 +183,15 @@ def test_the_cli_flag(sharded_llama, tmp_path, capsys):
                  str(tmp_path / "out"), "--workers", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "pipeline:           model-free" in out and "modules compressed: 14" in out
+
+
+def test_the_output_gets_the_model_card_in_place_of_the_source_models_readme(sharded_llama, tmp_path):
+    from layerwise.reports.model_card import is_layerwise_card
+
+    (sharded_llama / "README.md").write_text("# the original model's own card\n")
+    out = tmp_path / "out"
+    layerwise.compress(str(sharded_llama), "W8A16", output_dir=str(out), show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="model-free", workers=1))
+    card = (out / "README.md").read_text()
+    assert is_layerwise_card(out / "README.md") and "- compressed-tensors" in card and "- w8a16" in card
+    assert (sharded_llama / "README.md").read_text() == "# the original model's own card\n"  # the input untouched
