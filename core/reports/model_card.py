@@ -235,7 +235,8 @@ def _loading(name: str, quality: Mapping[str, Any] | None) -> list[str]:
     auto = "AutoModelForCausalLM" if (quality or {}).get("kind") == "causal-lm" else "AutoModel"
     return ["## How to load", "", "```python", f"from transformers import {auto}", "",
             f'model = {auto}.from_pretrained("{name}")', "```", "",
-            f'A pruned model saved without quantization (sparse-bitmask) loads with `layerwise.load_compressed("{name}")`.',
+            f'`layerwise.load_compressed("{name}")` loads it too, including what plain transformers cannot run: '
+            f'FP4 / MX formats in a float32 model, and the sparse-bitmask folders of older layerwise releases.',
             ""]
 
 
