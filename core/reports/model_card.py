@@ -124,7 +124,7 @@ def render_card(summary: RunSummary, quality: Mapping[str, Any] | None, name: st
     """The card's text: YAML front matter, :data:`CARD_MARK`, then the markdown body."""
     report = summary.report
     front = front_matter(report, quality, name)
-    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality)]
+    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report))]
     if quality:
         body += ["## Quality against the original", "", *metrics_table(quality), "", _measured_on(quality), ""]
         if KL_PICTURE in pictures:
@@ -231,10 +231,17 @@ def _what_was_done(summary: RunSummary) -> str:
             f"{len(report.compressed_modules)} modules compressed, {size_text(report.bytes_before, report.bytes_after)}.")
 
 
-def _loading(name: str, quality: Mapping[str, Any] | None) -> list[str]:
+def _low_bit_float(report: CompressionReport) -> bool:
+    """Does the recipe name an FP4 / MX scheme (compressed-tensors 0.20 runs those in bfloat16 only)?"""
+    return bool(re.search(r"nvfp4|mxfp|float_format", report.recipe, re.IGNORECASE))
+
+
+def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool = False) -> list[str]:
     auto = "AutoModelForCausalLM" if (quality or {}).get("kind") == "causal-lm" else "AutoModel"
-    return ["## How to load", "", "```python", f"from transformers import {auto}", "",
-            f'model = {auto}.from_pretrained("{name}")', "```", "",
+    dtype = ", dtype=torch.bfloat16" if low_bit_float else ""
+    imports = ["import torch", f"from transformers import {auto}"] if low_bit_float else [f"from transformers import {auto}"]
+    return ["## How to load", "", "```python", *imports, "",
+            f'model = {auto}.from_pretrained("{name}"{dtype})', "```", "",
             f'`layerwise.load_compressed("{name}")` loads it too, including what plain transformers cannot run: '
             f'FP4 / MX formats in a float32 model, and the sparse-bitmask folders of older layerwise releases.',
             ""]

@@ -72,6 +72,17 @@ def test_a_hub_model_is_named_the_base_model():
     assert "w8a16" in front["tags"]
 
 
+@pytest.mark.parametrize("scheme, bfloat16", [("NVFP4A16", True), ("MXFP8A16", True), ("W4A16", False)])
+def test_the_card_loads_fp4_and_mx_checkpoints_in_bfloat16(scheme, bfloat16):
+    # compressed-tensors 0.20 runs these formats in bfloat16 only: a float32 from_pretrained fails its forward
+    report = CompressionReport(pipeline="datafree", modifiers=["QuantizationModifier"], compressed_modules=[],
+                               seconds=1.0, bytes_before=10, bytes_after=5, calibration_samples=0, model="m",
+                               recipe=f"QuantizationModifier:\n  scheme: {scheme}\n")
+    card = card_files(report, name="out")[CARD_FILE]
+    assert ('from_pretrained("out", dtype=torch.bfloat16)' in card) is bfloat16
+    assert 'layerwise.load_compressed("out")' in card
+
+
 def test_recipe_tags_name_algorithms_schemes_and_bits():
     report = CompressionReport(pipeline="p", modifiers=["SparseGPTModifier", "QuantizationModifier"],
                                compressed_modules=[], seconds=0, bytes_before=1, bytes_after=1, calibration_samples=1,
