@@ -26,6 +26,7 @@ Per block results are in :attr:`AutoRoundModifier.summary`, the run's log and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ from .quantization import QuantizationModifier, _in_piece
 log = logging.getLogger("layerwise")
 
 SUMMARY_FILE = "autoround_summary.json"
+#: the accounting phase the tuning (and the replays of match: model) is timed under
+TUNING_PHASE = "AutoRound tuning"
 #: what a block's quantized output is matched to (see AutoRoundModifier.match)
 MATCHES = ("model", "block")
 
@@ -182,10 +185,12 @@ class AutoRoundModifier(QuantizationModifier):
     # -- work --------------------------------------------------------------------------
     def tune_blocks(self, names: list[str], state: CompressionState) -> None:
         """Tune blocks ``names`` (one rank each with several ranks) and store their layers' weights."""
-        for name in names:  # on every rank: the next block's reference inputs come from here
-            self._match_model(name)
-        for name, result in spread(names, self._tune):
-            self._store(name, result, state)
+        accounting = getattr(state, "accounting", None)  # the run's: the summary's time line names the phase
+        with accounting.timed(TUNING_PHASE) if accounting is not None else contextlib.nullcontext():
+            for name in names:  # on every rank: the next block's reference inputs come from here
+                self._match_model(name)
+            for name, result in spread(names, self._tune):
+                self._store(name, result, state)
 
     @torch.no_grad()
     def _match_model(self, name: str) -> None:
