@@ -74,10 +74,20 @@ class PruningModifier(Modifier):
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     owl_m: float | None = None
     owl_lmbda: float | None = None
+    #: ``False`` (default, the papers'): every layer of a block is calibrated on the block's unpruned
+    #: inputs (the pipeline cuts at blocks); ``True``: on the inputs of the model pruned so far (a cut at
+    #: layers, one forward per piece)
+    true_sequential: bool = False
+
+    @property
+    def needs_uncompressed_block(self) -> bool:  # type: ignore[override]
+        return not self.true_sequential
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         owner = type(self).__name__
+        if not isinstance(self.true_sequential, bool):
+            raise RecipeError(f"{owner}.true_sequential must be true or false, got {self.true_sequential!r}")
+        super().__post_init__()
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
         self.structure: MaskStructure = parse_mask_structure(self.mask_structure, f"{owner}.mask_structure")
         implied = self.structure.sparsity

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, ForeignField, RecipeError
+from layerwise.plugin import CompressionState, ForeignField
 from layerwise.plugin.calibration import HessianError, Reducer
 from layerwise.plugin.sparsity import sparsegpt_prune
 
@@ -50,18 +50,11 @@ class SparseGPTModifier(HessianHooks, PruningModifier):
 
     block_size: int = 128
     dampening_frac: float = 0.01
-    true_sequential: bool = False
 
     block_reason: ClassVar[str] = ("calibrates a block's layers on its unpruned inputs, as in the paper "
                                    "(true_sequential=True cuts at layers)")
 
-    @property
-    def needs_uncompressed_block(self) -> bool:  # type: ignore[override]
-        return not self.true_sequential
-
     def __post_init__(self) -> None:
-        if not isinstance(self.true_sequential, bool):
-            raise RecipeError(f"SparseGPTModifier.true_sequential must be true or false, got {self.true_sequential!r}")
         self._check_solver_fields()
         super().__post_init__()
         self._init_hessians()
