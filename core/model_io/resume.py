@@ -148,16 +148,16 @@ class PieceCheckpoint:
                       f"piece", ResumeWarning)
 
     def save(self, finished: int, pieces: int, stream: Any, cache: Any, num_batches: int, dropped: set[int],
-             lifecycle: Any) -> None:
-        """Record that piece ``finished`` (0-based) is done; written atomically."""
-        from layerwise.runtime.cache import move_to
-
+             lifecycle: Any, reference: Any = None) -> None:
+        """Record that piece ``finished`` (0-based) is done; written atomically. ``reference``: the
+        uncompressed model's stream of inputs, when a modifier reads it (GPTAQ, AutoRound)."""
         state = lifecycle.state
-        values = {b: {n: move_to(cache.get(b, n), "cpu") for n in cache.names(b)} for b in range(num_batches)}
+        values = _cached_values(cache, num_batches)
         modules = {name: {a: getattr(m, a) for a in MODULE_ATTRIBUTES if a in vars(m)}
                    for name, m in state.model.named_modules() if name in stream.retired}
         payload = {
             "fingerprint": self.fingerprint, "finished": finished, "cache": values, "dropped": sorted(dropped),
+            "reference": None if reference is None else _cached_values(reference, num_batches),
             "stream": {"retired": sorted(stream.retired), "covered": sorted(stream.covered),
                        "sparsity_counts": dict(stream.sparsity_counts), "final_bytes": stream.final_bytes},
             "seconds": self.earlier_seconds + time.perf_counter() - self.started,
@@ -174,7 +174,7 @@ class PieceCheckpoint:
                     "saved": datetime.datetime.now().isoformat(timespec="seconds")}
         (self.path.parent / "progress.json").write_text(json.dumps(progress))
 
-    def restore(self, stream: Any, cache: Any, lifecycle: Any) -> tuple[int, set[int]]:
+    def restore(self, stream: Any, cache: Any, lifecycle: Any, reference: Any = None) -> tuple[int, set[int]]:
         """Put a saved run back; returns the first piece still to run and the batches dropped so far."""
         saved = self.saved
         if saved is None:
@@ -188,9 +188,9 @@ class PieceCheckpoint:
         for part in self.folder.glob(f"{PART_PREFIX}*.safetensors"):  # written after the last checkpoint: redone
             if part.name not in writer["parts"]:
                 part.unlink()
-        cache.clear()
-        for batch, values in saved["cache"].items():
-            cache.update(batch, values)
+        _refill(cache, saved["cache"])
+        if reference is not None:
+            _refill(reference, saved.get("reference") or {})
         for modifier, state in zip(lifecycle.modifiers, saved["modifiers"]):
             restore_modifier(modifier, state)
         lifecycle.state.log[:] = saved["log"]
@@ -203,3 +203,16 @@ class PieceCheckpoint:
     def discard(self) -> None:
         """Remove the checkpoint (the run is complete; it must not end up in the output)."""
         shutil.rmtree(self.folder / STATE_FOLDER, ignore_errors=True)
+
+
+def _cached_values(cache: Any, num_batches: int) -> dict[int, dict[str, Any]]:
+    """Every batch's cached values, on the CPU (what ``torch.save`` writes)."""
+    from layerwise.runtime.cache import move_to
+
+    return {b: {n: move_to(cache.get(b, n), "cpu") for n in cache.names(b)} for b in range(num_batches)}
+
+
+def _refill(cache: Any, saved: dict[int, dict[str, Any]]) -> None:
+    cache.clear()
+    for batch, values in saved.items():
+        cache.update(batch, values)

@@ -12,11 +12,13 @@ The block must be observed whole before any of its layers changes, and re-run qu
 afterwards (:attr:`needs_uncompressed_block`): the ``sequential`` pipeline then cuts at blocks,
 and each block's inputs are the quantized model's (the error of earlier blocks propagates, as
 GPTQ's does). What its quantized output must reproduce is, by default (``match: model``, as in
-AutoRound), the unquantized model's activations after that block: the modifier runs each block
-with its own weights on the previous block's unquantized outputs, which it keeps, so each block
-also makes up for what the blocks before it lost. Targeted layers outside every block (or in a block that saw no data) are rounded to
-nearest. Memory: one block's samples (inputs and outputs) on the execution device, plus the
-block's learned parameters (about three times its quantized weights, float32) while it is tuned.
+AutoRound), the unquantized model's activations after that block: the pipeline carries the
+uncompressed model's stream beside the quantized one (:attr:`needs_reference_inputs`, as for
+GPTAQ) and the modifier's reference hook keeps each block's output there, so each block also
+makes up for what the blocks before it lost (and a resumed run has that stream in its checkpoint).
+Targeted layers outside every block (or in a block that saw no data) are rounded to nearest.
+Memory: one block's samples (inputs and outputs) on the execution device, plus the block's
+learned parameters (about three times its quantized weights, float32) while it is tuned.
 
 With several data-parallel ranks each rank's samples are gathered before a block is tuned
 (:meth:`AutoRoundModifier.on_reduce`), one rank tunes it and every rank stores the result.
@@ -79,9 +81,9 @@ class AutoRoundModifier(QuantizationModifier):
     * ``seed``: the order samples are drawn in (same seed and data, same result);
     * ``match``: what a block's quantized output must reproduce. ``"model"`` (AutoRound's choice): the
       unquantized model's activations there, i.e. the unquantized block run on the unquantized
-      model's inputs, which the modifier carries from one block to the next (one more set of a block's
-      activations in memory), so a block also corrects what earlier blocks' quantization moved;
-      ``"block"``: the unquantized block on the inputs the quantized model gives it.
+      model's inputs (the pipeline's second stream, one more set of activations in its cache), so a
+      block also corrects what earlier blocks' quantization moved; ``"block"``: the unquantized block
+      on the inputs the quantized model gives it.
     """
 
     requires_data: ClassVar[bool] = True
@@ -99,6 +101,10 @@ class AutoRoundModifier(QuantizationModifier):
     nsamples: int = 128
     seed: int = 42
     match: str = "model"
+
+    @property
+    def needs_reference_inputs(self) -> bool:  # type: ignore[override]
+        return self.match == "model"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -126,9 +132,8 @@ class AutoRoundModifier(QuantizationModifier):
         self.summary: list[dict[str, Any]] = []
         self._blocks: dict[str, torch.nn.Module] = {}
         self._samples: dict[str, list[BlockSample]] = {}
-        #: the unquantized model's outputs of the last block tuned (its class name, one per sample)
-        self._stream: tuple[str, list[torch.Tensor]] | None = None
-        self._replaying = False
+        #: match: model: each block's output in the uncompressed stream for the batch being observed
+        self._reference: dict[str, torch.Tensor] = {}
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
@@ -138,13 +143,19 @@ class AutoRoundModifier(QuantizationModifier):
         self._blocks = {name: block for name, block in blocks.items()
                         if any(_in_piece(layer, [name]) for layer in self._modules)}
         self._samples = {}
-        self._stream = None
+        self._reference = {}
 
     def on_calibration_start(self, state: CompressionState) -> None:
         super().on_calibration_start(state)
         for name, block in self._blocks.items():
             self._samples[name] = []
             self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
+
+    def reference_hooks(self, modules: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
+        """``match: model``: the blocks of ``modules`` still to tune keep their output in the uncompressed model
+        (the capture hook of the observed run that follows takes it as the sample's target)."""
+        return [block.register_forward_hook(self._reference_hook(name)) for name, block in self._blocks.items()
+                if name not in self._done and _in_piece(name, modules)]
 
     def on_reduce(self, state: CompressionState, reducer: Reducer, modules: list[str] | None) -> None:
         """Every rank's samples of the blocks about to be tuned, up to ``nsamples``, in the order one process
@@ -178,6 +189,7 @@ class AutoRoundModifier(QuantizationModifier):
         """Remove the capture hooks and free every sample still held (also after an error)."""
         super().remove_hooks()
         self._samples.clear()
+        self._reference.clear()
 
     def output_files(self) -> dict[str, str]:
         return {SUMMARY_FILE: json.dumps(self.summary, indent=1)} if self.summary else {}
@@ -187,33 +199,8 @@ class AutoRoundModifier(QuantizationModifier):
         """Tune blocks ``names`` (one rank each with several ranks) and store their layers' weights."""
         accounting = getattr(state, "accounting", None)  # the run's: the summary's time line names the phase
         with accounting.timed(TUNING_PHASE) if accounting is not None else contextlib.nullcontext():
-            for name in names:  # on every rank: the next block's reference inputs come from here
-                self._match_model(name)
             for name, result in spread(names, self._tune):
                 self._store(name, result, state)
-
-    @torch.no_grad()
-    def _match_model(self, name: str) -> None:
-        """``match: model``: the block's targets become its unquantized outputs on the unquantized model's
-        inputs (the previous block's targets), and these targets the next block's inputs. The first block,
-        and one of another class than the block before (another tower), keeps what it was captured with."""
-        samples = self._samples.get(name) or []
-        if self.match != "model" or not samples:
-            self._stream = None
-            return
-        block = self._blocks[name]
-        kind = type(block).__name__
-        stream = self._stream
-        if (stream is not None and stream[0] == kind and len(stream[1]) >= len(samples)
-                and all(_hidden(s)[0].shape == stream[1][i].shape for i, s in enumerate(samples))):
-            self._replaying = True  # the capture hook must not take these calls for samples
-            try:
-                for sample, reference in zip(samples, stream[1]):
-                    args, kwargs = _with_hidden(sample, reference.to(sample.target.device))
-                    sample.target = block_output(block(*args, **kwargs)).detach().clone()
-            finally:
-                self._replaying = False
-        self._stream = (kind, [sample.target for sample in samples])
 
     def _layers(self, block_name: str) -> dict[str, torch.nn.Module]:
         """The block's targeted layers still to quantize, by name relative to the block."""
@@ -257,31 +244,20 @@ class AutoRoundModifier(QuantizationModifier):
 
     def _capture_hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            reference = self._reference.pop(name, None)
             samples = self._samples.get(name)
-            if samples is None or self._replaying or name in self._done or _rows(samples) >= self.nsamples:
+            if samples is None or name in self._done or _rows(samples) >= self.nsamples:
                 return
-            target = block_output(output).detach().clone()
+            target = reference if reference is not None else block_output(output).detach().clone()
             samples.append(BlockSample(_copy(args), _copy(kwargs), target))
         return hook
 
-
-def _hidden(sample: BlockSample) -> tuple[torch.Tensor, int | str]:
-    """The block's hidden-state input (its first positional argument, else ``hidden_states=``) and where."""
-    if sample.args and isinstance(sample.args[0], torch.Tensor):
-        return sample.args[0], 0
-    value = sample.kwargs.get("hidden_states")
-    if isinstance(value, torch.Tensor):
-        return value, "hidden_states"
-    raise AutoRoundError("AutoRound match: model needs the block's hidden states as its first argument or "
-                         "hidden_states=; use match: block for this model")
-
-
-def _with_hidden(sample: BlockSample, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    """The sample's inputs with ``hidden`` as the hidden states."""
-    _, where = _hidden(sample)
-    if where == 0:
-        return (hidden, *sample.args[1:]), sample.kwargs
-    return sample.args, {**sample.kwargs, "hidden_states": hidden}
+    def _reference_hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            samples = self._samples.get(name)
+            if samples is not None and _rows(samples) < self.nsamples:
+                self._reference[name] = block_output(output).detach().clone()
+        return hook
 
 
 def _copy(value: Any) -> Any:

@@ -190,15 +190,16 @@ class _Runner:
         """An interrupted run's checkpoint, when there is one, puts back everything up to its last piece."""
         checkpoint = self.options.checkpoint
         if checkpoint is not None:
-            self.start, self.dropped = checkpoint.restore(self.options.stream, self.cache, self.lifecycle)
+            self.start, self.dropped = checkpoint.restore(self.options.stream, self.cache, self.lifecycle,
+                                                          self.reference)
             self.compressed = self.compressed or self.start > 0
 
     def _checkpoint(self, position: int) -> None:
-        """Piece ``position`` is done (written, its inputs freed): save the run for a resume (not with a
-        reference stream, which a checkpoint does not hold: such a run starts again from the beginning)."""
-        if self.options.checkpoint is not None and self.reference is None:
+        """Piece ``position`` is done (written, its inputs freed): save the run for a resume (with the
+        uncompressed model's stream too, when a modifier reads it)."""
+        if self.options.checkpoint is not None:
             self.options.checkpoint.save(position, len(self.pieces), self.options.stream, self.cache,
-                                         self.num_batches, self.dropped, self.lifecycle)
+                                         self.num_batches, self.dropped, self.lifecycle, reference=self.reference)
 
     def leftovers(self) -> None:
         """Weights streamed from disk: modules no piece ran are compressed one by one (as

@@ -49,7 +49,13 @@ def _kill_midway(tmp_path: Path, source: Path, out: Path, recipe: str) -> Path:
     return left
 
 
-@pytest.mark.parametrize("recipe", ["GPTQ_W4A16", "SQ_GPTQ_W8A8"])
+#: runs that carry the uncompressed model's stream beside the compressed one: the checkpoint holds it too
+GPTAQ = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  gptaq: true\n"
+AUTOROUND = "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 2\n  batch_size: 2\n"
+
+
+@pytest.mark.filterwarnings("ignore:4 calibration samples")
+@pytest.mark.parametrize("recipe", ["GPTQ_W4A16", "SQ_GPTQ_W8A8", GPTAQ, AUTOROUND])
 def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_one(tmp_path, monkeypatch, recipe):
     source = _save(tmp_path / "model")
     reference = tmp_path / "reference"
