@@ -142,10 +142,14 @@ CONFIGS: dict[str, dict | None] = {
     "W4AFP8": {"recipe": "W4AFP8", "data": False},
     "GPTQ NVFP4A16": {"recipe": "GPTQ_NVFP4A16", "data": True},
     "GPTQ MXFP4A16": {"recipe": "GPTQ_MXFP4A16", "data": True},
+    # with quantized inputs: NVFP4's global input scale is calibrated, MX inputs are scaled per block at run time
+    "NVFP4": {"recipe": "NVFP4", "data": True},
+    "MXFP4": {"recipe": "MXFP4", "data": False},
+    "MXFP8": {"recipe": "MXFP8", "data": False},
 }
 #: configurations that are one llm-compressor preset: QuantizationModifier (round-to-nearest) or GPTQModifier
 PRESET_CONFIGS = {"NVFP4A16": "rtn", "MXFP4A16": "rtn", "MXFP8A16": "rtn", "W4AFP8": "rtn",
-                  "GPTQ NVFP4A16": "gptq", "GPTQ MXFP4A16": "gptq"}
+                  "GPTQ NVFP4A16": "gptq", "GPTQ MXFP4A16": "gptq", "NVFP4": "rtn", "MXFP4": "rtn", "MXFP8": "rtn"}
 #: the fp32 run writes the MiniLM reference embeddings here (a file in the run's temporary folder)
 REFERENCE_ENV = "LAYERWISE_BENCH_REFERENCE"
 #: the smoothing mappings of layerwise's model patch (JSON), read by the fp32 run, given to llm-compressor

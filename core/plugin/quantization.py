@@ -36,6 +36,7 @@ from layerwise.algorithms.quantization.mappings import (
     split_by_piece,
 )
 from layerwise.algorithms.quantization.observer import Observer
+from layerwise.algorithms.quantization.packing import pack_int
 from layerwise.algorithms.quantization.presets import resolve_scheme
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
@@ -103,6 +104,7 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
+    "pack_int",
     "quantize_learned",
     "quantize_weight",
     "quantized_modules",

@@ -64,6 +64,7 @@ from layerwise.plugin.quantization import (
     linear_weight,
     nvfp4_block_scales,
     pack_fp4,
+    pack_int,
     quantize_weight,
     quantized_modules,
 )
@@ -298,7 +299,7 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     elif fmt == "int-quantized":
         state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
     else:
-        state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
+        state[f"{prefix}weight_packed"] = pack_int(q, args.num_bits)
         state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
     if not args.symmetric:
         zp = torch.round(zero_point).to(torch.int8)
@@ -328,7 +329,7 @@ def float_format_tensors(q: torch.Tensor, scale: torch.Tensor, global_scale: tor
     effective float32 block ``scale`` and (NVFP4) ``global_scale``: what compressed-tensors 0.20 writes."""
     state: dict[str, torch.Tensor] = {}
     if args.num_bits == 4:
-        state["weight_packed"] = pack_fp4(fp4_codes(q)).contiguous()
+        state["weight_packed"] = pack_fp4(fp4_codes(q, on_grid=True)).contiguous()  # q: E2M1 values
     else:
         state["weight"] = q.to(torch.float8_e4m3fn).contiguous()
     if args.float_format == "nvfp4":

@@ -56,6 +56,7 @@ from layerwise.algorithms.quantization.float_formats import (
     nvfp4_global_scale,
     nvfp4_scale,
 )
+from layerwise.algorithms.quantization.slices import by_row_slices
 
 Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
 
@@ -228,29 +229,33 @@ def expand_qparams(weight: Tensor, scale: Tensor, zero_point: Tensor | None, arg
 def quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
                     g_idx: Tensor | None = None) -> Tensor:
     """Integer values of a ``(out, in)`` weight (floating dtype); group columns use ``g_idx``."""
-    if args.float_format is not None and g_idx is None:
-        return _blockwise(quantize, weight, scale, args)
-    s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
-    return quantize(weight, s, z, args)
+    return _weight_operation(quantize, weight, scale, zero_point, args, g_idx)
 
 
 def fake_quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
                          g_idx: Tensor | None = None) -> Tensor:
     """Fake-quantized ``(out, in)`` weight; with ``group``, column ``j`` uses group ``g_idx[j]``
     (default ``j // group_size``)."""
-    if args.float_format is not None and g_idx is None:
-        return _blockwise(fake_quantize, weight, scale, args)
+    return _weight_operation(fake_quantize, weight, scale, zero_point, args, g_idx)
+
+
+def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_point: Tensor | None,
+                      args: QuantizationArgs, g_idx: Tensor | None) -> Tensor:
+    """``operation(x, scale, zero_point, args)`` on a whole weight, its qparams broadcast to it: groups in order
+    as ``(out, groups, group_size)`` blocks with a scale per block (the same values as :func:`expand_qparams`'s
+    per-column scales, without building them), reordered groups and tiles through the expanded qparams; on
+    the CPU in slices of rows (:mod:`.slices`)."""
+    if g_idx is None and args.strategy in ("group", "tensor_group"):
+        _check_weight(weight, args)
+        rows, columns = weight.shape
+        blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
+        zero_point = None if zero_point is None or args.symmetric else zero_point.unsqueeze(-1)
+        return by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1),
+                             zero_point).reshape(rows, columns)
+    if args.strategy in ("channel", "tensor"):
+        return by_row_slices(lambda x, s, z: operation(x, s, z, args), weight, scale, zero_point)
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
-    return fake_quantize(weight, s, z, args)
-
-
-def _blockwise(operation: Callable, weight: Tensor, scale: Tensor, args: QuantizationArgs) -> Tensor:
-    """``operation`` over the weight's blocks of ``group_size`` columns, each block's scale broadcast (the
-    same values as the per-column scales of :func:`expand_qparams`, without building them)."""
-    _check_weight(weight, args)
-    rows, columns = weight.shape
-    blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
-    return operation(blocks, scale.unsqueeze(-1), None, args).reshape(rows, columns)
+    return operation(weight, s, z, args)
 
 
 # -- activations --------------------------------------------------------------------------

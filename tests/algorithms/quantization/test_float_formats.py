@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from layerwise.algorithms.quantization import slices
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.float_formats import (
     FP8_TINY,
@@ -51,14 +52,29 @@ def test_fp4_rounding_is_nearest_ties_to_even_and_saturates():
     values += torch.empty(500).uniform_(-8, 8, generator=torch.Generator().manual_seed(0)).tolist()
     got = fp4_grid(torch.tensor(values, dtype=torch.float64)).tolist()
     assert got == [reference_fp4(v) for v in values]
+    # float32 takes another path (the step from the exponent bits): subnormals, binade edges, the largest float
+    tiny = torch.finfo(torch.float32).tiny
+    singles = torch.tensor(values + [tiny, tiny / 8, 1.9999999, 3.9999998, 5.9999995, 3.4e38, 0.0], dtype=torch.float32)
+    singles = torch.cat([singles, -singles])
+    got = fp4_grid(singles.clone())
+    assert got.tolist() == [reference_fp4(v) for v in singles.tolist()]
+    assert torch.equal(torch.signbit(got), torch.signbit(singles))
     # spot checks straight from the definition
     assert fp4_grid(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).tolist() == [0, 1, 1, 2, 2, 4, 4]
     assert torch.signbit(fp4_grid(torch.tensor([-0.1]))).item()  # a small negative rounds to -0
 
 
-def test_fp4_codes_sign_bit_and_packing_layout():
+@pytest.mark.parametrize("slice_elements", [1 << 16, 4])
+def test_fp4_codes_sign_bit_and_packing_layout(slice_elements, monkeypatch):
+    monkeypatch.setattr(slices, "SLICE_ELEMENTS", slice_elements)
     codes = fp4_codes(torch.tensor([[0.5, -6.0, 1.0, -0.0]]))
     assert codes.tolist() == [[1, 15, 2, 8]]
+    # every code from its value (the magnitude index in bits 0-2, the sign in bit 3), rounded first or not
+    values = torch.tensor([*MAGNITUDES, *(-m for m in MAGNITUDES)]).reshape(4, 4)
+    assert fp4_codes(values, on_grid=True).flatten().tolist() == list(range(16))
+    assert fp4_codes(values * 1.1, on_grid=False).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                         14, 15]
+    assert torch.equal(fp4_codes(values.to(torch.float64) * 0.97), fp4_codes(values, on_grid=True))
     packed = pack_fp4(codes)
     assert packed.dtype == torch.uint8 and packed.tolist() == [[0xF1, 0x02]]  # column 2k low nibble, 2k+1 high
     assert unpack_fp4(packed).tolist() == [[1, 15, 2, 0]]  # -0 is stored as +0
@@ -94,7 +110,9 @@ def test_e8m0_refuses_a_scale_that_is_not_a_power_of_two():
         e8m0_codes(torch.tensor([0.75]))
 
 
-def test_nvfp4_scales_follow_the_definition():
+@pytest.mark.parametrize("slice_elements", [1 << 16, 64])  # whole, or the CPU's slices of rows
+def test_nvfp4_scales_follow_the_definition(slice_elements, monkeypatch):
+    monkeypatch.setattr(slices, "SLICE_ELEMENTS", slice_elements)
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
     weight[0, :16] = 0.0  # an all-zero block
     weight[1, :16] = 1e-9  # a block whose fp8 scale underflows
@@ -117,7 +135,9 @@ def test_nvfp4_scales_follow_the_definition():
     assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0
 
 
-def test_mx_fake_quantization_follows_the_definition():
+@pytest.mark.parametrize("slice_elements", [1 << 16, 64])  # whole, or the CPU's slices of rows
+def test_mx_fake_quantization_follows_the_definition(slice_elements, monkeypatch):
+    monkeypatch.setattr(slices, "SLICE_ELEMENTS", slice_elements)
     weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)) * 3
     scale, _ = weight_qparams(weight, MXFP4)
     assert scale.shape == (4, 2)

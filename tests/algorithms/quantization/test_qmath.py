@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from layerwise.algorithms.quantization import slices
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
@@ -78,8 +79,10 @@ def test_qrange():
     assert qrange(QuantizationArgs(num_bits=8, strategy="channel")) == (-128, 127)
 
 
+@pytest.mark.parametrize("slice_elements", [1 << 16, 64, 150])  # whole, a row a slice, two rows (the last one)
 @pytest.mark.parametrize("name", ARGS)
-def test_matches_loop_reference(name, weight):
+def test_matches_loop_reference(name, weight, slice_elements, monkeypatch):
+    monkeypatch.setattr(slices, "SLICE_ELEMENTS", slice_elements)  # the CPU works through slices of rows
     args = ARGS[name]
     scale, zp = weight_qparams(weight, args)
     fq = fake_quantize_weight(weight, scale, zp, args)

