@@ -123,3 +123,21 @@ def test_gptq_names_a_layer_whose_own_weight_is_not_finite():
         model.get_submodule(name).weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=f"the weight of layer '{name}' itself holds 1 NaN/inf"):
         modifier.quantize_module(name, model.get_submodule(name))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32])
+def test_is_finite_reads_every_code_of_small_floats(dtype):
+    from layerwise.runtime.finite import is_finite
+
+    if dtype.itemsize == 1:  # every bit pattern of the type, against torch's own isfinite
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+        for code in codes:
+            assert is_finite(code.reshape(1)) == bool(torch.isfinite(code.to(torch.float32))), code
+    values = torch.linspace(-3, 3, 64).to(dtype)
+    assert is_finite(values)
+    for bad in (float("nan"), float("-nan"), float("inf")):
+        poisoned = values.to(torch.float32).clone()
+        poisoned[17] = bad
+        cast = poisoned.to(dtype)  # (float8 e4m3fn has no inf: torch's cast of inf is its NaN)
+        assert is_finite(cast) == bool(torch.isfinite(cast.to(torch.float32)).all())
+        assert not is_finite(cast) or dtype == torch.float8_e4m3fn
