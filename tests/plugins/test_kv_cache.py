@@ -1,0 +1,168 @@
+"""kv_cache_scheme through a compression run: scales calibrated on the post-RoPE keys through the sequential
+pipeline, the in-memory model computing with the FP8 cache, the saved checkpoint (config field and tensors as
+compressed-tensors writes them) and its reload, recipes, the CLI flag, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import layerwise
+from layerwise.algorithms.quantization.attention import (
+    attention_state,
+    find_attention_modules,
+    quantized_attention,
+)
+from layerwise.errors import RecipeError
+from layerwise.host.recipe import parse_recipe, recipe_to_yaml
+from layerwise.testing import token_batches
+from tests.conftest import build_tiny_llama
+
+DATA = token_batches(8, 16, vocab=128)
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def kv_recipe(kv, scheme=None, modifier="QuantizationModifier"):
+    return {modifier: {"scheme": scheme, "kv_cache_scheme": kv}}
+
+
+@pytest.fixture(scope="module", params=[("fp8", None), ("fp8_head", "W8A16")], ids=["tensor-kv-only", "head-w8a16"])
+def saved(request, tmp_path_factory):
+    kv, scheme = request.param
+    out = tmp_path_factory.mktemp("kv") / "out"
+    model = build_tiny_llama()
+    layerwise.compress(model, kv_recipe(kv, scheme), dataset=DATA, output_dir=out, show_progress=False)
+    with torch.no_grad():
+        logits = model(IDS).logits
+    return kv, scheme, model, logits, out
+
+
+@torch.no_grad()
+def test_layer_zero_scales_are_the_largest_post_rope_key_and_value_over_448():
+    """Layer 0 reads the embeddings, which no quantization touches: its scales are the calibration data's
+    largest keys and values (after RoPE) of the original model, over 448, per head."""
+    original, model = build_tiny_llama(), build_tiny_llama()
+    layerwise.compress(model, kv_recipe("fp8_head"), dataset=DATA, show_progress=False)
+    seen = {"key": [], "value": []}
+    from layerwise.algorithms.quantization.attention import attach
+
+    attach(original.model.layers[0].self_attn).observe(
+        lambda kind, s: seen[kind].append(s.abs().amax(dim=(0, 2, 3))) if kind in seen else None)
+    for batch in DATA:
+        original(**batch)
+    attention = model.model.layers[0].self_attn
+    for kind, buffer in (("key", "k_scale"), ("value", "v_scale")):
+        expected = torch.stack(seen[kind]).amax(0).reshape(2, 1, 1) / 448
+        assert torch.equal(attention._buffers[buffer], expected)
+
+
+def test_the_in_memory_model_computes_with_the_fp8_cache(saved):
+    _, scheme, model, logits, _ = saved
+    assert set(quantized_attention(model)) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    reference = build_tiny_llama()
+    if scheme is None:  # the KV cache only: every other weight is the original's
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    with torch.no_grad():
+        assert not torch.equal(logits, reference(IDS).logits)
+        states = [attention_state(m) for m in quantized_attention(model).values()]
+        args = [state.kv_args for state in states]
+        for state in states:
+            state.kv_args = None  # the cache unquantized again
+        unquantized = model(IDS).logits
+        for state, kv_args in zip(states, args):
+            state.kv_args = kv_args
+    if scheme is None:
+        assert torch.equal(unquantized, reference(IDS).logits)
+    assert 0 < (unquantized - logits).abs().max() < 0.05
+
+
+def test_config_field_is_compressed_tensors_own_serialization(saved):
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+    from compressed_tensors.quantization import QuantizationConfig
+
+    kv, scheme, _, _, out = saved
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    strategy = "attn_head" if kv == "fp8_head" else "tensor"
+    expected = CTArgs(num_bits=8, type="float", symmetric=True, strategy=strategy, dynamic=False,
+                      observer="minmax").model_dump(mode="json")
+    assert quant["kv_cache_scheme"] == expected
+    assert QuantizationConfig.model_validate(quant).model_dump(mode="json")["kv_cache_scheme"] == expected
+    assert quant["format"] == ("dense" if scheme is None else "pack-quantized")
+    assert (quant["config_groups"] == {}) == (scheme is None)
+
+
+def test_scale_tensors_have_the_names_shapes_and_dtype_compressed_tensors_initializes(saved):
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+
+    kv, _, model, _, out = saved
+    tensors = load_file(out / "model.safetensors")
+    strategy = "attn_head" if kv == "fp8_head" else "tensor"
+    probe = torch.nn.Linear(1, 1)
+    initialize_qparams(probe, "k", CTArgs(num_bits=8, type="float", strategy=strategy, dynamic=False),
+                       observed_shape=(model.config.num_key_value_heads, None, 16), observed_dtype=torch.float32,
+                       force_zero_point=False)
+    scales = {k: v for k, v in tensors.items() if k.endswith(("k_scale", "v_scale"))}
+    assert sorted(scales) == [f"model.layers.{i}.self_attn.{s}" for i in (0, 1) for s in ("k_scale", "v_scale")]
+    assert all(v.shape == probe.k_scale.shape and v.dtype == probe.k_scale.dtype for v in scales.values())
+    assert not any(k.endswith("zero_point") and "self_attn." in k and "proj" not in k for k in tensors)
+
+
+def test_load_compressed_reproduces_the_in_memory_outputs_without_load_warnings(saved):
+    _, _, _, logits, out = saved
+    reloaded, info = layerwise.load_compressed(out, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert set(quantized_attention(reloaded)) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    with torch.no_grad():
+        assert (reloaded(IDS).logits - logits).abs().max() == 0
+
+
+def test_gptq_calibrates_the_kv_cache_in_the_same_run(tmp_path):
+    model = build_tiny_llama()
+    layerwise.compress(model, {"GPTQModifier": {"scheme": "W8A16", "kv_cache_scheme": {"num_bits": 8, "type": "float",
+                                                                                      "strategy": "tensor"}}},
+                       dataset=token_batches(16, 16, vocab=128), show_progress=False)
+    assert set(quantized_attention(model)) == set(find_attention_modules(model))
+    assert model.model.layers[1].self_attn.k_scale.shape == (1,)
+
+
+def test_recipes_round_trip_and_the_cli_flag_appends_a_kv_modifier():
+    from layerwise.cli.app import with_kv_cache
+
+    (modifier,) = parse_recipe("QuantizationModifier:\n  scheme: W8A16\n  kv_cache_scheme: {num_bits: 8, type: float,"
+                               " strategy: attn_head, dynamic: false, symmetric: true}\n")
+    assert modifier.requires_data and parse_recipe(recipe_to_yaml([modifier]))[0].kv_cache_scheme == \
+        modifier.kv_cache_scheme
+    weights, kv = parse_recipe(with_kv_cache("GPTQ_W4A16", "fp8_head"))
+    assert type(weights).__name__ == "GPTQModifier" and kv.scheme is None and kv.kv_cache_scheme == "fp8_head"
+    assert with_kv_cache("W4A16", None) == "W4A16"
+
+
+def test_errors_come_before_any_work():
+    with pytest.raises(RecipeError, match="GPTQModifier.scheme is null: give a scheme"):
+        parse_recipe(kv_recipe("fp8", None, "GPTQModifier"))
+    with pytest.raises(RecipeError, match="QuantizationModifier.scheme is null.*or a kv_cache_scheme"):
+        parse_recipe({"QuantizationModifier": {"scheme": None}})
+    with pytest.raises(RecipeError, match="AWQModifier.kv_cache_scheme: put the KV cache on a QuantizationModifier"):
+        parse_recipe(kv_recipe("fp8", "W4A16_ASYM", "AWQModifier"))
+    with pytest.raises(RecipeError, match="kv_cache_scheme: strategy 'token' is not a KV cache strategy"):
+        parse_recipe(kv_recipe({"num_bits": 8, "type": "float", "strategy": "token"}))
+
+
+def test_a_model_without_attention_layers_is_refused_naming_the_patch_field():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj = torch.nn.Embedding(128, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids, **kwargs):
+            return self.proj(self.embed(input_ids))
+
+    model = Tiny()
+    before = model.proj.weight.clone()
+    with pytest.raises(RecipeError, match=r"kv_cache_scheme: Tiny has no attention layer.*ModelPatch.attention_modules"):
+        layerwise.compress(model, kv_recipe("fp8", "W8A16"), dataset=DATA, show_progress=False)
+    assert torch.equal(model.proj.weight, before)
