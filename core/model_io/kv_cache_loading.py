@@ -33,6 +33,14 @@ def kv_cache_scheme(quant: dict[str, Any]) -> dict[str, Any] | None:
     return scheme if isinstance(scheme, dict) and scheme else None
 
 
+def attention_scheme(quant: dict[str, Any]) -> dict[str, Any] | None:
+    """The queries' args of FP8 attention: a config group with ``input_activations`` and no weights."""
+    for group in (quant.get("config_groups") or {}).values():
+        if isinstance(group, dict) and group.get("weights") is None and group.get("input_activations"):
+            return group["input_activations"]
+    return None
+
+
 @contextlib.contextmanager
 def scales_expected(cls: type) -> Iterator[None]:
     """While loading ``cls``, the attention scales are not reported as unexpected (layerwise attaches them)."""
@@ -62,6 +70,8 @@ def attach_kv_scales(model: torch.nn.Module, files: list[Path], quant: dict[str,
     if any(isinstance(getattr(m, "k_scale", None), torch.nn.Parameter) for m in modules.values()):
         return []  # compressed-tensors applied the scheme itself
     args = kv_cache_args(scheme, "quantization_config.kv_cache_scheme")
+    queries = attention_scheme(quant)
+    query_args = None if queries is None else kv_cache_args(queries, "quantization_config.config_groups")
     prefix = getattr(model, "base_model_prefix", "")
     done = []
     for file in files:
@@ -73,7 +83,10 @@ def attach_kv_scales(model: torch.nn.Module, files: list[Path], quant: dict[str,
                 name = next((c for c in candidates if c in modules), None)
                 if name is None or f"{stem}.v_scale" not in keys:
                     continue
-                set_attention_scales(modules[name], {"k_scale": tensors.get_tensor(key),
-                                                     "v_scale": tensors.get_tensor(f"{stem}.v_scale")}, args)
+                scales = {"k_scale": tensors.get_tensor(key), "v_scale": tensors.get_tensor(f"{stem}.v_scale")}
+                asked = query_args is not None and f"{stem}.q_scale" in keys
+                if asked:
+                    scales["q_scale"] = tensors.get_tensor(f"{stem}.q_scale")
+                set_attention_scales(modules[name], scales, args, query_args if asked else None)
                 done.append(name)
     return done

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from layerwise.plugin import CompressionState, RecipeError
+from layerwise.plugin import CompressionState, RecipeError, matches
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
     AttentionError,
@@ -28,14 +28,21 @@ from layerwise.plugin.quantization import (
 )
 
 KINDS = ("key", "value")
+#: the states each scale is computed from
+SCALES = {"key": "k_scale", "value": "v_scale", "query": "q_scale"}
 
 
 class KVCacheCalibration:
     """The KV cache part of one modifier: its attention layers, their running ranges, their scales."""
 
-    def __init__(self, owner: str, args: QuantizationArgs) -> None:
+    def __init__(self, owner: str, args: QuantizationArgs, queries: bool = False,
+                 query_targets: list[str] | None = None) -> None:
         self.owner = owner
         self.args = args
+        #: FP8 attention: the queries of the attention layers ``query_targets`` selects (``None``: all) too
+        self.queries = queries
+        self.query_targets = query_targets
+        self.query_names: set[str] = set()
         self.modules: dict[str, torch.nn.Module] = {}
         self.amax: dict[str, dict[str, torch.Tensor]] = {}
         self.done: set[str] = set()
@@ -58,6 +65,14 @@ class KVCacheCalibration:
                 attach(module, name)
             except AttentionError as exc:
                 raise RecipeError(f"{self.owner}.kv_cache_scheme: {exc}") from None
+        self.query_names = set()
+        if self.queries:
+            targets = self.query_targets
+            self.query_names = {n for n, m in self.modules.items() if targets is None or matches(n, m, targets)}
+            if not self.query_names:
+                raise RecipeError(f"{self.owner}.targets {targets} match no attention layer for FP8 attention; "
+                                  f"attention layers: {', '.join(sorted({type(m).__name__ for m in self.modules.values()}))}"
+                                  f" (e.g. {next(iter(self.modules))})")
         self.amax, self.done = {}, set()
 
     def start(self, register: Callable[[torch.utils.hooks.RemovableHandle], None]) -> None:
@@ -68,7 +83,7 @@ class KVCacheCalibration:
                 register(attention_state(module).observe(lambda kind, states, n=name: self._see(n, kind, states)))
 
     def _see(self, name: str, kind: str, states: torch.Tensor) -> None:
-        if kind not in KINDS or name in self.done:
+        if name in self.done or (kind not in KINDS and not (kind == "query" and name in self.query_names)):
             return
         amax = kv_amax(states, self.args.strategy)
         seen = self.amax.setdefault(name, {})
@@ -85,7 +100,7 @@ class KVCacheCalibration:
                 continue
             states = [s for s in reducer.gather(self.amax.get(name)) if s]
             if states:
-                self.amax[name] = {kind: torch.stack([s[kind].cpu() for s in states]).amax(0) for kind in KINDS}
+                self.amax[name] = {kind: torch.stack([s[kind].cpu() for s in states]).amax(0) for kind in states[0]}
 
     @torch.no_grad()
     def finish(self, modules: list[str] | None) -> None:
@@ -95,12 +110,13 @@ class KVCacheCalibration:
             if name in self.done or (modules is not None and not _in_piece(name, modules)):
                 continue
             seen = self.amax.pop(name, {})
-            if set(seen) != set(KINDS):
+            kinds = (*KINDS, "query") if name in self.query_names else KINDS
+            if set(seen) != set(kinds):
                 raise RecipeError(f"{self.owner}.kv_cache_scheme: attention layer {name!r} saw no calibration data, "
                                   f"so its KV cache scales cannot be calibrated; give data that reaches it")
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-            set_attention_scales(module, {"k_scale": kv_scale(seen["key"], dtype),
-                                          "v_scale": kv_scale(seen["value"], dtype)}, self.args)
+            set_attention_scales(module, {SCALES[kind]: kv_scale(seen[kind], dtype) for kind in kinds}, self.args,
+                                 self.args if name in self.query_names else None)
             self.done.add(name)
 
 

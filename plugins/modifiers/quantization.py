@@ -66,7 +66,9 @@ class QuantizationModifier(Modifier):
     modifiers, which a recipe mapping builds: ``{"QuantizationModifier": {"config_groups": ...}}``.
     ``kv_cache_scheme`` (``fp8``, ``fp8_head`` or a mapping ``{num_bits: 8, type: float, strategy: tensor |
     attn_head}``) calibrates static FP8 scales for every attention layer's keys and values; with
-    ``scheme: null`` only the KV cache is quantized.
+    ``scheme: null`` only the KV cache is quantized. ``attention_scheme`` (the same values, with
+    ``scheme: null``; llm-compressor's config group with ``input_activations`` targeting the attention
+    modules) is FP8 attention: the queries of the attention layers ``targets`` names (default: all) too.
     """
 
     foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.QUANTIZATION
@@ -82,15 +84,15 @@ class QuantizationModifier(Modifier):
     observer: str | None = None
     config_groups: Any = None
     kv_cache_scheme: Any = None
+    attention_scheme: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = type(self).__name__
-        kv_args = kv_cache_args(self.kv_cache_scheme, f"{owner}.kv_cache_scheme")
-        self._kv = None if kv_args is None else KVCacheCalibration(owner, kv_args)
         if self.config_groups is not None:
             self._take_config_group()
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
+        self._kv = self._kv_cache(owner)
         if self.scheme is None and (self._kv is None or type(self) is not QuantizationModifier):
             raise RecipeError(f"{owner}.scheme is null: give a scheme (e.g. W4A16)" + (
                 "" if type(self) is not QuantizationModifier else
@@ -112,6 +114,24 @@ class QuantizationModifier(Modifier):
         return (self.input_args is not None and self.input_args.calibrated) or self._kv is not None
 
     # -- configuration -----------------------------------------------------------------
+    def _kv_cache(self, owner: str) -> KVCacheCalibration | None:
+        """The KV cache's calibration (``kv_cache_scheme``), with the queries too for FP8 attention
+        (``attention_scheme``, whose args are the KV cache's: compressed-tensors stores one for both)."""
+        kv_args = kv_cache_args(self.kv_cache_scheme, f"{owner}.kv_cache_scheme")
+        attention = kv_cache_args(self.attention_scheme, f"{owner}.attention_scheme")
+        if attention is None:
+            return None if kv_args is None else KVCacheCalibration(owner, kv_args)
+        if kv_args is not None and kv_args != attention:
+            raise RecipeError(f"{owner}: attention_scheme and kv_cache_scheme differ; FP8 attention quantizes the "
+                              f"keys and values with its own args (compressed-tensors stores one scheme for "
+                              f"both): leave kv_cache_scheme out or make them equal")
+        if self.scheme is not None:
+            raise RecipeError(f"{owner}: attention_scheme quantizes attention modules, not weights; give it with "
+                              f"scheme: null (its targets select the attention layers) and quantize the weights "
+                              f"with another modifier")
+        targets = None if self.targets == ["Linear"] else self.targets  # the default: every attention layer
+        return KVCacheCalibration(owner, attention, queries=True, query_targets=targets)
+
     def _take_config_group(self) -> None:
         """One config group given to the constructor becomes this modifier's scheme and targets."""
         owner = type(self).__name__
@@ -129,6 +149,8 @@ class QuantizationModifier(Modifier):
                               f"carries its own scheme and targets")
         (group,) = groups
         self.scheme, self.targets, self.config_groups = group.scheme, list(group.targets), None
+        if group.attention is not None:
+            self.attention_scheme = group.attention.to_dict()
 
     def resolve_args(self) -> QuantizationArgs:
         """The weight args: the scheme's, with this modifier's explicit overrides applied."""

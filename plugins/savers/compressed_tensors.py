@@ -250,6 +250,7 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
                                 quantization_status="compressed", ignore=ignore if groups else [])
     data = config.model_dump(mode="json")
     data["kv_cache_scheme"] = kv_cache_scheme(model)
+    add_attention_group(data, model)
     data["quant_method"] = "compressed-tensors"
     if any(packs_zero_point(*key) for key in by_args):
         data["dequantize"] = True  # see the module docstring: transformers' own path for packed zero points
@@ -269,6 +270,25 @@ def kv_cache_scheme(model: torch.nn.Module) -> dict[str, Any] | None:
         raise SaveError("the attention layers have different KV cache schemes; compressed-tensors stores one "
                         "kv_cache_scheme for the model: calibrate them with one")
     return CTArgs(**_ct_args(kinds.pop())).model_dump(mode="json")
+
+
+def add_attention_group(data: dict[str, Any], model: torch.nn.Module) -> None:
+    """FP8 attention: a config group with the queries' args as ``input_activations`` and no weights, targeting
+    the attention classes (what compressed-tensors writes for llm-compressor's attention group); the format is
+    ``dense`` when no weight is quantized."""
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+    from compressed_tensors.quantization import QuantizationScheme
+
+    queried = {type(m).__name__: state.query_args for m in quantized_attention(model).values()
+               if (state := attention_state(m)) is not None and state.query_args is not None}
+    if not queried:
+        return
+    if len(set(queried.values())) > 1:
+        raise SaveError("the attention layers quantize their queries with different args; calibrate them with one "
+                        "attention_scheme")
+    args = next(iter(queried.values()))
+    group = QuantizationScheme(targets=sorted(queried), input_activations=CTArgs(**_ct_args(args)))
+    data["config_groups"][f"group_{len(data['config_groups'])}"] = group.model_dump(mode="json")
 
 
 @torch.no_grad()

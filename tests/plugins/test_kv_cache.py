@@ -166,3 +166,63 @@ def test_a_model_without_attention_layers_is_refused_naming_the_patch_field():
     with pytest.raises(RecipeError, match=r"kv_cache_scheme: Tiny has no attention layer.*ModelPatch.attention_modules"):
         layerwise.compress(model, kv_recipe("fp8", "W8A16"), dataset=DATA, show_progress=False)
     assert torch.equal(model.proj.weight, before)
+
+
+ATTENTION_GROUPS = {
+    "weights": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}},
+    "attention": {"targets": ["LlamaAttention"], "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True}},
+}
+
+
+def test_fp8_attention_from_llm_compressors_config_group_quantizes_queries_and_round_trips(tmp_path):
+    """llm-compressor's FP8 attention recipe (a config group with input_activations targeting the attention
+    class): q_scale beside k_scale / v_scale, per head, the config group and kv_cache_scheme compressed-tensors
+    writes, and a reload to the same outputs."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model, out = build_tiny_llama(), tmp_path / "out"
+    recipe = {"QuantizationModifier": {"ignore": ["lm_head"], "config_groups": ATTENTION_GROUPS}}
+    weights, attention = parse_recipe(recipe)
+    assert weights.scheme is not None and attention.scheme is None and attention.attention_scheme["strategy"] == "attn_head"
+    layerwise.compress(model, recipe, dataset=DATA, output_dir=out, show_progress=False)
+    layer = model.model.layers[0].self_attn
+    assert layer.q_scale.shape == (4, 1, 1) and layer.k_scale.shape == (2, 1, 1)
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = quant["config_groups"]["group_1"]
+    assert group["targets"] == ["LlamaAttention"] and group["weights"] is None
+    assert group["input_activations"] == quant["kv_cache_scheme"]
+    assert QuantizationConfig.model_validate(quant).model_dump(mode="json")["config_groups"]["group_1"] == group
+    assert load_file(out / "model.safetensors")["model.layers.1.self_attn.q_scale"].shape == (4, 1, 1)
+    with torch.no_grad():
+        logits = model(IDS).logits
+        reloaded, info = layerwise.load_compressed(out, output_loading_info=True)
+        assert not info["unexpected_keys"] and (reloaded(IDS).logits - logits).abs().max() == 0
+    assert attention_state(reloaded.model.layers[0].self_attn).query_args is not None
+
+
+@torch.no_grad()
+def test_fp8_attention_query_scales_are_the_largest_post_rope_query_over_448():
+    original, model = build_tiny_llama(), build_tiny_llama()
+    layerwise.compress(model, {"QuantizationModifier": {"scheme": None, "attention_scheme": "fp8"}}, dataset=DATA,
+                       show_progress=False)
+    from layerwise.algorithms.quantization.attention import attach
+
+    seen = []
+    attach(original.model.layers[0].self_attn).observe(lambda kind, s: seen.append(s.abs().amax()) if kind == "query"
+                                                      else None)
+    for batch in DATA:
+        original(**batch)
+    assert torch.equal(model.model.layers[0].self_attn.q_scale, (torch.stack(seen).amax() / 448).reshape(1))
+
+
+def test_fp8_attention_errors_name_the_fix():
+    with pytest.raises(RecipeError, match="attention_scheme and kv_cache_scheme differ"):
+        parse_recipe({"QuantizationModifier": {"scheme": None, "attention_scheme": "fp8", "kv_cache_scheme": "fp8_head"}})
+    with pytest.raises(RecipeError, match="attention_scheme quantizes attention modules, not weights; give it with "
+                                          "scheme: null"):
+        parse_recipe({"QuantizationModifier": {"scheme": "W8A16", "attention_scheme": "fp8"}})
+    with pytest.raises(RecipeError, match=r"targets \['MistralAttention'\] match no attention layer.*LlamaAttention"):
+        layerwise.compress(build_tiny_llama(), {"QuantizationModifier": {
+            "scheme": None, "attention_scheme": "fp8", "targets": ["MistralAttention"]}}, dataset=DATA,
+            show_progress=False)

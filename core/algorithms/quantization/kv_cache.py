@@ -31,6 +31,9 @@ KV_STRATEGIES = ("tensor", "attn_head")
 #: the fields a kv_cache_scheme may give (compressed-tensors' QuantizationArgs names)
 KV_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "observer", "group_size", "actorder",
              "block_structure", "scale_dtype", "zp_dtype", "observer_kwargs")
+#: compressed-tensors' observer names read as the widest range seen (llm-compressor's ``minmax`` moves its range
+#: by a constant per batch; the KV scales here are always the widest range, so nothing seen saturates)
+WIDEST_RANGE = ("minmax", "static_minmax", "memoryless_minmax", "memoryless")
 #: the E4M3 KV cache with one scale per layer (llm-compressor's usual kv_cache_scheme)
 FP8_KV = QuantizationArgs(type="float", num_bits=8, symmetric=True, strategy="tensor", group_size=None)
 
@@ -58,6 +61,8 @@ def kv_cache_args(value: Any, where: str = "kv_cache_scheme") -> QuantizationArg
                               f"num_bits, type, symmetric, strategy, dynamic, observer")
         data = {k: v for k, v in value.items() if k in ("num_bits", "type", "symmetric", "strategy", "dynamic",
                                                         "observer") and v is not None}
+        if data.get("observer") in WIDEST_RANGE:
+            data["observer"] = "minmax"
         data.setdefault("strategy", "tensor")
         data.setdefault("type", "float" if data.get("num_bits", 8) == 8 else "int")
         data.setdefault("num_bits", 8)
