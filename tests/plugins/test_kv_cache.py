@@ -226,3 +226,19 @@ def test_fp8_attention_errors_name_the_fix():
         layerwise.compress(build_tiny_llama(), {"QuantizationModifier": {
             "scheme": None, "attention_scheme": "fp8", "targets": ["MistralAttention"]}}, dataset=DATA,
             show_progress=False)
+
+
+def test_the_cli_flag_saves_a_kv_cache_beside_the_recipe_and_refuses_the_demo(tiny_llama_dir, tmp_path, capsys):
+    from layerwise.cli.app import main
+
+    data = tmp_path / "calib.txt"
+    data.write_text("\n".join(" ".join(f"w{(7 * line + i) % 120}" for i in range(24)) for line in range(8)))
+    out = tmp_path / "out"
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W8A16", "--kv-cache", "fp8_head",
+                 "--dataset", str(data), "--num-samples", "4", "--max-seq-length", "16", "--output-dir", str(out),
+                 "--quiet"]) == 0
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["kv_cache_scheme"]["strategy"] == "attn_head" and quant["config_groups"]["group_0"]["weights"]
+    assert "kv_cache_scheme: fp8_head" in (out / "recipe.yaml").read_text()
+    assert main(["compress", "--kv-cache", "fp8", "--no-save"]) == 2
+    assert "the embedded demo (MiniLM) is an encoder and has no KV cache" in capsys.readouterr().err
