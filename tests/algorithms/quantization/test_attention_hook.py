@@ -102,3 +102,9 @@ def test_a_module_without_a_config_is_refused_naming_the_fix():
     module = torch.nn.Module()
     with pytest.raises(AttentionError, match=r"attention module 'x' \(Module\) has no config.*attention_modules"):
         attach(module, "x")
+
+
+def test_a_patch_may_name_the_attention_classes():
+    model = build_tiny_llama()
+    assert list(find_attention_modules(model, ("LlamaAttention",))) == list(find_attention_modules(model))
+    assert find_attention_modules(model, ("MistralAttention",)) == {}
