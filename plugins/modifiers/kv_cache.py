@@ -46,6 +46,8 @@ class KVCacheCalibration:
         self.modules: dict[str, torch.nn.Module] = {}
         self.amax: dict[str, dict[str, torch.Tensor]] = {}
         self.done: set[str] = set()
+        #: the scales set so far, by layer and buffer (CPU): what a resumed run puts back (:meth:`restore`)
+        self.scales: dict[str, dict[str, torch.Tensor]] = {}
 
     def resolve(self, state: CompressionState) -> None:
         """Find the attention layers (the patch's ``attention_modules`` or the default rule) and route them
@@ -73,7 +75,7 @@ class KVCacheCalibration:
                 raise RecipeError(f"{self.owner}.targets {targets} match no attention layer for FP8 attention; "
                                   f"attention layers: {', '.join(sorted({type(m).__name__ for m in self.modules.values()}))}"
                                   f" (e.g. {next(iter(self.modules))})")
-        self.amax, self.done = {}, set()
+        self.amax, self.done, self.scales = {}, set(), {}
 
     def start(self, register: Callable[[torch.utils.hooks.RemovableHandle], None]) -> None:
         """Observe the keys and values of every layer still to calibrate; ``register`` keeps the handles (the
@@ -115,9 +117,18 @@ class KVCacheCalibration:
                 raise RecipeError(f"{self.owner}.kv_cache_scheme: attention layer {name!r} saw no calibration data, "
                                   f"so its KV cache scales cannot be calibrated; give data that reaches it")
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-            set_attention_scales(module, {SCALES[kind]: kv_scale(seen[kind], dtype) for kind in kinds}, self.args,
-                                 self.args if name in self.query_names else None)
-            self.done.add(name)
+            self._set(name, {SCALES[kind]: kv_scale(seen[kind], dtype).cpu() for kind in kinds})
+
+    def restore(self, scales: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Put back the scales of layers a resumed run calibrated before it was interrupted."""
+        for name, by_buffer in scales.items():
+            if name in self.modules and name not in self.done:
+                self._set(name, by_buffer)
+
+    def _set(self, name: str, by_buffer: dict[str, torch.Tensor]) -> None:
+        set_attention_scales(self.modules[name], by_buffer, self.args, self.args if name in self.query_names else None)
+        self.scales[name] = dict(by_buffer)
+        self.done.add(name)
 
 
 def _in_piece(name: str, modules: list[str]) -> bool:

@@ -200,6 +200,7 @@ class QuantizationModifier(Modifier):
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
+        self._kv_scales: dict[str, dict[str, torch.Tensor]] = {}  # plain data: a resumed run's checkpoint keeps it
         if self._kv is not None:
             self._kv.resolve(state)
         self._observer = None if self.args is None else registry("observers").get(self.args.observer)(self.args)
@@ -267,7 +268,9 @@ class QuantizationModifier(Modifier):
     def finish_kv_cache(self, modules: list[str] | None) -> None:
         """With a kv_cache_scheme: set the KV scales of the attention layers of ``modules`` (``None``: all left)."""
         if self._kv is not None:
+            self._kv.restore(self._kv_scales)  # a resumed run: the layers calibrated before the interruption
             self._kv.finish(modules)
+            self._kv_scales = dict(self._kv.scales)
 
     def prepare_global_scales(self, names: list[str]) -> None:
         """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the

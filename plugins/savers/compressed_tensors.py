@@ -135,17 +135,19 @@ def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.Path
     """Finish a run whose weights streamed from disk (:class:`~layerwise.model_io.streaming.WeightStream`): its
     pieces' tensors are in the output's temporary folder already; copy the rest, write the config."""
     modules, pruned = quantized_modules(model), sparse_modules(model)
-    if not modules and not pruned:
+    if not modules and not pruned and not quantized_attention(model):
         raise SaveError("the model has no quantized module and no pruned one; quantize it first (e.g. recipe "
                         "'W4A16') or prune it (SparseGPT, Wanda)")
-    if quantized_attention(model):
-        raise SaveError("a kv_cache_scheme is not written by streamed runs yet (its k_scale / v_scale tensors "
-                        "belong to no streamed piece); run without streaming weights from disk")
     check_sparse_layers(pruned)
     quant_config = build_quantization_config(model, modules)
     if pruned:  # the pruned weights were written dense as their pieces ended, which is the layout kept
         quant_config["sparsity_config"] = build_sparsity_config(model, pruned, DENSE, counts=stream.sparsity_counts)
+    scales = attention_scales(model)  # the KV cache's scales belong to no piece's checkpoint tensors
+    if scales:
+        check_saved(scales, set())
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+        if scales:
+            stream.writer.write(scales)
         stream.finish(None)
         model.config.save_pretrained(tmp)
         generation = getattr(model, "generation_config", None)
@@ -293,13 +295,15 @@ def add_attention_group(data: dict[str, Any], model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def attention_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``<attn>.k_scale`` / ``<attn>.v_scale`` (and ``q_scale``) of every attention layer with calibrated scales."""
+    """``<attn>.k_scale`` / ``<attn>.v_scale`` (and ``q_scale``) of every attention layer with calibrated scales
+    (the copies the attention state keeps: a streamed run has released the modules' own by the end)."""
     state = {}
     for name, module in quantized_attention(model).items():
         prefix = f"{name}." if name else ""
+        scales = attention_state(module).scales
         for buffer in ("q_scale", "k_scale", "v_scale"):
-            if buffer in module._buffers:
-                state[f"{prefix}{buffer}"] = module._buffers[buffer].detach().to("cpu").contiguous()
+            if buffer in scales:
+                state[f"{prefix}{buffer}"] = scales[buffer].contiguous()
     return state
 
 

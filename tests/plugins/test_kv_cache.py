@@ -242,3 +242,35 @@ def test_the_cli_flag_saves_a_kv_cache_beside_the_recipe_and_refuses_the_demo(ti
     assert "kv_cache_scheme: fp8_head" in (out / "recipe.yaml").read_text()
     assert main(["compress", "--kv-cache", "fp8", "--no-save"]) == 2
     assert "the embedded demo (MiniLM) is an encoder and has no KV cache" in capsys.readouterr().err
+
+
+def test_a_resumed_run_puts_back_the_scales_calibrated_before_the_interruption():
+    """The KV scales are plain data on the modifier, which a streamed run's checkpoint keeps: a fresh modifier
+    given that state sets them on the attention layers without seeing data again."""
+    from layerwise.model_io.resume import modifier_state, restore_modifier
+    from layerwise.plugin import CompressionState
+
+    model = build_tiny_llama()
+    (modifier,) = parse_recipe(kv_recipe("fp8_head"))
+    layerwise.compress(model, [modifier], dataset=DATA, show_progress=False)
+    saved = modifier_state(modifier)
+    assert set(saved["fields"]["_kv_scales"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    fresh_model = build_tiny_llama()
+    (fresh,) = parse_recipe(kv_recipe("fp8_head"))
+    fresh.on_initialize(CompressionState(model=fresh_model, modifiers=[fresh]))
+    restore_modifier(fresh, saved)
+    fresh.on_calibration_end(CompressionState(model=fresh_model, modifiers=[fresh]))
+    for name in ("model.layers.0.self_attn", "model.layers.1.self_attn"):
+        assert torch.equal(fresh_model.get_submodule(name).k_scale, model.get_submodule(name).k_scale)
+    with torch.no_grad():
+        assert torch.equal(fresh_model(IDS).logits, model(IDS).logits)
+
+
+def test_a_streamed_run_writes_the_same_scales_as_an_in_memory_run(tiny_llama_dir, tmp_path):
+    recipe = kv_recipe("fp8_head", "W8A16")
+    for mode in ("memory", "stream"):
+        layerwise.compress(str(tiny_llama_dir), recipe, dataset=DATA, output_dir=tmp_path / mode, show_progress=False,
+                           options=layerwise.CompressOptions.of(weights=mode))
+    memory, streamed = load_file(tmp_path / "memory" / "model.safetensors"), load_file(tmp_path / "stream" / "model.safetensors")
+    assert set(memory) == set(streamed) and all(torch.equal(memory[k], streamed[k]) for k in memory)
+    assert "model.layers.1.self_attn.v_scale" in streamed

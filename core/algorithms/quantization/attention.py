@@ -73,6 +73,9 @@ class AttentionQuantization:
         self.query_args: QuantizationArgs | None = None
         self.observers: OrderedDict[int, Observer] = OrderedDict()
         self.module_type = type(module).__name__
+        #: the calibrated scales by buffer name, a CPU copy: what is saved (a streamed run releases a finished
+        #: piece's tensors, buffers included, so the module's own may be gone by then)
+        self.scales: dict[str, Tensor] = {}
 
     def observe(self, observer: Observer) -> RemovableHandle:
         """Call ``observer(kind, states)`` (``kind``: query / key / value) on every forward until removed."""
@@ -160,6 +163,7 @@ def set_attention_scales(module: nn.Module, scales: dict[str, Tensor], kv_args: 
             raise ValueError(f"unknown attention scale {buffer!r}; valid: {', '.join(SCALE_NAMES.values())}")
         module._buffers.pop(buffer, None)
         module.register_buffer(buffer, scale.detach().to(device).clone(), persistent=False)
+        state.scales[buffer] = scale.detach().to("cpu").clone()
     state.kv_args = kv_args if kv_args is not None else state.kv_args
     state.query_args = query_args if query_args is not None else state.query_args
 
