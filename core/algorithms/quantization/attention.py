@@ -98,6 +98,11 @@ class AttentionQuantization:
 
 
 def _dispatch(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+    tracer = getattr(query, "tracer", None) if isinstance(query, torch.fx.Proxy) else None
+    if tracer is not None and hasattr(tracer, "call_opaque"):
+        # traced (a piece cut inside a block): one opaque call, so the scales and sdpa's mask test are read
+        # when the graph runs, as transformers' own attention functions are
+        return tracer.call_opaque(_dispatch, (module, query, key, value, *args), kwargs, listed=True)
     state: AttentionQuantization = module.__dict__[STATE_ATTR]
     query, key, value = state.apply(module, query, key, value)
     return state.original(module, query, key, value, *args, **kwargs)

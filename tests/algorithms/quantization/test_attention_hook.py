@@ -108,3 +108,22 @@ def test_a_patch_may_name_the_attention_classes():
     model = build_tiny_llama()
     assert list(find_attention_modules(model, ("LlamaAttention",))) == list(find_attention_modules(model))
     assert find_attention_modules(model, ("MistralAttention",)) == {}
+
+
+@torch.no_grad()
+def test_traced_inside_a_block_the_hook_is_one_opaque_call_that_reads_the_scales_at_replay():
+    """A later run cutting inside the blocks (GPTQ at layers) traces through the attention module: the hook is
+    recorded as one opaque call, so the replay quantizes with the scales the module holds when it runs."""
+    import layerwise
+
+    model = build_tiny_llama()
+    modules = find_attention_modules(model)
+    for name, module in modules.items():
+        set_attention_scales(module, {"k_scale": torch.tensor([0.01]), "v_scale": torch.tensor([0.01])}, FP8_KV)
+    inputs = {"input_ids": torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))}
+    result = layerwise.trace(model, inputs, sequential_targets=["LlamaMLP"])
+    assert any(call.function.endswith("attention._dispatch") for call in result.opaque_calls)
+    assert result.verify(inputs) == 0
+    for module in modules.values():
+        module.k_scale.fill_(0.02)  # changed after tracing: the replay follows
+    assert result.verify(inputs) == 0
