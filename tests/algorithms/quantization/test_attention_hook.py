@@ -118,7 +118,7 @@ def test_traced_inside_a_block_the_hook_is_one_opaque_call_that_reads_the_scales
 
     model = build_tiny_llama()
     modules = find_attention_modules(model)
-    for name, module in modules.items():
+    for module in modules.values():
         set_attention_scales(module, {"k_scale": torch.tensor([0.01]), "v_scale": torch.tensor([0.01])}, FP8_KV)
     inputs = {"input_ids": torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))}
     result = layerwise.trace(model, inputs, sequential_targets=["LlamaMLP"])
