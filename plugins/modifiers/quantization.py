@@ -201,12 +201,12 @@ class QuantizationModifier(Modifier):
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
         self._kv_scales: dict[str, dict[str, torch.Tensor]] = {}  # plain data: a resumed run's checkpoint keeps it
-        if self._kv is not None:
-            self._kv.resolve(state)
         self._observer = None if self.args is None else registry("observers").get(self.args.observer)(self.args)
         if self.input_args is not None:
             registry("observers").get(self.input_args.observer)  # an unknown name fails before calibrating
         self._modules = self.resolve_modules(state)
+        if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step
+            self._kv.resolve(state)
         self._done = set()
         self._input_observers = {}
 
