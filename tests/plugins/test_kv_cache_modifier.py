@@ -274,3 +274,14 @@ def test_a_streamed_run_writes_the_same_scales_as_an_in_memory_run(tiny_llama_di
     memory, streamed = load_file(tmp_path / "memory" / "model.safetensors"), load_file(tmp_path / "stream" / "model.safetensors")
     assert set(memory) == set(streamed) and all(torch.equal(memory[k], streamed[k]) for k in memory)
     assert "model.layers.1.self_attn.v_scale" in streamed
+
+
+def test_a_bfloat16_model_stores_bfloat16_scales_and_reloads_exactly(tiny_llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    layerwise.compress(model, kv_recipe("fp8"), dataset=DATA, output_dir=tmp_path / "out", show_progress=False)
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.0.self_attn.k_scale"].dtype == torch.bfloat16
+    with torch.no_grad():
+        reloaded = layerwise.load_compressed(tmp_path / "out", dtype=torch.bfloat16)
+        assert (reloaded(IDS).logits - model(IDS).logits).abs().max() == 0
