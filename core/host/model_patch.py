@@ -46,6 +46,9 @@ class ModelPatch:
     tiny_models: tuple[Callable[[], torch.nn.Module], ...] = ()
     #: SmoothQuant / AWQ (balance layers, smoothed layer) mappings as regex pairs
     smoothing_mappings: tuple[tuple[tuple[str, ...], str], ...] = ()
+    #: attention module class names whose keys / values a ``kv_cache_scheme`` quantizes (empty: every module
+    #: whose class name ends in ``Attention`` with ``k_proj`` and ``v_proj``)
+    attention_modules: tuple[str, ...] = ()
     #: where the residual stream is read and written, for RotationModifier (``None``: the Llama-like layout)
     rotation_layout: RotationLayout | None = None
     #: transformers versions this patch was verified against

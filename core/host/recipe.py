@@ -226,11 +226,18 @@ def _expand_config_groups(cls: type, name: str, fields: dict[str, Any], where: s
                           f"layers with a QuantizationModifier or GPTQModifier after it")
     ignore = fields.pop("ignore", None)
     ignore = [ignore] if isinstance(ignore, str) else list(ignore) if ignore is not None else None
+    # one KV cache per model: it goes with the FP8 attention group if there is one, else with the first group
+    kv_cache = fields.pop("kv_cache_scheme", None)
+    kv_owner = next((i for i, group in enumerate(groups) if group.attention is not None), 0)
     built = []
-    for group, exclusive in zip(groups, exclusive_ignores(groups)):
+    for i, (group, exclusive) in enumerate(zip(groups, exclusive_ignores(groups))):
         base = ignore if ignore is not None else list(_default(cls, "ignore") or [])
         group_fields = {**fields, "scheme": group.scheme, "targets": list(group.targets),
                         "ignore": [*base, *exclusive]}
+        if group.attention is not None:
+            group_fields["attention_scheme"] = group.attention.to_dict()
+        if i == kv_owner and kv_cache is not None:
+            group_fields["kv_cache_scheme"] = kv_cache
         built.append(_build(name, group_fields, f"{where}.config_groups.{group.name}"))
     return built
 

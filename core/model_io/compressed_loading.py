@@ -34,6 +34,7 @@ from layerwise.algorithms.sparsity.masks import parse_mask_structure
 from layerwise.algorithms.sparsity.storage import mark_sparse
 from layerwise.errors import ModelLoadError
 from layerwise.model_io.heads import checkpoint_class
+from layerwise.model_io.kv_cache_loading import attach_kv_scales, kv_cache_scheme, scales_expected
 from layerwise.model_io.model_paths import check_model_path
 
 #: the sparsity_config formats whose tensors need decoding
@@ -90,12 +91,25 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-        result = cls.from_pretrained(where, **({"config": config} if config is not None else {}), **kwargs)
+        result = _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}), **kwargs)
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
         if redecode and folder.is_dir():
             decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
         return result
     return load_sparse(folder, loaded, model_class, **kwargs)
+
+
+def _from_pretrained(cls: type, where: str, loaded: Any, **kwargs: Any) -> Any:
+    """``cls.from_pretrained``; a folder with an FP8 KV cache gets its scales attached by layerwise when
+    compressed-tensors does not apply them (:mod:`layerwise.model_io.kv_cache_loading`)."""
+    quant = quantization_config(loaded)
+    folder = Path(where).expanduser()
+    if kv_cache_scheme(quant) is None or not folder.is_dir():
+        return cls.from_pretrained(where, **kwargs)
+    with scales_expected(cls):
+        result = cls.from_pretrained(where, **kwargs)
+    attach_kv_scales(result[0] if isinstance(result, tuple) else result, _weight_files(folder), quant)
+    return result
 
 
 def packed_asymmetric(config: Any) -> bool:

@@ -93,3 +93,25 @@ def _int8_w8a8(weights: QuantizationArgs, cc: int) -> Serving:
     if cc >= 100:
         return Serving("none", "int8 W8A8 is not supported on compute capability 10.0 and above (vLLM docs)")
     return Serving("native", "CUTLASS int8 scaled matmul")
+
+
+def vllm_kv_cache_support(kv_args: QuantizationArgs, capability: tuple[int, int], queries: bool = False) -> Serving:
+    """The table's answer for an FP8 KV cache (``--kv-cache-dtype fp8`` with the checkpoint's ``k_scale`` /
+    ``v_scale``; ``queries``: FP8 attention's ``q_scale`` too) on ``capability``. vLLM's docs as read on
+    :data:`TABLE_DATE`: FlashInfer and the Triton attention backend store an E4M3 cache from 8.0 (Ampere, Ada,
+    Blackwell's consumer parts); FlashAttention 3 (Hopper, 9.0) computes attention in FP8, queries quantized
+    too; per-head scales only with the FlashAttention backend."""
+    cc = capability[0] * 10 + capability[1]
+    if cc < 80:
+        return Serving("none", "an FP8 KV cache needs compute capability 8.0 or higher (FlashInfer / Triton attention)")
+    if kv_args.strategy == "attn_head":
+        if cc == 90:
+            return Serving("native", "FlashAttention 3, per-head FP8 scales")
+        return Serving("none", "per-head KV scales are read by vLLM's FlashAttention 3 backend only (Hopper, 9.0); "
+                               "use strategy tensor")
+    if cc == 90:
+        return Serving("native", "FlashAttention 3 (attention in FP8" + (", queries scaled by q_scale)" if queries
+                                                                          else ")"))
+    if queries:
+        return Serving("fallback", "FP8 KV cache (FlashInfer / Triton); q_scale unused: attention runs in 16-bit")
+    return Serving("native", "FP8 KV cache (FlashInfer / Triton attention)")

@@ -1,6 +1,14 @@
 """Quantization for plugins: schemes, the math, storage on a module, solvers and smoothing mappings."""
 
 from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
+from layerwise.algorithms.quantization.attention import (
+    AttentionError,
+    attach,
+    attention_state,
+    find_attention_modules,
+    quantized_attention,
+    set_attention_scales,
+)
 from layerwise.algorithms.quantization.autoround import (
     AutoRoundError,
     BlockSample,
@@ -27,6 +35,7 @@ from layerwise.algorithms.quantization.gptq import (
     gptq_quantize,
     rtn_quantize,
 )
+from layerwise.algorithms.quantization.kv_cache import kv_amax, kv_cache_args, kv_scale
 from layerwise.algorithms.quantization.mappings import (
     Mapping,
     MappingError,
@@ -69,6 +78,7 @@ from layerwise.tracing.smoothing_layout import discover_mappings
 __all__ = [
     "ACTORDERS",
     "LLAMA_LIKE",
+    "AttentionError",
     "AutoRoundError",
     "BlockSample",
     "ConfigGroup",
@@ -86,6 +96,8 @@ __all__ = [
     "Rounding",
     "TuneResult",
     "apply_smoothing",
+    "attach",
+    "attention_state",
     "block_output",
     "check_autoround_args",
     "compute_qparams",
@@ -94,11 +106,15 @@ __all__ = [
     "e8m0_codes",
     "expand_qparams",
     "fake_quantize",
+    "find_attention_modules",
     "fp4_codes",
     "fused_groups",
     "global_scales",
     "gptq_quantize",
     "is_transposed",
+    "kv_amax",
+    "kv_cache_args",
+    "kv_scale",
     "linear_weight",
     "mappings_for_run",
     "nvfp4_block_scales",
@@ -107,6 +123,7 @@ __all__ = [
     "pack_int",
     "quantize_learned",
     "quantize_weight",
+    "quantized_attention",
     "quantized_modules",
     "read_config_groups",
     "recipe_mappings",
@@ -116,6 +133,7 @@ __all__ = [
     "rtn_quantize",
     "search_flops",
     "search_scales",
+    "set_attention_scales",
     "set_input_quantization",
     "set_quantized_weight",
     "smoothquant_scales",

@@ -107,6 +107,9 @@ class AutoRoundModifier(QuantizationModifier):
         return self.match == "model"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_scheme is not None or self.attention_scheme is not None:
+            raise RecipeError("AutoRoundModifier.kv_cache_scheme: put the KV cache on a QuantizationModifier after this one "
+                              "(scheme: null, kv_cache_scheme: ...), which calibrates it on this modifier's weights")
         owner = type(self).__name__
         for name in ("iters", "batch_size", "nsamples", "seed"):
             value = getattr(self, name)

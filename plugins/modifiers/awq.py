@@ -98,6 +98,9 @@ class AWQModifier(QuantizationModifier):
     search_tokens: int = 2048
 
     def __post_init__(self) -> None:
+        if self.kv_cache_scheme is not None or self.attention_scheme is not None:
+            raise RecipeError("AWQModifier.kv_cache_scheme: put the KV cache on a QuantizationModifier after this one "
+                              "(scheme: null, kv_cache_scheme: ...), which calibrates it on this modifier's weights")
         owner = type(self).__name__
         if not isinstance(self.duo_scaling, bool):
             raise RecipeError(f"{owner}.duo_scaling must be true or false, got {self.duo_scaling!r}")

@@ -149,6 +149,7 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
     def on_calibration_start(self, state: CompressionState) -> None:
         self._hook_hessians(state, self._modules)
         self._observe_inputs()
+        self.observe_kv_cache()
         if self.gptaq:
             for name, module in self._modules.items():
                 if name not in self._done:
@@ -174,13 +175,18 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         self._last = None
         self.quantize_modules([name for name in self._modules if name not in self._done and _in_piece(name, modules)],
                               state)
+        self.finish_kv_cache(modules)
 
     def on_calibration_end(self, state: CompressionState) -> None:
         self._last = None
         self.quantize_modules([name for name in self._modules if name not in self._done], state)
+        self.finish_kv_cache(None)
 
-    def calibration_inputs(self, modules: list[str]) -> set[str]:
-        """GPTQ reads only the inputs of its layers still to be quantized."""
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """GPTQ reads only the inputs of its layers still to be quantized (whole forwards while a KV cache is
+        calibrated there)."""
+        if self._kv is not None and self._kv.pending(modules):
+            return None
         return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
 
     def remove_hooks(self) -> None:

@@ -18,13 +18,8 @@ _SEQUENTIAL_UPDATE = ForeignField(
 _OFFLOAD_HESSIANS = ForeignField(
     "layerwise keeps each Hessian as a float32 upper triangle, shared by the layers that read one input, and "
     "frees it as soon as its layer is solved; cached activations go to disk with the option offload='disk'")
-_KV_CACHE = ForeignField(
-    "layerwise does not quantize the KV cache; leave kv_cache_scheme out (vLLM quantizes it at serving "
-    "time: --kv-cache-dtype fp8)", ignored=False)
-
 QUANTIZATION = {
     **SESSION_FIELDS,
-    "kv_cache_scheme": _KV_CACHE,
     "bypass_divisibility_checks": ForeignField(
         "layerwise checks before calibrating that each group size divides its layer; put a layer it does not "
         "divide in ignore, or use strategy: channel", ignored=False),

@@ -9,6 +9,10 @@ A scheme with ``input_activations`` (``W8A8``, ``FP8_DYNAMIC`` ...) also makes e
 layer fake-quantize its input from then on, so every later piece calibrates on the quantized
 model's activations. Dynamic activations need no data; static ones (``W8A8_STATIC``, ``FP8``)
 calibrate one input scale per layer with the args' observer, so the modifier then needs data.
+
+``kv_cache_scheme`` (llm-compressor's field) also calibrates an FP8 KV cache: static FP8 E4M3 scales for
+the keys and values of every attention layer, per layer or per head (:mod:`.kv_cache`); ``scheme: null``
+with it quantizes the KV cache only.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from layerwise.plugin.quantization import (
     compute_qparams,
     global_scales,
     is_transposed,
+    kv_cache_args,
     linear_weight,
     nvfp4_global_scale,
     read_config_groups,
@@ -45,6 +50,7 @@ from layerwise.plugin.quantization import (
 )
 
 from . import llm_compressor
+from .kv_cache import KVCacheCalibration
 
 
 @dataclass
@@ -58,6 +64,11 @@ class QuantizationModifier(Modifier):
     ``config_groups`` (llm-compressor's form: one group, a mapping or compressed-tensors'
     ``QuantizationScheme``) gives the scheme and targets instead; several groups are several
     modifiers, which a recipe mapping builds: ``{"QuantizationModifier": {"config_groups": ...}}``.
+    ``kv_cache_scheme`` (``fp8``, ``fp8_head`` or a mapping ``{num_bits: 8, type: float, strategy: tensor |
+    attn_head}``) calibrates static FP8 scales for every attention layer's keys and values; with
+    ``scheme: null`` only the KV cache is quantized. ``attention_scheme`` (the same values, with
+    ``scheme: null``; llm-compressor's config group with ``input_activations`` targeting the attention
+    modules) is FP8 attention: the queries of the attention layers ``targets`` names (default: all) too.
     """
 
     foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.QUANTIZATION
@@ -72,14 +83,24 @@ class QuantizationModifier(Modifier):
     group_size: int | None = None
     observer: str | None = None
     config_groups: Any = None
+    kv_cache_scheme: Any = None
+    attention_scheme: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        owner = type(self).__name__
         if self.config_groups is not None:
             self._take_config_group()
-        self.targets, self.ignore = target_lists(type(self).__name__, self.targets, self.ignore)
-        self.args: QuantizationArgs = self.resolve_args()  # fail at recipe time, not mid-run
-        self.input_args: QuantizationArgs | None = resolve_scheme(self.scheme).input_activations
+        self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
+        self._kv = self._kv_cache(owner)
+        if self.scheme is None and (self._kv is None or type(self) is not QuantizationModifier):
+            raise RecipeError(f"{owner}.scheme is null: give a scheme (e.g. W4A16)" + (
+                "" if type(self) is not QuantizationModifier else
+                ", or a kv_cache_scheme to quantize only the KV cache"))
+        # fail at recipe time, not mid-run
+        self.args: QuantizationArgs | None = None if self.scheme is None else self.resolve_args()
+        self.input_args: QuantizationArgs | None = (None if self.scheme is None else
+                                                     resolve_scheme(self.scheme).input_activations)
         self._modules: dict[str, torch.nn.Module] = {}
         self._done: set[str] = set()
         self._observer: Any = None
@@ -90,9 +111,27 @@ class QuantizationModifier(Modifier):
     def requires_data(self) -> bool:  # type: ignore[override]
         """Only calibrated input scales (static ones, NVFP4's global one) need data; weights and dynamic inputs
         do not."""
-        return self.input_args is not None and self.input_args.calibrated
+        return (self.input_args is not None and self.input_args.calibrated) or self._kv is not None
 
     # -- configuration -----------------------------------------------------------------
+    def _kv_cache(self, owner: str) -> KVCacheCalibration | None:
+        """The KV cache's calibration (``kv_cache_scheme``), with the queries too for FP8 attention
+        (``attention_scheme``, whose args are the KV cache's: compressed-tensors stores one for both)."""
+        kv_args = kv_cache_args(self.kv_cache_scheme, f"{owner}.kv_cache_scheme")
+        attention = kv_cache_args(self.attention_scheme, f"{owner}.attention_scheme")
+        if attention is None:
+            return None if kv_args is None else KVCacheCalibration(owner, kv_args)
+        if kv_args is not None and kv_args != attention:
+            raise RecipeError(f"{owner}: attention_scheme and kv_cache_scheme differ; FP8 attention quantizes the "
+                              f"keys and values with its own args (compressed-tensors stores one scheme for "
+                              f"both): leave kv_cache_scheme out or make them equal")
+        if self.scheme is not None:
+            raise RecipeError(f"{owner}: attention_scheme quantizes attention modules, not weights; give it with "
+                              f"scheme: null (its targets select the attention layers) and quantize the weights "
+                              f"with another modifier")
+        targets = None if self.targets == ["Linear"] else self.targets  # the default: every attention layer
+        return KVCacheCalibration(owner, attention, queries=True, query_targets=targets)
+
     def _take_config_group(self) -> None:
         """One config group given to the constructor becomes this modifier's scheme and targets."""
         owner = type(self).__name__
@@ -110,6 +149,8 @@ class QuantizationModifier(Modifier):
                               f"carries its own scheme and targets")
         (group,) = groups
         self.scheme, self.targets, self.config_groups = group.scheme, list(group.targets), None
+        if group.attention is not None:
+            self.attention_scheme = group.attention.to_dict()
 
     def resolve_args(self) -> QuantizationArgs:
         """The weight args: the scheme's, with this modifier's explicit overrides applied."""
@@ -128,6 +169,8 @@ class QuantizationModifier(Modifier):
 
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
         """The modules to quantize; errors for a target matching nothing or an indivisible group."""
+        if self.args is None:  # scheme: null, the KV cache only
+            return {}
         modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
         if self.input_args is not None:
             transposed = next((name for name, module in modules.items() if is_transposed(module)), None)
@@ -157,19 +200,32 @@ class QuantizationModifier(Modifier):
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:
-        self._observer = registry("observers").get(self.args.observer)(self.args)
+        self._kv_scales: dict[str, dict[str, torch.Tensor]] = {}  # plain data: a resumed run's checkpoint keeps it
+        self._observer = None if self.args is None else registry("observers").get(self.args.observer)(self.args)
         if self.input_args is not None:
             registry("observers").get(self.input_args.observer)  # an unknown name fails before calibrating
         self._modules = self.resolve_modules(state)
+        if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step
+            self._kv.resolve(state)
         self._done = set()
         self._input_observers = {}
 
     def on_calibration_start(self, state: CompressionState) -> None:
         self._observe_inputs()
+        self.observe_kv_cache()
 
-    def calibration_inputs(self, modules: list[str]) -> set[str]:
-        """Static input scales read the inputs of the layers still to be quantized; otherwise nothing."""
-        if not self.requires_data:
+    def observe_kv_cache(self) -> None:
+        """With a kv_cache_scheme: observe the keys and values of the attention layers still to calibrate."""
+        if self._kv is not None:
+            self._kv.start(self._hooks.append)
+
+    def calibration_inputs(self, modules: list[str]) -> set[str] | None:
+        """Static input scales read the inputs of the layers still to be quantized; otherwise nothing. An
+        attention layer whose KV cache is still to calibrate needs whole forwards (its keys after the rotary
+        embedding)."""
+        if self._kv is not None and self._kv.pending(modules):
+            return None
+        if not self.requires_data or (self.input_args is None or not self.input_args.calibrated):
             return set()
         return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
 
@@ -192,22 +248,35 @@ class QuantizationModifier(Modifier):
         for name, observer in self._input_observers.items():
             if name not in self._done and (modules is None or _in_piece(name, modules)):
                 observer.reduce(reducer)
+        if self._kv is not None:
+            self._kv.reduce(reducer, modules)
 
     def on_sequential_epoch_end(self, state: CompressionState, modules: list[str]) -> None:
         names = [name for name in self._modules if name not in self._done and _in_piece(name, modules)]
         self.prepare_global_scales(names)
         for name in names:
             self.quantize_module(name, self._modules[name])
+        self.finish_kv_cache(modules)
 
     def on_calibration_end(self, state: CompressionState) -> None:
         names = [name for name in self._modules if name not in self._done]
         self.prepare_global_scales(names)
         for name in names:
             self.quantize_module(name, self._modules[name])
+        self.finish_kv_cache(None)
+
+    def finish_kv_cache(self, modules: list[str] | None) -> None:
+        """With a kv_cache_scheme: set the KV scales of the attention layers of ``modules`` (``None``: all left)."""
+        if self._kv is not None:
+            self._kv.restore(self._kv_scales)  # a resumed run: the layers calibrated before the interruption
+            self._kv.finish(modules)
+            self._kv_scales = dict(self._kv.scales)
 
     def prepare_global_scales(self, names: list[str]) -> None:
         """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the
         projections a server fuses (q/k/v, gate/up); nothing for other formats."""
+        if not names:
+            return
         weights = {name: linear_weight(self._modules[name]).detach() for name in names}
         self._global_scales.update(global_scales(weights, self.args))
 

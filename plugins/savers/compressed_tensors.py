@@ -27,6 +27,13 @@ left unquantized). The tokenizer, ``recipe.yaml`` and any extra files go alongsi
 The folder is written atomically (see :mod:`layerwise.model_io.saving`), and only when every tensor
 is finite (:func:`layerwise.runtime.finite.check_saved`): a NaN scale is an error, not a checkpoint.
 
+An FP8 KV cache (a ``kv_cache_scheme``, :mod:`layerwise.algorithms.quantization.kv_cache`) adds
+``quantization_config.kv_cache_scheme`` (compressed-tensors' QuantizationArgs: float, 8 bits, symmetric,
+static, strategy ``tensor`` or ``attn_head``) and, per attention layer ``<attn>``, ``<attn>.k_scale`` and
+``<attn>.v_scale`` in the model's dtype, shape ``(1,)`` or ``(kv_heads, 1, 1)``: what compressed-tensors
+initializes and vLLM reads. A model whose only quantization is its KV cache is saved with no config group
+(format ``dense``).
+
 A pruned model (layers marked by :func:`layerwise.algorithms.sparsity.mark_sparse`) also gets
 ``quantization_config.sparsity_config`` with format ``dense``: the pruned weights are stored as they
 are (dense, zeros included; packed as above when quantized) and the config only says what the zeros
@@ -57,6 +64,7 @@ import torch
 
 from layerwise.plugin.quantization import (
     QuantizationArgs,
+    attention_state,
     default_g_idx,
     e8m0_codes,
     fp4_codes,
@@ -66,6 +74,7 @@ from layerwise.plugin.quantization import (
     pack_fp4,
     pack_int,
     quantize_weight,
+    quantized_attention,
     quantized_modules,
 )
 from layerwise.plugin.saving import (
@@ -100,7 +109,7 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
     check_not_an_input(output_dir, run_inputs(model, None, None))
     check_output_dir(output_dir, overwrite)  # fail before any work
     modules, pruned = quantized_modules(model), sparse_modules(model)
-    if not modules and not pruned:
+    if not modules and not pruned and not quantized_attention(model):
         raise SaveError("the model has no quantized module and no pruned one; quantize it first (e.g. recipe "
                         "'W4A16') or prune it (SparseGPT, Wanda)")
     for name, module in modules.items():
@@ -111,6 +120,7 @@ def save_compressed(model: torch.nn.Module, output_dir: str | os.PathLike, token
     check_marked_structure(pruned)
     quant_config = build_quantization_config(model, modules)
     state_dict = compressed_state_dict(model, modules)
+    state_dict.update(attention_scales(model))
     if pruned:
         quant_config["sparsity_config"] = build_sparsity_config(model, pruned, DENSE)
     check_saved(state_dict, skipped_prefixes(model))  # before anything is written
@@ -126,14 +136,19 @@ def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.Path
     """Finish a run whose weights streamed from disk (:class:`~layerwise.model_io.streaming.WeightStream`): its
     pieces' tensors are in the output's temporary folder already; copy the rest, write the config."""
     modules, pruned = quantized_modules(model), sparse_modules(model)
-    if not modules and not pruned:
+    if not modules and not pruned and not quantized_attention(model):
         raise SaveError("the model has no quantized module and no pruned one; quantize it first (e.g. recipe "
                         "'W4A16') or prune it (SparseGPT, Wanda)")
     check_sparse_layers(pruned)
     quant_config = build_quantization_config(model, modules)
     if pruned:  # the pruned weights were written dense as their pieces ended, which is the layout kept
         quant_config["sparsity_config"] = build_sparsity_config(model, pruned, DENSE, counts=stream.sparsity_counts)
+    scales = attention_scales(model)  # the KV cache's scales belong to no piece's checkpoint tensors
+    if scales:
+        check_saved(scales, set())
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+        if scales:
+            stream.writer.write(scales)
         stream.finish(None)
         model.config.save_pretrained(tmp)
         generation = getattr(model, "generation_config", None)
@@ -237,10 +252,60 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
     config = QuantizationConfig(config_groups=groups, format=fmt,
                                 quantization_status="compressed", ignore=ignore if groups else [])
     data = config.model_dump(mode="json")
+    data["kv_cache_scheme"] = kv_cache_scheme(model)
+    add_attention_group(data, model)
     data["quant_method"] = "compressed-tensors"
     if any(packs_zero_point(*key) for key in by_args):
         data["dequantize"] = True  # see the module docstring: transformers' own path for packed zero points
     return data
+
+
+def kv_cache_scheme(model: torch.nn.Module) -> dict[str, Any] | None:
+    """``quantization_config.kv_cache_scheme``: compressed-tensors' QuantizationArgs of the model's FP8 KV cache
+    (one for every attention layer), as compressed-tensors serializes it; ``None`` without one."""
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+
+    kinds = {state.kv_args for m in quantized_attention(model).values()
+             if (state := attention_state(m)) is not None and state.kv_args is not None}
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise SaveError("the attention layers have different KV cache schemes; compressed-tensors stores one "
+                        "kv_cache_scheme for the model: calibrate them with one")
+    return CTArgs(**_ct_args(kinds.pop())).model_dump(mode="json")
+
+
+def add_attention_group(data: dict[str, Any], model: torch.nn.Module) -> None:
+    """FP8 attention: a config group with the queries' args as ``input_activations`` and no weights, targeting
+    the attention classes (what compressed-tensors writes for llm-compressor's attention group); the format is
+    ``dense`` when no weight is quantized."""
+    from compressed_tensors.quantization import QuantizationArgs as CTArgs
+    from compressed_tensors.quantization import QuantizationScheme
+
+    queried = {type(m).__name__: state.query_args for m in quantized_attention(model).values()
+               if (state := attention_state(m)) is not None and state.query_args is not None}
+    if not queried:
+        return
+    if len(set(queried.values())) > 1:
+        raise SaveError("the attention layers quantize their queries with different args; calibrate them with one "
+                        "attention_scheme")
+    args = next(iter(queried.values()))
+    group = QuantizationScheme(targets=sorted(queried), input_activations=CTArgs(**_ct_args(args)))
+    data["config_groups"][f"group_{len(data['config_groups'])}"] = group.model_dump(mode="json")
+
+
+@torch.no_grad()
+def attention_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``<attn>.k_scale`` / ``<attn>.v_scale`` (and ``q_scale``) of every attention layer with calibrated scales
+    (the copies the attention state keeps: a streamed run has released the modules' own by the end)."""
+    state = {}
+    for name, module in quantized_attention(model).items():
+        prefix = f"{name}." if name else ""
+        scales = attention_state(module).scales
+        for buffer in ("q_scale", "k_scale", "v_scale"):
+            if buffer in scales:
+                state[f"{prefix}{buffer}"] = scales[buffer].contiguous()
+    return state
 
 
 def packed_with_inputs(args: QuantizationArgs, input_args: QuantizationArgs | None) -> bool:

@@ -162,7 +162,6 @@ def test_harmless_llm_compressor_fields_are_ignored_with_the_reason(modifier, fi
 
 @pytest.mark.parametrize("modifier, field, value, fragment", [
     ("GPTQModifier", "sequential_targets", ["LlamaDecoderLayer"], "sequential_targets=[...])) (CLI: --targets)"),
-    ("QuantizationModifier", "kv_cache_scheme", {"num_bits": 8}, "--kv-cache-dtype fp8"),
     ("SmoothQuantModifier", "ignore", ["lm_head"], "choose them with mappings"),
     ("WandaModifier", "sequential_targets", ["LlamaDecoderLayer"], "(CLI: --targets)"),
 ])

@@ -15,10 +15,13 @@ from typing import Any
 from layerwise.errors import RecipeError
 
 TYPES = ("int", "float")
-#: tensor / channel / group / block / tensor_group for weights; tensor / token / group / tensor_group for activations
-STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
+#: tensor / channel / group / block / tensor_group for weights; tensor / token / group / tensor_group for activations;
+#: tensor / attn_head (one scale per attention head) for the keys and values of the KV cache (:mod:`.kv_cache`)
+STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block", "tensor_group")
 ACTIVATION_STRATEGIES = ("tensor", "token", "group", "tensor_group")
+#: the strategies that take no group_size
+UNGROUPED = ("tensor", "channel", "block", "token", "attn_head")
 BITS = (2, 3, 4, 8)
 FLOAT_BITS = (4, 8)
 ACTORDERS = (None, "static", "group")
@@ -171,7 +174,7 @@ class QuantizationArgs:
 
     def replace(self, **changes: Any) -> QuantizationArgs:
         """A copy with some fields changed (validated again)."""
-        if changes.get("strategy") in ("tensor", "channel", "block", "token") and "group_size" not in changes:
+        if changes.get("strategy") in UNGROUPED and "group_size" not in changes:
             changes["group_size"] = None
         if self.float_format and ({"type", "num_bits", "strategy", "group_size"} & set(changes)
                                   and "scale_dtype" not in changes):
@@ -191,7 +194,7 @@ class QuantizationArgs:
             raise RecipeError(f"unknown quantization field(s) {', '.join(map(repr, unknown))}; "
                               f"valid fields: {', '.join(valid)}")
         data = dict(data)
-        if data.get("strategy") in ("tensor", "channel", "block", "token") and "group_size" not in data:
+        if data.get("strategy") in UNGROUPED and "group_size" not in data:
             data["group_size"] = None
         if isinstance(data.get("block_structure"), list):
             data["block_structure"] = tuple(data["block_structure"])

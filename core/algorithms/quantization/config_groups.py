@@ -19,6 +19,11 @@ naming the field, where it is, and the nearest thing layerwise does. A group's `
 ignored with a warning: the saver picks the storage format from the scheme, as llm-compressor
 infers it.
 
+A group with ``input_activations`` and no ``weights`` whose targets are attention modules is FP8
+attention (llm-compressor 0.14's form: ``targets: [LlamaAttention]``, static FP8 ``tensor`` or
+``attn_head`` args): its queries, keys and values are quantized (``ConfigGroup.attention``; see
+:mod:`.kv_cache`).
+
 Where two groups' targets match one layer, compressed-tensors quantizes it with the more specific
 target (a qualified name, then a ``re:`` pattern, then a class name); :func:`exclusive_ignores`
 gives each group the other groups' targets to leave out so that the same holds (between two groups
@@ -68,7 +73,10 @@ class ConfigGroup:
 
     name: str
     targets: tuple[str, ...]
-    scheme: QuantizationScheme
+    #: the weights' scheme; ``None`` for an FP8 attention group
+    scheme: QuantizationScheme | None
+    #: FP8 attention (queries, keys and values) of the targeted attention modules
+    attention: QuantizationArgs | None = None
 
 
 def read_config_groups(groups: Any, where: str) -> list[ConfigGroup]:
@@ -108,9 +116,16 @@ def _group(name: str, group: Any, where: str) -> ConfigGroup:
         raise RecipeError(f"{where}.output_activations: layerwise quantizes weights and layer inputs only, not "
                           f"outputs; nearest: input_activations (the next layer quantizes what this one produces), "
                           f"or leave output_activations out")
+    inputs = plain(group.get("input_activations"))
+    if group.get("weights") is None and isinstance(inputs, Mapping) and _static_float8(inputs):
+        from layerwise.algorithms.quantization.kv_cache import kv_cache_args
+
+        return ConfigGroup(name, tuple(targets), None,
+                           attention=kv_cache_args(plain(group["input_activations"]), f"{where}.input_activations"))
     if group.get("weights") is None:
         raise RecipeError(f"{where}.weights: layerwise quantizes weights, with or without the inputs; a group "
-                          f"without weights (activations only) cannot be expressed: add weights, e.g. "
+                          f"without weights (activations only) is read as FP8 attention only (static float8 "
+                          f"input_activations, targets: [LlamaAttention]); else add weights, e.g. "
                           f"weights: {{num_bits: 8, strategy: channel}} (W8A8)")
     if group.get("format") is not None:
         warn_user(f"{where}.format {group['format']!r} is ignored: layerwise stores each scheme in the format "
@@ -124,6 +139,12 @@ def _group(name: str, group: Any, where: str) -> ConfigGroup:
     except RecipeError as exc:
         raise RecipeError(f"{where}: {exc}") from None
     return ConfigGroup(name, tuple(targets), scheme)
+
+
+def _static_float8(inputs: Mapping) -> bool:
+    """Static FP8 inputs: what an FP8 attention group quantizes its queries, keys and values with."""
+    return str(inputs.get("type", "int")).lower() == "float" and inputs.get("num_bits", 8) == 8 and not inputs.get(
+        "dynamic", False)
 
 
 def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:

@@ -1,0 +1,135 @@
+"""Calibrating the FP8 KV cache of a quantization modifier (its ``kv_cache_scheme``).
+
+The attention layers are found and routed through layerwise's attention hook when the run initializes
+(an error before any work if there are none, or one cannot be reached); while calibration data flows,
+each layer keeps the largest key and value magnitude it saw (per tensor or per head), after the rotary
+embedding; when its piece is done the scales ``amax / 448`` are set and from then on the layer computes
+with FP8 keys and values, so later pieces, the evaluation and the saved checkpoint all see the served
+cache. Math: :mod:`layerwise.algorithms.quantization.kv_cache`; hook: :mod:`~layerwise.algorithms.quantization.attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from layerwise.plugin import CompressionState, RecipeError, matches
+from layerwise.plugin.calibration import Reducer
+from layerwise.plugin.quantization import (
+    AttentionError,
+    QuantizationArgs,
+    attach,
+    attention_state,
+    find_attention_modules,
+    kv_amax,
+    kv_scale,
+    set_attention_scales,
+)
+
+KINDS = ("key", "value")
+#: the states each scale is computed from
+SCALES = {"key": "k_scale", "value": "v_scale", "query": "q_scale"}
+
+
+class KVCacheCalibration:
+    """The KV cache part of one modifier: its attention layers, their running ranges, their scales."""
+
+    def __init__(self, owner: str, args: QuantizationArgs, queries: bool = False,
+                 query_targets: list[str] | None = None) -> None:
+        self.owner = owner
+        self.args = args
+        #: FP8 attention: the queries of the attention layers ``query_targets`` selects (``None``: all) too
+        self.queries = queries
+        self.query_targets = query_targets
+        self.query_names: set[str] = set()
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.amax: dict[str, dict[str, torch.Tensor]] = {}
+        self.done: set[str] = set()
+        #: the scales set so far, by layer and buffer (CPU): what a resumed run puts back (:meth:`restore`)
+        self.scales: dict[str, dict[str, torch.Tensor]] = {}
+
+    def resolve(self, state: CompressionState) -> None:
+        """Find the attention layers (the patch's ``attention_modules`` or the default rule) and route them
+        through the hook; errors name the field and the fix. Every layer is calibrated, ``ignore`` lists
+        included: a server's FP8 KV cache is one setting for all layers (vLLM ``--kv-cache-dtype fp8``)."""
+        patch = getattr(state, "patch", None)
+        names = tuple(getattr(patch, "attention_modules", ()) or ())
+        self.modules = find_attention_modules(state.model, names)
+        if not self.modules:
+            rule = (f"the model patch's attention_modules {list(names)}" if names else
+                    "modules whose class name ends in 'Attention' with k_proj and v_proj")
+            raise RecipeError(f"{self.owner}.kv_cache_scheme: {type(state.model).__name__} has no attention layer "
+                              f"({rule}); name its attention classes in the model patch (ModelPatch.attention_modules) "
+                              f"or leave kv_cache_scheme out")
+        for name, module in self.modules.items():
+            try:
+                attach(module, name)
+            except AttentionError as exc:
+                raise RecipeError(f"{self.owner}.kv_cache_scheme: {exc}") from None
+        self.query_names = set()
+        if self.queries:
+            targets = self.query_targets
+            self.query_names = {n for n, m in self.modules.items() if targets is None or matches(n, m, targets)}
+            if not self.query_names:
+                raise RecipeError(f"{self.owner}.targets {targets} match no attention layer for FP8 attention; "
+                                  f"attention layers: {', '.join(sorted({type(m).__name__ for m in self.modules.values()}))}"
+                                  f" (e.g. {next(iter(self.modules))})")
+        self.amax, self.done, self.scales = {}, set(), {}
+
+    def start(self, register: Callable[[torch.utils.hooks.RemovableHandle], None]) -> None:
+        """Observe the keys and values of every layer still to calibrate; ``register`` keeps the handles (the
+        lifecycle removes them)."""
+        for name, module in self.modules.items():
+            if name not in self.done:
+                register(attention_state(module).observe(lambda kind, states, n=name: self._see(n, kind, states)))
+
+    def _see(self, name: str, kind: str, states: torch.Tensor) -> None:
+        if name in self.done or (kind not in KINDS and not (kind == "query" and name in self.query_names)):
+            return
+        amax = kv_amax(states, self.args.strategy)
+        seen = self.amax.setdefault(name, {})
+        seen[kind] = amax if kind not in seen else torch.maximum(seen[kind], amax)
+
+    def pending(self, modules: list[str] | None) -> bool:
+        """Is a layer of ``modules`` (``None``: any) still to calibrate? Its piece then needs whole forwards."""
+        return any(name not in self.done and (modules is None or _in_piece(name, modules)) for name in self.modules)
+
+    def reduce(self, reducer: Reducer, modules: list[str] | None) -> None:
+        """Every rank ends with the largest magnitudes any rank saw."""
+        for name in sorted(self.modules):
+            if name in self.done or (modules is not None and not _in_piece(name, modules)):
+                continue
+            states = [s for s in reducer.gather(self.amax.get(name)) if s]
+            if states:
+                self.amax[name] = {kind: torch.stack([s[kind].cpu() for s in states]).amax(0) for kind in states[0]}
+
+    @torch.no_grad()
+    def finish(self, modules: list[str] | None) -> None:
+        """Set the scales of the layers of ``modules`` (``None``: all left): from now on they compute with FP8
+        keys and values."""
+        for name, module in self.modules.items():
+            if name in self.done or (modules is not None and not _in_piece(name, modules)):
+                continue
+            seen = self.amax.pop(name, {})
+            kinds = (*KINDS, "query") if name in self.query_names else KINDS
+            if set(seen) != set(kinds):
+                raise RecipeError(f"{self.owner}.kv_cache_scheme: attention layer {name!r} saw no calibration data, "
+                                  f"so its KV cache scales cannot be calibrated; give data that reaches it")
+            dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+            self._set(name, {SCALES[kind]: kv_scale(seen[kind], dtype).cpu() for kind in kinds})
+
+    def restore(self, scales: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Put back the scales of layers a resumed run calibrated before it was interrupted."""
+        for name, by_buffer in scales.items():
+            if name in self.modules and name not in self.done:
+                self._set(name, by_buffer)
+
+    def _set(self, name: str, by_buffer: dict[str, torch.Tensor]) -> None:
+        set_attention_scales(self.modules[name], by_buffer, self.args, self.args if name in self.query_names else None)
+        self.scales[name] = dict(by_buffer)
+        self.done.add(name)
+
+
+def _in_piece(name: str, modules: list[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") or m == "" for m in modules)
