@@ -36,6 +36,12 @@ from layerwise.algorithms.quantization.mappings import (
     split_by_piece,
 )
 from layerwise.algorithms.quantization.observer import Observer
+from layerwise.algorithms.quantization.online_rotation import (
+    OnlineRotationError,
+    online_hadamards,
+    rotate_inputs_online,
+    transform_config,
+)
 from layerwise.algorithms.quantization.presets import resolve_scheme
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
@@ -76,6 +82,7 @@ __all__ = [
     "Mapping",
     "MappingError",
     "Observer",
+    "OnlineRotationError",
     "QuantizationArgs",
     "QuantizationScheme",
     "ResolvedLayout",
@@ -102,6 +109,7 @@ __all__ = [
     "mappings_for_run",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
+    "online_hadamards",
     "pack_fp4",
     "quantize_learned",
     "quantize_weight",
@@ -110,6 +118,7 @@ __all__ = [
     "recipe_mappings",
     "replace_data",
     "resolve_scheme",
+    "rotate_inputs_online",
     "rotate_residual_stream",
     "rtn_quantize",
     "search_flops",
@@ -118,6 +127,7 @@ __all__ = [
     "set_quantized_weight",
     "smoothquant_scales",
     "split_by_piece",
+    "transform_config",
     "tune_block",
     "weight_global_scale",
     "weight_qparams",

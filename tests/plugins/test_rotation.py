@@ -77,6 +77,76 @@ def test_rotation_composes_before_rtn_and_autoround(tmp_path, quantizer):
 
 def test_recipe_fields_and_errors():
     (modifier,) = parse_recipe("RotationModifier:\n  rotation: orthogonal\n  seed: 7\n")
-    assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7}}
+    assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7, "online": False,
+                                                     "block_size": None}}
     with pytest.raises(RecipeError, match="did you mean 'hadamard'"):
         RotationModifier(rotation="hadamrd")
+    (modifier,) = parse_recipe("RotationModifier:\n  online: true\n  block_size: 64\n")
+    assert modifier.online and modifier.block_size == 64
+    with pytest.raises(RecipeError, match="block_size must be a power of two"):
+        RotationModifier(online=True, block_size=96)
+    with pytest.raises(RecipeError, match="set online: true"):
+        RotationModifier(block_size=64)
+
+
+def _quarot_w4(tmp_path, recipe, name="quarot"):
+    model = build_tiny_llama(tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
+    samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(16)]
+    out = tmp_path / name
+    model = layerwise.compress(model, recipe, dataset=samples, output_dir=out, show_progress=False, device="cpu")
+    return model, out
+
+
+def test_online_rotation_keeps_the_outputs_and_is_logged():
+    model = build_tiny_llama()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = _logits(model, ids)
+    modifier = RotationModifier(online=True)
+    layerwise.compress(model, modifier, show_progress=False)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    assert modifier.rotated["online"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+
+
+def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_it_exactly(tmp_path):
+    import json
+
+    from compressed_tensors.transform import TransformConfig
+    from transformers import AutoModelForCausalLM
+
+    from layerwise.algorithms.quantization.online_rotation import online_hadamards
+
+    model, out = _quarot_w4(tmp_path, "QUAROT_GPTQ_W4A4")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.quantization_args.num_bits == 4 and down.input_quantization_args.num_bits == 4
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = TransformConfig.model_validate(quant["transform_config"]).config_groups
+    assert groups["R4"].apply[0].targets == sorted(online_hadamards(model))
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = _logits(model, ids)
+    reloaded = layerwise.load_compressed(out).eval()
+    assert sorted(online_hadamards(reloaded)) == sorted(online_hadamards(model))
+    assert torch.equal(_logits(reloaded, ids), expected)  # bit for bit
+    # transformers 5.x drops transform_config: a plain load has no online rotation and other outputs
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not online_hadamards(plain) and not any(plain.model.layers[0].mlp.down_proj._forward_pre_hooks)
+    assert (_logits(plain, ids) - expected).abs().max() > 1e-2
+
+
+def test_compressed_tensors_apply_transform_config_reproduces_it_at_float_rounding(tmp_path):
+    import json
+
+    from compressed_tensors.transform import apply_transform_config
+    from transformers import AutoModelForCausalLM
+
+    from layerwise.algorithms.quantization.online_rotation import online_only
+    from layerwise.plugins.modifiers.gptq import GPTQModifier
+
+    # weight-only, so no 4-bit input bin can flip on the last bit of a float32 rounding difference
+    model, out = _quarot_w4(tmp_path, [RotationModifier(online=True), GPTQModifier(scheme="W4A16")])
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = _logits(model, ids)
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    apply_transform_config(plain, online_only(quant["transform_config"]))
+    torch.testing.assert_close(_logits(plain, ids), expected, rtol=1e-5, atol=1e-5)

@@ -18,9 +18,9 @@ Where the stream is read and written is per-architecture knowledge: a :class:`Ro
 probed before folding (its output must be ``g * f(x)`` with ``f`` unchanged by rotations: RMSNorm,
 not LayerNorm) and a layout whose patterns match nothing is an error naming them.
 
-Only rotations that fold into weights are made here: QuaRot's online Hadamard before ``down_proj``
-(R4) would have to run at inference, and the loaders layerwise checkpoints target do not apply it
-(see GUIDE.md, "Rotations").
+Only rotations that fold into weights are made here; the online Hadamard before ``down_proj``
+(QuaRot's R4), which must also run at inference, is :mod:`.online_rotation`, placed by the layout's
+``online`` patterns.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ class RotationLayout:
     norms: tuple[Mapping, ...]
     #: Linears whose outputs are added to the stream
     writers: tuple[str, ...]
+    #: Linears whose input cannot be rotated by folding (it comes out of a nonlinearity), rotated online
+    #: instead when asked (``RotationModifier.online``): the MLP's ``down_proj``
+    online: tuple[str, ...] = ()
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
@@ -68,6 +71,7 @@ LLAMA_LIKE = RotationLayout(
            (("re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"), "re:.*post_attention_layernorm$"),
            (("re:^lm_head$",), "re:^model\\.norm$")),
     writers=("re:.*self_attn\\.o_proj$", "re:.*mlp\\.down_proj$"),
+    online=("re:.*mlp\\.down_proj$",),
 )
 
 
