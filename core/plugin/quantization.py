@@ -57,6 +57,7 @@ from layerwise.algorithms.quantization.rotation import (
     ResolvedLayout,
     RotationError,
     RotationLayout,
+    rotate_heads,
     rotate_residual_stream,
 )
 from layerwise.algorithms.quantization.smoothing import apply_smoothing
@@ -118,6 +119,7 @@ __all__ = [
     "recipe_mappings",
     "replace_data",
     "resolve_scheme",
+    "rotate_heads",
     "rotate_inputs_online",
     "rotate_residual_stream",
     "rtn_quantize",

@@ -14,7 +14,9 @@ untied (the final norm is folded into it, not into the embeddings), and the save
 (``down_proj``): folded into its weight, and run on its input at inference
 (:mod:`~layerwise.algorithms.quantization.online_rotation`), before the quantizers calibrate, so
 they see the rotated inputs. It is what 4-bit activations (W4A4) need; the saver writes it to
-config.json as compressed-tensors' ``transform_config``.
+config.json as compressed-tensors' ``transform_config``. ``heads: true`` also folds a Hadamard per
+attention head into ``v_proj`` and ``o_proj`` (SpinQuant's R2: ``o_proj``'s inputs spread out, nothing
+online), where the layout declares ``heads``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from layerwise.plugin.quantization import (
     LLAMA_LIKE,
     OnlineRotationError,
     RotationError,
+    rotate_heads,
     rotate_inputs_online,
     rotate_residual_stream,
 )
@@ -44,8 +47,9 @@ W4A4 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "grou
 @dataclass
 class RotationModifier(Modifier):
     """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``;
-    with ``online``, also the inputs of the layout's online layers by a Hadamard (of ``block_size``, default
-    their width) at run time."""
+    with ``heads``, also each attention head's values by a Hadamard folded into ``v_proj`` and ``o_proj``; with
+    ``online``, the inputs of the layout's online layers by a Hadamard (of ``block_size``, default their width)
+    at run time."""
 
     requires_data: ClassVar[bool] = False
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
@@ -58,6 +62,7 @@ class RotationModifier(Modifier):
     seed: int = 0
     online: bool = False
     block_size: int | None = None
+    heads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,8 +72,9 @@ class RotationModifier(Modifier):
                               f"orthogonal")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise RecipeError(f"RotationModifier.seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.online, bool):
-            raise RecipeError(f"RotationModifier.online must be true or false, got {self.online!r}")
+        for flag in ("online", "heads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RecipeError(f"RotationModifier.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
                                             or self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise RecipeError(f"RotationModifier.block_size must be a power of two (or left out for the layer's "
@@ -89,6 +95,12 @@ class RotationModifier(Modifier):
         resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=owner)
         self.rotated = {"embeddings": list(resolved.embeddings), "norms": [m.smoothed for m in resolved.norms],
                         "readers": list(resolved.readers), "writers": list(resolved.writers)}
+        if self.heads:
+            if not layout.heads:
+                raise RotationError(f"{owner}.heads: the rotation layout of {type(state.model).__name__} names no "
+                                    f"value / output projections; declare rotation_layout.heads in its model patch "
+                                    f"or leave heads out")
+            self.rotated["heads"] = rotate_heads(state.model, layout.heads, owner)
         if self.online:
             try:
                 self.rotated["online"] = rotate_inputs_online(state.model, layout.online, self.block_size, owner)

@@ -78,7 +78,7 @@ def test_rotation_composes_before_rtn_and_autoround(tmp_path, quantizer):
 def test_recipe_fields_and_errors():
     (modifier,) = parse_recipe("RotationModifier:\n  rotation: orthogonal\n  seed: 7\n")
     assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7, "online": False,
-                                                     "block_size": None}}
+                                                     "block_size": None, "heads": False}}
     with pytest.raises(RecipeError, match="did you mean 'hadamard'"):
         RotationModifier(rotation="hadamrd")
     (modifier,) = parse_recipe("RotationModifier:\n  online: true\n  block_size: 64\n")
@@ -87,6 +87,8 @@ def test_recipe_fields_and_errors():
         RotationModifier(online=True, block_size=96)
     with pytest.raises(RecipeError, match="set online: true"):
         RotationModifier(block_size=64)
+    with pytest.raises(RecipeError, match="heads must be true or false"):
+        RotationModifier(heads="yes")
 
 
 def _quarot_w4(tmp_path, recipe, name="quarot"):
@@ -102,10 +104,11 @@ def test_online_rotation_keeps_the_outputs_and_is_logged():
     model = build_tiny_llama()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     before = _logits(model, ids)
-    modifier = RotationModifier(online=True)
+    modifier = RotationModifier(online=True, heads=True)
     layerwise.compress(model, modifier, show_progress=False)
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
     assert modifier.rotated["online"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert modifier.rotated["heads"] == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
 
 
 def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_it_exactly(tmp_path):

@@ -19,7 +19,12 @@ from layerwise.algorithms.quantization.online_rotation import (
     rotate_inputs_online,
     transform_config,
 )
-from layerwise.algorithms.quantization.rotation import LLAMA_LIKE, rotate_residual_stream
+from layerwise.algorithms.quantization.rotation import (
+    LLAMA_LIKE,
+    RotationError,
+    rotate_heads,
+    rotate_residual_stream,
+)
 from layerwise.plugin import apply_patch, registry
 from tests.conftest import build_tiny_llama
 
@@ -50,9 +55,14 @@ def test_residual_and_online_rotations_keep_each_declared_family_s_function(fami
         ids = _ids(model.config.get_text_config().vocab_size)
         before = _logits(model, ids)
         down = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("down_proj")}
+        values = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("v_proj")}
         rotate_residual_stream(model, patch.rotation_layout, "hadamard", seed=1)
         rotated = rotate_inputs_online(model, patch.rotation_layout.online)
         assert sorted(rotated) == sorted(down)
+        if patch.rotation_layout.heads:
+            with_residual = {n: model.get_submodule(n).weight.detach().clone() for n in values}
+            assert len(rotate_heads(model, patch.rotation_layout.heads)) == len(values)
+            assert not any(torch.allclose(model.get_submodule(n).weight, w) for n, w in with_residual.items())
         torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
         assert all(isinstance(online_hadamards(model)[n], OnlineHadamard) for n in down)
 
@@ -141,3 +151,22 @@ def test_transforms_layerwise_does_not_regenerate_are_refused_with_the_alternati
     config["config_groups"]["R4"]["apply"][0]["targets"] = ["re:.*nothing$"]
     with pytest.raises(OnlineRotationError, match="match no module"):
         attach_from_transform_config(build_tiny_llama(), config)
+
+
+def test_per_head_rotation_is_a_hadamard_per_head_on_both_sides():
+    model = build_tiny_llama()
+    ids = _ids()
+    before = _logits(model, ids)
+    attention = model.model.layers[0].self_attn
+    v, o = attention.v_proj.weight.detach().double().clone(), attention.o_proj.weight.detach().double().clone()
+    d = model.config.head_dim
+    rotate_heads(model, LLAMA_LIKE.heads)
+    h_kv = torch.block_diag(*[hadamard_matrix(d)] * (v.shape[0] // d)) / math.sqrt(d)
+    h_q = torch.block_diag(*[hadamard_matrix(d)] * (o.shape[1] // d)) / math.sqrt(d)
+    torch.testing.assert_close(attention.v_proj.weight.double(), h_kv @ v, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(attention.o_proj.weight.double(), o @ h_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RotationError, match="value pattern, output pattern"):
+        rotate_heads(model, ("re:.*v_proj$",))
+    with pytest.raises(RotationError, match="one value and one output"):
+        rotate_heads(model, ("re:.*v_proj$", "re:.*down_proj$"))
