@@ -49,6 +49,7 @@ def test_quarot_gptq_w4a8_preset_saves_a_checkpoint_that_reloads(tmp_path):
                                device="cpu")
     down = model.model.layers[0].mlp.down_proj
     assert down.quantization_args.num_bits == 4 and down.input_quantization_args.num_bits == 8
+    assert "inputs online" not in (out / "README.md").read_text()  # nothing online: plain transformers loads it
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
@@ -129,6 +130,7 @@ def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_
     expected = _logits(model, ids)
     reloaded = layerwise.load_compressed(out).eval()
     assert sorted(online_hadamards(reloaded)) == sorted(online_hadamards(model))
+    assert "rotates some layers' inputs online" in (out / "README.md").read_text()  # the model card warns
     assert torch.equal(_logits(reloaded, ids), expected)  # bit for bit
     # transformers 5.x drops transform_config: a plain load has no online rotation and other outputs
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -153,3 +155,20 @@ def test_compressed_tensors_apply_transform_config_reproduces_it_at_float_roundi
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
     apply_transform_config(plain, online_only(quant["transform_config"]))
     torch.testing.assert_close(_logits(plain, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_hooks_see_the_rotated_inputs_of_down_proj():
+    from layerwise.algorithms.quantization.hadamard import fwht
+    from tests.plugins.pipelines.helpers import RoundingModifier
+
+    model = build_tiny_llama()
+    sample = {"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))}
+    plain = []
+    handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: plain.append(a[0].detach()))
+    _logits(model, sample["input_ids"])
+    handle.remove()
+    recorder = RoundingModifier(grid=1e-30)
+    layerwise.compress(model, [RotationModifier(online=True), recorder], dataset=[sample], show_progress=False)
+    seen = recorder.seen["model.layers.0.mlp.down_proj"][0]
+    torch.testing.assert_close(seen, fwht(plain[0]), rtol=1e-4, atol=1e-5)
+    assert (seen - plain[0]).abs().max() > 1e-2  # rotated, not the plain input
