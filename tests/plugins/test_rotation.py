@@ -172,3 +172,17 @@ def test_calibration_hooks_see_the_rotated_inputs_of_down_proj():
     seen = recorder.seen["model.layers.0.mlp.down_proj"][0]
     torch.testing.assert_close(seen, fwht(plain[0]), rtol=1e-4, atol=1e-5)
     assert (seen - plain[0]).abs().max() > 1e-2  # rotated, not the plain input
+
+
+def test_smoothing_after_an_online_rotation_skips_the_rotated_layer_s_mapping():
+    from layerwise.algorithms.quantization.mappings import mappings_for_run
+    from layerwise.algorithms.quantization.online_rotation import rotate_inputs_online
+    from layerwise.plugin import registry
+
+    model = build_tiny_llama()
+    patch = registry("model_patches").get("llama")
+    before = {m.smoothed for m in mappings_for_run(model, patch, None, owner="AWQModifier")}
+    assert "model.layers.0.mlp.up_proj" in before
+    rotate_inputs_online(model, ["re:.*mlp\\.down_proj$"])
+    after = {m.smoothed for m in mappings_for_run(model, patch, None, owner="AWQModifier")}
+    assert after == {s for s in before if not s.endswith("up_proj")}
