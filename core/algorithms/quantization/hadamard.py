@@ -65,11 +65,20 @@ def fwht(x: Tensor, block: int | None = None) -> Tensor:
     """
     width = x.shape[-1]
     size = check_block(width, block)
-    y = x.reshape(-1, size)
+    source = x.reshape(-1, size).contiguous()
+    first = second = None
     h = 1
-    while h < size:
-        y = y.view(-1, size // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((a + b, a - b), dim=2)
+    while h < size:  # butterflies of entries h apart, written into a buffer (the input is never written)
+        if first is None:
+            first = target = torch.empty_like(source)
+        elif second is None:
+            second = target = torch.empty_like(source)
+        else:
+            target = second if source is first else first
+        pairs, into = source.view(-1, size // (2 * h), 2, h), target.view(-1, size // (2 * h), 2, h)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
+        source = target
         h *= 2
+    y = source
     return (y.reshape(x.shape) / math.sqrt(size)).to(x.dtype)

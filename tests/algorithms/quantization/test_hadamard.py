@@ -41,7 +41,11 @@ def test_fwht_equals_the_matrix_product(n, block, dtype):
     size = block or n
     full = torch.block_diag(*[hadamard_matrix(size)] * (n // size)) / math.sqrt(size)
     expected = x @ full
-    got = fwht(x.to(dtype), block)
+    given = x.to(dtype)
+    kept = given.clone()
+    got = fwht(given, block)
+    assert torch.equal(given, kept)  # the input is never written
+    torch.testing.assert_close(fwht(given.transpose(0, 1), block), got.transpose(0, 1), rtol=0, atol=0)
     assert got.dtype == dtype and got.shape == x.shape
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
