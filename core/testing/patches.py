@@ -255,7 +255,8 @@ def _check_rotation_exact(patch: ModelPatch, model: torch.nn.Module, modality: s
         got = _first_tensor(work(**inputs))
     moved = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
     if moved > MAPPING_TOLERANCE:
-        raise _fail(patch, step, f"rotating the residual stream moves the outputs by {moved:.2g} (relative)",
+        raise _fail(patch, step, f"rotating the residual stream (and the layout's online and head layers) moves "
+                    f"the outputs by {moved:.2g} (relative)",
                     "every Linear reading the stream must follow a listed norm, every Linear adding to it "
                     "must be a writer, and an online layer's input must reach nothing else (GUIDE.md, 'Rotations')")
 
