@@ -30,7 +30,6 @@ from layerwise.common.matching import find_modules
 
 #: the config group name of the online rotations in ``transform_config`` (QuaRot / SpinQuant's name)
 GROUP = "R4"
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class OnlineRotationError(ValueError):
@@ -38,24 +37,24 @@ class OnlineRotationError(ValueError):
 
 
 class OnlineHadamard:
-    """Forward pre-hook: the module's input times ``blockdiag(H_block) / sqrt(block)``, computed in float32
-    (compressed-tensors' default precision for online transforms) and returned in the input's dtype."""
+    """Forward pre-hook: the module's input times ``blockdiag(H_block) / sqrt(block)``, computed in ``precision``
+    (float32 by default, compressed-tensors' default for online transforms) and returned in the input's dtype."""
 
     #: part of the model's function, not a calibration hook: it stays after the run (see core/testing/modifiers.py)
     part_of_model = True
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, precision: torch.dtype = torch.float32) -> None:
         self.block = block
+        self.precision = precision
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not args or not isinstance(args[0], Tensor):
             return None
         x = args[0]
-        work = x.float() if x.dtype in _LOW_PRECISION else x
-        return (fwht(work, self.block).to(x.dtype), *args[1:])
+        return (fwht(x.to(self.precision), self.block).to(x.dtype), *args[1:])
 
     def __repr__(self) -> str:
-        return f"OnlineHadamard(block={self.block})"
+        return f"OnlineHadamard(block={self.block}, precision={self.precision})"
 
 
 def online_hadamard(module: nn.Module) -> OnlineHadamard | None:
@@ -69,12 +68,12 @@ def online_hadamards(model: nn.Module) -> dict[str, OnlineHadamard]:
     return {name: hook for name, m in model.named_modules() if (hook := online_hadamard(m)) is not None}
 
 
-def attach(module: nn.Module, block: int) -> OnlineHadamard:
+def attach(module: nn.Module, block: int, precision: torch.dtype = torch.float32) -> OnlineHadamard:
     """Rotate ``module``'s input online from now on (its weight untouched: see :func:`rotate_inputs_online`)."""
     if online_hadamard(module) is not None:
         raise OnlineRotationError(f"{type(module).__name__} already rotates its input online; rotating twice would "
                                   f"not cancel against its weight")
-    hook = OnlineHadamard(block)
+    hook = OnlineHadamard(block, precision)
     module.__dict__["online_hadamard"] = hook
     module.register_forward_pre_hook(hook, prepend=True)
     return hook
@@ -128,14 +127,15 @@ def transform_config(model: nn.Module) -> dict[str, Any] | None:
         return None
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
-    by_block: dict[int | None, list[str]] = {}
+    by_block: dict[tuple[int | None, torch.dtype], list[str]] = {}
     for name, hook in hooks.items():
         width = model.get_submodule(name).in_features
-        by_block.setdefault(None if hook.block == width else hook.block, []).append(name)
+        by_block.setdefault((None if hook.block == width else hook.block, hook.precision), []).append(name)
     groups = {}
-    for i, (head_dim, names) in enumerate(sorted(by_block.items(), key=lambda kv: kv[0] or 0)):
+    for i, ((head_dim, precision), names) in enumerate(sorted(by_block.items(), key=lambda kv: (kv[0][0] or 0,
+                                                                                                str(kv[0][1])))):
         groups[GROUP if i == 0 else f"{GROUP}_{i}"] = TransformScheme(
-            type="hadamard", head_dim=head_dim, precision=torch.float32,
+            type="hadamard", head_dim=head_dim, precision=precision,
             apply=[TransformArgs(targets=names, location="input"),
                    TransformArgs(targets=names, location="weight_input", inverse=True)])
     return TransformConfig(config_groups=groups).model_dump(mode="json")
@@ -163,7 +163,7 @@ def attach_from_transform_config(model: nn.Module, config: dict[str, Any]) -> li
     from compressed_tensors.transform import TransformConfig
 
     parsed = TransformConfig.model_validate(config)
-    plan: list[tuple[str, nn.Module, int]] = []
+    plan: list[tuple[str, nn.Module, int, torch.dtype]] = []
     for group, scheme in parsed.config_groups.items():
         for args in scheme.apply:
             if not args.is_online():
@@ -181,10 +181,10 @@ def attach_from_transform_config(model: nn.Module, config: dict[str, Any]) -> li
                                           f"module of {type(model).__name__}")
             for name, module in layers.items():
                 try:
-                    plan.append((name, module, check_block(module.in_features, scheme.head_dim)))
+                    plan.append((name, module, check_block(module.in_features, scheme.head_dim), scheme.precision))
                 except (HadamardSizeError, AttributeError) as exc:
                     raise OnlineRotationError(f"transform_config group {group!r} cannot rotate {name!r}: {exc}") \
                         from None
-    for _, module, size in plan:
-        attach(module, size)
-    return [name for name, _, _ in plan]
+    for _, module, size, precision in plan:
+        attach(module, size, precision)
+    return [name for name, *_ in plan]

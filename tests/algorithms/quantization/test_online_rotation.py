@@ -139,6 +139,12 @@ def test_transform_config_is_compressed_tensors_and_reads_back():
     rotate_inputs_online(blocked, LLAMA_LIKE.online, block=32)
     assert TransformConfig.model_validate(transform_config(blocked)).config_groups["R4"].head_dim == 32
 
+    config["config_groups"]["R4"]["precision"] = "torch.float64"  # as llm-compressor writes it on CPU
+    precise = build_tiny_llama()
+    attach_from_transform_config(precise, config)
+    assert {h.precision for h in online_hadamards(precise).values()} == {torch.float64}
+    assert TransformConfig.model_validate(transform_config(precise)).config_groups["R4"].precision == torch.float64
+
 
 def test_transforms_layerwise_does_not_regenerate_are_refused_with_the_alternative():
     model = build_tiny_llama()
