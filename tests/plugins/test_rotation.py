@@ -138,7 +138,8 @@ def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_
     assert (_logits(plain, ids) - expected).abs().max() > 1e-2
 
 
-def test_compressed_tensors_apply_transform_config_reproduces_it_at_float_rounding(tmp_path):
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_compressed_tensors_apply_transform_config_reproduces_it_at_float_rounding(tmp_path, block_size):
     import json
 
     from compressed_tensors.transform import apply_transform_config
@@ -148,13 +149,16 @@ def test_compressed_tensors_apply_transform_config_reproduces_it_at_float_roundi
     from layerwise.plugins.modifiers.gptq import GPTQModifier
 
     # weight-only, so no 4-bit input bin can flip on the last bit of a float32 rounding difference
-    model, out = _quarot_w4(tmp_path, [RotationModifier(online=True), GPTQModifier(scheme="W4A16")])
+    model, out = _quarot_w4(tmp_path, [RotationModifier(online=True, block_size=block_size),
+                                       GPTQModifier(scheme="W4A16")])
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     expected = _logits(model, ids)
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert quant["transform_config"]["config_groups"]["R4"]["head_dim"] == block_size
     apply_transform_config(plain, online_only(quant["transform_config"]))
     torch.testing.assert_close(_logits(plain, ids), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_logits(layerwise.load_compressed(out).eval(), ids), expected)
 
 
 def test_calibration_hooks_see_the_rotated_inputs_of_down_proj():
