@@ -95,8 +95,22 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
         if redecode and folder.is_dir():
             decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
+        attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
         return result
-    return load_sparse(folder, loaded, model_class, **kwargs)
+    result = load_sparse(folder, loaded, model_class, **kwargs)
+    attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
+    return result
+
+
+def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
+    """The online rotations ``quantization_config.transform_config`` declares, put back on the loaded
+    model (transformers 5.x drops that key). Returns the rotated layers."""
+    transforms = quantization_config(config).get("transform_config")
+    if not transforms:
+        return []
+    from layerwise.algorithms.quantization.online_rotation import attach_from_transform_config
+
+    return attach_from_transform_config(model, transforms)
 
 
 def _from_pretrained(cls: type, where: str, loaded: Any, **kwargs: Any) -> Any:

@@ -45,6 +45,12 @@ from layerwise.algorithms.quantization.mappings import (
     split_by_piece,
 )
 from layerwise.algorithms.quantization.observer import Observer
+from layerwise.algorithms.quantization.online_rotation import (
+    OnlineRotationError,
+    online_hadamards,
+    rotate_inputs_online,
+    transform_config,
+)
 from layerwise.algorithms.quantization.packing import pack_int
 from layerwise.algorithms.quantization.presets import resolve_scheme
 from layerwise.algorithms.quantization.qmath import (
@@ -61,6 +67,7 @@ from layerwise.algorithms.quantization.rotation import (
     ResolvedLayout,
     RotationError,
     RotationLayout,
+    rotate_heads,
     rotate_residual_stream,
 )
 from layerwise.algorithms.quantization.smoothing import apply_smoothing
@@ -87,6 +94,7 @@ __all__ = [
     "Mapping",
     "MappingError",
     "Observer",
+    "OnlineRotationError",
     "QuantizationArgs",
     "QuantizationScheme",
     "ResolvedLayout",
@@ -119,6 +127,7 @@ __all__ = [
     "mappings_for_run",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
+    "online_hadamards",
     "pack_fp4",
     "pack_int",
     "quantize_learned",
@@ -129,6 +138,8 @@ __all__ = [
     "recipe_mappings",
     "replace_data",
     "resolve_scheme",
+    "rotate_heads",
+    "rotate_inputs_online",
     "rotate_residual_stream",
     "rtn_quantize",
     "search_flops",
@@ -138,6 +149,7 @@ __all__ = [
     "set_quantized_weight",
     "smoothquant_scales",
     "split_by_piece",
+    "transform_config",
     "tune_block",
     "weight_global_scale",
     "weight_qparams",

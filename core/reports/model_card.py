@@ -124,7 +124,8 @@ def render_card(summary: RunSummary, quality: Mapping[str, Any] | None, name: st
     """The card's text: YAML front matter, :data:`CARD_MARK`, then the markdown body."""
     report = summary.report
     front = front_matter(report, quality, name)
-    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report))]
+    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report)),
+            *_online_rotation_note(report, name)]
     if quality:
         body += ["## Quality against the original", "", *metrics_table(quality), "", _measured_on(quality), ""]
         if KL_PICTURE in pictures:
@@ -245,6 +246,16 @@ def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool =
             f'`layerwise.load_compressed("{name}")` loads it too, including what plain transformers cannot run: '
             f'FP4 / MX formats in a float32 model, and the sparse-bitmask folders of older layerwise releases.',
             ""]
+
+
+def _online_rotation_note(report: CompressionReport, name: str) -> list[str]:
+    """A folder with online rotations (``transform_config``) must not be loaded by plain transformers, which
+    drops them: say so, and what loads it."""
+    if not re.search(r"^\s*online:\s*true\s*$", report.recipe, re.MULTILINE):
+        return []
+    return [f"**This model rotates some layers' inputs online** (a Hadamard, in `quantization_config."
+            f"transform_config`): transformers ignores that key, so `from_pretrained` alone gives wrong outputs. "
+            f'Load it with `layerwise.load_compressed("{name}")`, which puts the rotations back.', ""]
 
 
 def _measured_on(quality: Mapping[str, Any]) -> str:

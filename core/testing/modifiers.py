@@ -52,8 +52,11 @@ def token_batches(count: int = 4, length: int = 16, vocab: int = 128, seed: int 
 
 
 def count_hooks(model: torch.nn.Module) -> int:
-    """Forward and forward-pre hooks on every module of ``model``."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Forward and forward-pre hooks on every module of ``model``, less those that are part of the model's
+    function (marked ``part_of_model``, such as an online rotation's): they are meant to stay."""
+    return sum(sum(not getattr(hook, "part_of_model", False) for hook in (*m._forward_hooks.values(),
+                                                                          *m._forward_pre_hooks.values()))
+               for m in model.modules())
 
 
 def check_modifier(cls: type[Modifier], fields: dict[str, Any] | None = None, *,

@@ -8,7 +8,8 @@
 4. **mappings**: every regex of ``smoothing_mappings`` matches a module (SmoothQuant / AWQ read them),
    and, per modality, scaling every resolved mapping by random positive scales leaves the outputs
    unchanged (a reader of the smoothed output left out, or a norm that is not an input norm, shows);
-   with a ``rotation_layout``, rotating the residual stream leaves the outputs unchanged too;
+   with a ``rotation_layout``, rotating the residual stream, the inputs of its ``online`` layers by an
+   online Hadamard and its attention ``heads``, leaves the outputs unchanged too;
 5. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
    forward calls, plus one, each target its own call; the replay equals the plain forward
    (<= 1e-5 relative), else a function needs ``opaque_functions`` or a module ``leaf_modules``;
@@ -226,8 +227,17 @@ def _check_mappings_exact(patch: ModelPatch, model: torch.nn.Module, modality: s
 
 
 def _check_rotation_exact(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any]) -> None:
-    """Rotating a copy's residual stream (norms folded, a random orthogonal matrix) keeps its outputs."""
-    from layerwise.algorithms.quantization.rotation import RotationError, rotate_residual_stream
+    """Rotating a copy's residual stream (norms folded, a random orthogonal matrix) and, where the layout
+    lists them, the inputs of its online layers and its attention heads (Hadamards) keeps its outputs."""
+    from layerwise.algorithms.quantization.online_rotation import (
+        OnlineRotationError,
+        rotate_inputs_online,
+    )
+    from layerwise.algorithms.quantization.rotation import (
+        RotationError,
+        rotate_heads,
+        rotate_residual_stream,
+    )
 
     step = f"rotation exact ({modality})"
     with torch.no_grad(), patch.calibrating(model):
@@ -235,15 +245,20 @@ def _check_rotation_exact(patch: ModelPatch, model: torch.nn.Module, modality: s
     work = copy.deepcopy(model)
     try:
         rotate_residual_stream(work, patch.rotation_layout, "orthogonal", seed=0, owner="check_model_patch")
-    except RotationError as exc:
+        if patch.rotation_layout.online:
+            rotate_inputs_online(work, patch.rotation_layout.online, owner="check_model_patch")
+        if patch.rotation_layout.heads:
+            rotate_heads(work, patch.rotation_layout.heads, owner="check_model_patch")
+    except (RotationError, OnlineRotationError) as exc:
         raise _fail(patch, step, str(exc), "fix the patch's rotation_layout (GUIDE.md, 'Rotations')") from None
     with torch.no_grad(), patch.calibrating(work):
         got = _first_tensor(work(**inputs))
     moved = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
     if moved > MAPPING_TOLERANCE:
-        raise _fail(patch, step, f"rotating the residual stream moves the outputs by {moved:.2g} (relative)",
-                    "every Linear reading the stream must follow a listed norm and every Linear adding to it "
-                    "must be a writer (GUIDE.md, 'Rotations')")
+        raise _fail(patch, step, f"rotating the residual stream (and the layout's online and head layers) moves "
+                    f"the outputs by {moved:.2g} (relative)",
+                    "every Linear reading the stream must follow a listed norm, every Linear adding to it "
+                    "must be a writer, and an online layer's input must reach nothing else (GUIDE.md, 'Rotations')")
 
 
 def _sample_inputs(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] | None) -> dict[str, Any]:

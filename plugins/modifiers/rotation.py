@@ -9,6 +9,14 @@ unchanged; its weights and activations lose their outlier channels, so the quant
 (GPTQ, RTN, AutoRound; W4A8 or W4A16) loses less. The model patch's ``rotation_layout`` says where the
 stream is read and written (the Llama-like layout when it declares none). A tied ``lm_head`` is
 untied (the final norm is folded into it, not into the embeddings), and the saved config says so.
+
+``online: true`` adds QuaRot's online Hadamard before every layer the layout lists as ``online``
+(``down_proj``): folded into its weight, and run on its input at inference
+(:mod:`~layerwise.algorithms.quantization.online_rotation`), before the quantizers calibrate, so
+they see the rotated inputs. It is what 4-bit activations (W4A4) need; the saver writes it to
+config.json as compressed-tensors' ``transform_config``. ``heads: true`` also folds a Hadamard per
+attention head into ``v_proj`` and ``o_proj`` (SpinQuant's R2: ``o_proj``'s inputs spread out, nothing
+online), where the layout declares ``heads``.
 """
 
 from __future__ import annotations
@@ -17,26 +25,44 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from layerwise.plugin import CompressionState, Modifier, RecipeError, did_you_mean
-from layerwise.plugin.quantization import LLAMA_LIKE, rotate_residual_stream
+from layerwise.plugin.quantization import (
+    LLAMA_LIKE,
+    OnlineRotationError,
+    RotationError,
+    rotate_heads,
+    rotate_inputs_online,
+    rotate_residual_stream,
+)
 
 #: int4 weights in groups of 128, int8 inputs per token at run time
 W4A8 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128},
         "input_activations": {"num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True},
         "targets": ["Linear"]}
+#: int4 weights in groups of 128, int4 inputs per token at run time
+W4A4 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128},
+        "input_activations": {"num_bits": 4, "symmetric": True, "strategy": "token", "dynamic": True},
+        "targets": ["Linear"]}
 
 
 @dataclass
 class RotationModifier(Modifier):
-    """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``."""
+    """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``;
+    with ``heads``, also each attention head's values by a Hadamard folded into ``v_proj`` and ``o_proj``; with
+    ``online``, the inputs of the layout's online layers by a Hadamard (of ``block_size``, default their width)
+    at run time."""
 
     requires_data: ClassVar[bool] = False
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
         "QUAROT_GPTQ_W4A8": (("RotationModifier", {}), ("GPTQModifier", {"scheme": W4A8})),
         "QUAROT_GPTQ_W4A16": (("RotationModifier", {}), ("GPTQModifier", {"scheme": "W4A16"})),
+        "QUAROT_GPTQ_W4A4": (("RotationModifier", {"online": True}), ("GPTQModifier", {"scheme": W4A4})),
     }
 
     rotation: str = "hadamard"
     seed: int = 0
+    online: bool = False
+    block_size: int | None = None
+    heads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,14 +72,39 @@ class RotationModifier(Modifier):
                               f"orthogonal")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise RecipeError(f"RotationModifier.seed must be an integer, got {self.seed!r}")
+        for flag in ("online", "heads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RecipeError(f"RotationModifier.{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            raise RecipeError(f"RotationModifier.block_size must be a power of two (or left out for the layer's "
+                              f"width), got {self.block_size!r}")
+        if self.block_size is not None and not self.online:
+            raise RecipeError("RotationModifier.block_size sizes the online rotation; set online: true with it")
         #: the rotated modules, by role (qualified names), once applied
         self.rotated: dict[str, list[str]] = {}
 
     def on_initialize(self, state: CompressionState) -> None:
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
         layout = getattr(patch, "rotation_layout", None) or LLAMA_LIKE
-        resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=type(self).__name__)
+        owner = type(self).__name__
+        if self.online and not layout.online:
+            raise RotationError(f"{owner}.online: the rotation layout of {type(state.model).__name__} names no layer "
+                                f"to rotate online; declare rotation_layout.online in its model patch (GUIDE.md, "
+                                f"'Rotations') or leave online out")
+        resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=owner)
         self.rotated = {"embeddings": list(resolved.embeddings), "norms": [m.smoothed for m in resolved.norms],
                         "readers": list(resolved.readers), "writers": list(resolved.writers)}
+        if self.heads:
+            if not layout.heads:
+                raise RotationError(f"{owner}.heads: the rotation layout of {type(state.model).__name__} names no "
+                                    f"value / output projections; declare rotation_layout.heads in its model patch "
+                                    f"or leave heads out")
+            self.rotated["heads"] = rotate_heads(state.model, layout.heads, owner)
+        if self.online:
+            try:
+                self.rotated["online"] = rotate_inputs_online(state.model, layout.online, self.block_size, owner)
+            except OnlineRotationError as exc:
+                raise RotationError(str(exc)) from None
         state.log.append({"modifier": type(self).__name__, "name": "residual stream", "rotation": self.rotation,
                           "seed": self.seed, **{k: len(v) for k, v in self.rotated.items()}})

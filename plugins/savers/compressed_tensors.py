@@ -49,6 +49,11 @@ packed ``(ceil(out * bits / 32), groups)`` int32 zero point that compressed-tens
 declares, is refused as a size mismatch. The tensors stay in that layout (vLLM's); the config adds
 ``"dequantize": true``, which transformers' ``CompressedTensorsConfig`` reads and compressed-tensors
 and vLLM ignore, so transformers takes its dequantize-on-load path, which decodes them correctly.
+
+A model with online rotations (``RotationModifier(online=True)``) also gets
+``quantization_config.transform_config`` (:func:`with_transform_config`), where compressed-tensors'
+own ``ModelCompressor`` writes it. transformers 5.x drops that key when it loads the folder (its
+outputs then differ); :func:`layerwise.load_compressed` puts the online rotations back.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from layerwise.plugin.quantization import (
     quantize_weight,
     quantized_attention,
     quantized_modules,
+    transform_config,
 )
 from layerwise.plugin.saving import (
     Overwrite,
@@ -257,6 +263,14 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
     data["quant_method"] = "compressed-tensors"
     if any(packs_zero_point(*key) for key in by_args):
         data["dequantize"] = True  # see the module docstring: transformers' own path for packed zero points
+    return with_transform_config(model, data)
+
+
+def with_transform_config(model: torch.nn.Module, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` plus ``transform_config`` when ``model`` rotates some inputs online (compressed-tensors' key)."""
+    transforms = transform_config(model)
+    if transforms is not None:
+        data["transform_config"] = transforms
     return data
 
 

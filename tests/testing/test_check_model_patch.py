@@ -162,3 +162,16 @@ def test_a_smoothing_mapping_that_changes_the_model_is_caught():
                                                r"post_attention_layernorm -> \['model.layers.0.mlp.gate_proj', "
                                                r"'model.layers.0.mlp.up_proj'\] changes the model's outputs"):
         check_model_patch(wrong, patch.tiny_models[1](), calibrate=False)
+
+
+def test_a_rotation_layout_with_wrong_head_pairs_or_online_layers_is_caught():
+    model = build_tiny_llama()
+    patch = find_patch(model, [p for _, p in registry("model_patches").items()])
+    wrong_heads = dataclasses.replace(patch, rotation_layout=dataclasses.replace(
+        patch.rotation_layout, heads=("re:.*self_attn\\.k_proj$", "re:.*self_attn\\.o_proj$")))
+    with pytest.raises(PluginCheckError, match=r"rotation exact \(text\): rotating the residual stream .* moves"):
+        check_model_patch(wrong_heads, model, calibrate=False)
+    not_linear = dataclasses.replace(patch, rotation_layout=dataclasses.replace(
+        patch.rotation_layout, online=("re:.*\\.mlp$",)))
+    with pytest.raises(PluginCheckError, match=r"rotation exact \(text\): .*nn.Linear layers only"):
+        check_model_patch(not_linear, model, calibrate=False)

@@ -160,6 +160,22 @@ def _width_mismatch(model: torch.nn.Module, name: str, module: torch.nn.Module, 
     return ""
 
 
+def without_online_inputs(model: torch.nn.Module, resolution: Resolution) -> Resolution:
+    """``resolution`` less the mappings balancing a layer whose input is rotated online: scaling its input
+    channels would not commute with the Hadamard applied to them first (they are skipped, with that reason)."""
+    from layerwise.algorithms.quantization.online_rotation import online_hadamard
+
+    kept, skipped = [], list(resolution.skipped)
+    for mapping in resolution.mappings:
+        rotated = [b for b in mapping.balance if online_hadamard(model.get_submodule(b)) is not None]
+        if rotated:
+            skipped.append((mapping.smoothed, f"{rotated[0]}'s input is rotated online (RotationModifier online), "
+                                              f"which per-channel scales would not commute with"))
+        else:
+            kept.append(mapping)
+    return Resolution(tuple(kept), tuple(skipped))
+
+
 def mappings_for_run(model: torch.nn.Module, patch: Any, mappings: Sequence[Mapping] | None, *,
                      owner: str, discover: Callable[[torch.nn.Module], Any] | None = None
                      ) -> tuple[ResolvedMapping, ...]:
@@ -182,7 +198,7 @@ def mappings_for_run(model: torch.nn.Module, patch: Any, mappings: Sequence[Mapp
         given = found.mappings
         log.info("%s: no smoothing mappings given; found %d from the layout of %s, each proven exact on a tiny "
                  "twin", owner, len(given), type(model).__name__)
-    resolution = resolve_mappings(model, given, owner=owner, patch_name=patch_name)
+    resolution = without_online_inputs(model, resolve_mappings(model, given, owner=owner, patch_name=patch_name))
     for name, why in resolution.skipped:
         log.info("%s: %s is not smoothed: %s", owner, name, why)
     if not resolution.mappings:

@@ -18,9 +18,9 @@ Where the stream is read and written is per-architecture knowledge: a :class:`Ro
 probed before folding (its output must be ``g * f(x)`` with ``f`` unchanged by rotations: RMSNorm,
 not LayerNorm) and a layout whose patterns match nothing is an error naming them.
 
-Only rotations that fold into weights are made here: QuaRot's online Hadamard before ``down_proj``
-(R4) would have to run at inference, and the loaders layerwise checkpoints target do not apply it
-(see GUIDE.md, "Rotations").
+Only rotations that fold into weights are made here; the online Hadamard before ``down_proj``
+(QuaRot's R4), which must also run at inference, is :mod:`.online_rotation`, placed by the layout's
+``online`` patterns.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class RotationLayout:
     norms: tuple[Mapping, ...]
     #: Linears whose outputs are added to the stream
     writers: tuple[str, ...]
+    #: Linears whose input cannot be rotated by folding (it comes out of a nonlinearity), rotated online
+    #: instead when asked (``RotationModifier.online``): the MLP's ``down_proj``
+    online: tuple[str, ...] = ()
+    #: ``(value pattern, output pattern)``: the attention's ``v_proj`` and the ``o_proj`` reading its heads, for
+    #: a Hadamard per head folded into both (SpinQuant's R2; ``RotationModifier.heads``)
+    heads: tuple[str, ...] = ()
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
@@ -68,6 +74,8 @@ LLAMA_LIKE = RotationLayout(
            (("re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"), "re:.*post_attention_layernorm$"),
            (("re:^lm_head$",), "re:^model\\.norm$")),
     writers=("re:.*self_attn\\.o_proj$", "re:.*mlp\\.down_proj$"),
+    online=("re:.*mlp\\.down_proj$",),
+    heads=("re:.*self_attn\\.v_proj$", "re:.*self_attn\\.o_proj$"),
 )
 
 
@@ -235,3 +243,54 @@ def rotate_residual_stream(model: torch.nn.Module, layout: RotationLayout, kind:
     fold_norms(model, resolved.norms)
     rotate(model, resolved, rotation_matrix(width, kind, seed))
     return resolved
+
+
+def head_dim(model: torch.nn.Module) -> int:
+    """The attention heads' width, from the (text) config: ``head_dim``, else hidden size / heads."""
+    config = _text_config(model) or getattr(model, "config", None)
+    width = getattr(config, "head_dim", None)
+    if not width:
+        heads = getattr(config, "num_attention_heads", None)
+        hidden = getattr(config, "hidden_size", None)
+        if not heads or not hidden:
+            raise RotationError(f"{type(model).__name__}'s config gives no head_dim (nor hidden_size and "
+                                f"num_attention_heads); per-head rotations need the heads' width")
+        width = hidden // heads
+    return int(width)
+
+
+@torch.no_grad()
+def rotate_heads(model: torch.nn.Module, patterns: Sequence[str], owner: str = "RotationModifier") -> list[str]:
+    """Fold a Hadamard per attention head into ``v_proj`` (output side) and ``o_proj`` (input side), paired by
+    their parent module: every head's values become ``v H``, ``o_proj`` reads ``u H`` and undoes it (exact, as
+    attention mixes each head's value rows linearly). Returns the ``o_proj`` layers."""
+    from layerwise.algorithms.quantization.hadamard import HadamardSizeError, check_block, fwht
+
+    if len(patterns) != 2:
+        raise RotationError(f"{owner}: rotation_layout.heads must be (value pattern, output pattern), got "
+                            f"{tuple(patterns)}")
+    values, outputs = (find_modules(model, [pattern]) for pattern in patterns)
+    by_parent = {name.rpartition(".")[0]: name for name in values}
+    pairs = [(by_parent.get(name.rpartition(".")[0]), name) for name in outputs]
+    if not pairs or any(v is None for v, _ in pairs) or len(pairs) != len(values):
+        raise RotationError(f"{owner}: rotation_layout.heads {tuple(patterns)} must match one value and one output "
+                            f"projection per attention module of {type(model).__name__}; found values "
+                            f"{sorted(values)[:3]}... and outputs {sorted(outputs)[:3]}...")
+    width = head_dim(model)
+    for v, o in pairs:
+        for name, size in ((v, _weight(model, v).shape[0]), (o, _weight(model, o).shape[1])):
+            try:
+                check_block(size, width, f"the per-head rotation of {name!r}")
+            except HadamardSizeError as exc:
+                raise RotationError(f"{owner}: {exc}; per-head rotations need a power-of-two head_dim: leave "
+                                    f"heads out") from None
+    for v, o in pairs:
+        value = model.get_submodule(v)
+        weight = _weight(model, v)
+        replace_data(weight, fwht(weight.to(torch.float64).t(), width).t().contiguous().to(weight.dtype))
+        bias = getattr(value, "bias", None)
+        if isinstance(bias, Tensor):
+            replace_data(bias, fwht(bias.to(torch.float64), width).to(bias.dtype))
+        out = _weight(model, o)
+        replace_data(out, fwht(out.to(torch.float64), width).to(out.dtype))
+    return [o for _, o in pairs]

@@ -1,0 +1,84 @@
+"""Hadamard matrices of power-of-two order and the fast Walsh-Hadamard transform.
+
+Sylvester's construction doubles ``H_1 = [1]`` by ``H_2n = [[H_n, H_n], [H_n, -H_n]]``: entry ``(i, j)``
+is ``(-1) ** popcount(i & j)``, the matrix is symmetric and ``H H^T = n I``. compressed-tensors'
+``hadamard`` transform type builds the same matrix (its ``deterministic_hadamard_matrix``), so a
+rotation saved under that type is regenerated on load from its size alone.
+
+:func:`fwht` multiplies by ``H / sqrt(n)`` in ``n log2 n`` additions instead of a ``n x n`` product:
+the online rotations run it on every token at inference. With ``block`` it applies the
+block-diagonal matrix of ``H_block`` blocks (compressed-tensors' ``head_dim``), which is how a width
+that is not a power of two (Llama-2-7B's 11008 = 43 x 256) still gets an exact, orthogonal rotation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+class HadamardSizeError(ValueError):
+    """No Hadamard transform of the asked size is built here (only powers of two)."""
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def largest_power_of_two_dividing(n: int) -> int:
+    return n & -n if n > 0 else 0
+
+
+def check_block(width: int, block: int | None, what: str = "a Hadamard rotation") -> int:
+    """The block size used for ``width`` (``None``: the whole width), or an error naming a size that works."""
+    size = width if block is None else block
+    if not is_power_of_two(size):
+        fit = largest_power_of_two_dividing(width)
+        raise HadamardSizeError(f"{what} of width {width} needs a power-of-two block, got {size}: only Sylvester "
+                                f"(power-of-two) Hadamards are built; set the block size to {fit} (the largest power "
+                                f"of two dividing {width}) for a block-diagonal rotation")
+    if width % size:
+        raise HadamardSizeError(f"{what}: block size {size} does not divide the width {width}; use a power of two "
+                                f"dividing it, such as {largest_power_of_two_dividing(width)}")
+    return size
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Sylvester's ``n x n`` Hadamard matrix (entries +-1, not normalized), from its definition."""
+    if not is_power_of_two(n):
+        raise HadamardSizeError(f"Sylvester's construction gives Hadamard matrices of power-of-two order only, not {n}")
+    index = torch.arange(n)
+    bits = torch.bitwise_and(index.unsqueeze(1), index.unsqueeze(0))
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1 - 2 * parity).to(dtype)
+
+
+def fwht(x: Tensor, block: int | None = None) -> Tensor:
+    """``x @ blockdiag(H_block, ...) / sqrt(block)`` over the last dimension, in ``x``'s dtype.
+
+    ``block`` defaults to the whole last dimension; it must be a power of two dividing it.
+    """
+    width = x.shape[-1]
+    size = check_block(width, block)
+    source = x.reshape(-1, size).contiguous()
+    first = second = None
+    h = 1
+    while h < size:  # butterflies of entries h apart, written into a buffer (the input is never written)
+        if first is None:
+            first = target = torch.empty_like(source)
+        elif second is None:
+            second = target = torch.empty_like(source)
+        else:
+            target = second if source is first else first
+        pairs, into = source.view(-1, size // (2 * h), 2, h), target.view(-1, size // (2 * h), 2, h)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
+        source = target
+        h *= 2
+    y = source
+    return (y.reshape(x.shape) / math.sqrt(size)).to(x.dtype)
