@@ -27,6 +27,7 @@ from layerwise.algorithms.quantization.gptq import (
     gptq_quantize,
     rtn_quantize,
 )
+from layerwise.algorithms.quantization.int_packing import pack_to_int32
 from layerwise.algorithms.quantization.mappings import (
     Mapping,
     MappingError,
@@ -103,6 +104,7 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
+    "pack_to_int32",
     "quantize_learned",
     "quantize_weight",
     "quantized_modules",

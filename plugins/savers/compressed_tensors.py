@@ -64,6 +64,7 @@ from layerwise.plugin.quantization import (
     linear_weight,
     nvfp4_block_scales,
     pack_fp4,
+    pack_to_int32,
     quantize_weight,
     quantized_modules,
 )
@@ -270,8 +271,6 @@ def compressed_state_dict(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
 def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What quantized module ``name`` is saved as: its encoded weight and qparams (every other tensor of
     the module is saved as it is)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
     args: QuantizationArgs = module.quantization_args
     prefix = f"{name}." if name else ""
     weight = linear_weight(module).detach().to("cpu", torch.float32)
