@@ -22,10 +22,12 @@ go from file to file in the kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,8 @@ from layerwise.model_io.streaming.safetensors_io import (
 #: values of a layer quantized at once (4 MiB of float32 work): large enough that a chunk's Python steps
 #: cost little beside its kernels, small enough for the work to stay in the CPU's caches
 CHUNK_ELEMENTS = 1 << 20
+#: chunks between two trims of the C heap (:func:`release_freed_memory`)
+TRIM_EVERY = 4
 #: strategies whose qparams are per row, group or block of rows (NVFP4's global scale comes with the job)
 ROW_STRATEGIES = ("channel", "group", "block", "tensor_group")
 
@@ -64,7 +68,7 @@ class LayerJob:
     weights: QuantizationArgs
     inputs: QuantizationArgs | None
     #: NVFP4: the float32 global scale, of the layer or of the projections fused with it
-    global_scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ class _Source:
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDONLY)
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self.chunks = 0  # quantized so far (the heap is trimmed every TRIM_EVERY)
 
     def rows(self, stored: StoredTensor, first: int, count: int) -> torch.Tensor:
         """Rows ``first .. first + count`` of the 2-D tensor ``stored`` (a view of the buffer: valid until the next
@@ -260,6 +265,34 @@ def _write_layer(out: StreamedFile, source: _Source, where: StoredTensor, job: L
                 raise LayoutError(f"layer {job.module!r}: the saver's {tensor.key!r} differs between chunks of rows; "
                                   f"model-free cannot write it in chunks")
         del encoded, weight
+        source.chunks += 1
+        if source.chunks % TRIM_EVERY == 0:
+            release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Why: a chunk's temporaries are a few MiB each; glibc raises its mmap threshold after such blocks
+    are freed, so later ones come from the threads' heaps and stay resident once freed. Measured on
+    the bench's FP8_DYNAMIC run (1B-shaped, 2 workers): peak RSS 607-791 MiB without, 422-450 MiB trimming every
+    4 chunks (every chunk: the same peak, 30 % slower; after each layer: 479 MiB)
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def layer_amax(path: Path, stored: StoredTensor) -> torch.Tensor:
