@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from layerwise import ModelPatch, hookimpl
-from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin import TESTED_TRANSFORMERS, LazyFunctions
 
 from . import _inputs, _tiny
 
@@ -93,7 +93,7 @@ MLLAMA = ModelPatch(
                         "MllamaCrossAttentionDecoderLayer"),
     # the projector maps vision features into the text width; the cross-attention gates are scalars
     ignore=("lm_head", "re:.*multi_modal_projector.*"),
-    opaque_functions=_opaque_functions(),
+    opaque_functions=LazyFunctions(_opaque_functions),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_mllama,),
     smoothing_mappings=(

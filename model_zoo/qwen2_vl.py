@@ -11,12 +11,13 @@ model build its 3-D M-RoPE positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 
 from layerwise import ModelPatch, hookimpl
-from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin import TESTED_TRANSFORMERS, LazyFunctions
 
 from . import _inputs, _tiny
 
@@ -102,7 +103,7 @@ QWEN2_VL = ModelPatch(
     architectures=("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
     sequential_targets=("Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"),
     ignore=_IGNORE,
-    opaque_functions=_opaque_functions("qwen2_vl"),
+    opaque_functions=LazyFunctions(functools.partial(_opaque_functions, "qwen2_vl")),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_qwen2_vl,),
     smoothing_mappings=(
@@ -124,7 +125,7 @@ QWEN2_5_VL = dataclasses.replace(
     QWEN2_VL, name="qwen2_5_vl", model_types=("qwen2_5_vl",),
     architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
     sequential_targets=("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer"),
-    opaque_functions=_opaque_functions("qwen2_5_vl"), tiny_models=(tiny_qwen2_5_vl,))
+    opaque_functions=LazyFunctions(functools.partial(_opaque_functions, "qwen2_5_vl")), tiny_models=(tiny_qwen2_5_vl,))
 
 
 #: text-only calibration never runs the vision tower: its blocks are targets only with images

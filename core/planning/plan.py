@@ -10,6 +10,7 @@ found wrong is a :class:`Finding` of level ``error``; a plan with none runs as a
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 from collections.abc import Iterator
@@ -170,7 +171,23 @@ def make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike = "
     ``gpu_memory`` / ``host_memory`` (bytes) plan for another machine; ``serve_on`` names the GPU the
     output will be served on (:data:`~layerwise.planning.hardware.GPUS`). ``measure=False`` leaves out
     the matmul measurement (``compress`` checks without timing).
+
+    The garbage collector is paused meanwhile: a 671B MoE model on meta is ~60,000 modules, and the
+    collections its building and walking trigger each traverse all of them (half the plan's time).
     """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(model, recipe, dataset, options=options, output_dir=output_dir, gpu_memory=gpu_memory,
+                          host_memory=host_memory, serve_on=serve_on, measure=measure)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, dataset: Any, *, options: Any,
+               output_dir: str | os.PathLike | None, gpu_memory: int | None, host_memory: int | None,
+               serve_on: str | None, measure: bool) -> Plan:
     calibration, placement, output, safety = options.calibration, options.placement, options.output, options.safety
     modifiers = parse_recipe(recipe)
     plan = Plan(model=str(model) if not isinstance(model, torch.nn.Module) else type(model).__name__)
@@ -269,21 +286,26 @@ def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_pie
     size = torch.empty((), dtype=sizes["dtype"]).element_size()
     weights: dict[int, int] = {}
     members: dict[int, list[str]] = {}
-    for name, param in model.named_parameters():  # a tied parameter once, as a checkpoint holds it
-        owner = name.rpartition(".")[0]
-        group = group_of_module(owner, group_of)
-        weights[group] = weights.get(group, 0) + param.numel() * (size if param.is_floating_point()
-                                                                  else param.element_size())
-        if group < 0 and (not members.get(group) or members[group][-1] != owner):
-            members.setdefault(group, []).append(owner)
     widest: dict[int, int] = {}
-    for name, module in model.named_modules():
+    module_group: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():  # parents first: a module's piece is its own or its parent's
+        group = group_of.get(name, module_group.get(name.rpartition(".")[0], -1) if name else -1)
+        module_group[name] = group
         if isinstance(module, torch.nn.Linear):
-            group = group_of_module(name, group_of)
             widest[group] = max(widest.get(group, 0), int(module.weight.shape[0]))
+        for param in module._parameters.values():  # a tied parameter once, as a checkpoint holds it
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            weights[group] = weights.get(group, 0) + param.numel() * (size if param.is_floating_point()
+                                                                      else param.element_size())
+            if group < 0 and (not members.get(group) or members[group][-1] != name):
+                members.setdefault(group, []).append(name)
     held: dict[int, list[Quantized]] = {}
     for name, layer in layers.items():
-        held.setdefault(group_of_module(name, group_of), []).append(layer)
+        group = module_group[name] if name in module_group else group_of_module(name, group_of)
+        held.setdefault(group, []).append(layer)
     pieces = []
     for group, start in enumerate(range(0, len(names), per_piece)):
         chosen = names[start:start + per_piece]

@@ -39,11 +39,11 @@ from layerwise.host.pipeline import Pipeline, PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
 from layerwise.host.state import CompressionState
 from layerwise.host.versions import TESTED_TRANSFORMERS
-from layerwise.tracing import opaque
+from layerwise.tracing import LazyFunctions, opaque
 
 __all__ = [
     "SESSION_FIELDS", "TESTED_TRANSFORMERS", "AlgorithmFallbackWarning", "CompressionState", "DatasetError", "ForeignField",
-    "InvalidArgumentError", "LayerwiseError", "Lifecycle",
+    "InvalidArgumentError", "LayerwiseError", "LazyFunctions", "Lifecycle",
     "ModelPatch", "Modifier", "NonFiniteError", "Pipeline", "PipelineFailed", "PipelineOptions", "RecipeError",
     "UnknownNameError", "apply_patch", "check_choice", "did_you_mean", "find_modules", "find_patch", "get_host", "hookimpl",
     "matches", "opaque", "registry", "unmatched", "warn_user",

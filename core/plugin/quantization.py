@@ -35,6 +35,7 @@ from layerwise.algorithms.quantization.gptq import (
     gptq_quantize,
     rtn_quantize,
 )
+from layerwise.algorithms.quantization.int_packing import pack_to_int32
 from layerwise.algorithms.quantization.kv_cache import kv_amax, kv_cache_args, kv_scale
 from layerwise.algorithms.quantization.mappings import (
     Mapping,
@@ -51,7 +52,6 @@ from layerwise.algorithms.quantization.online_rotation import (
     rotate_inputs_online,
     transform_config,
 )
-from layerwise.algorithms.quantization.packing import pack_int
 from layerwise.algorithms.quantization.presets import resolve_scheme
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
@@ -129,7 +129,7 @@ __all__ = [
     "nvfp4_global_scale",
     "online_hadamards",
     "pack_fp4",
-    "pack_int",
+    "pack_to_int32",
     "quantize_learned",
     "quantize_weight",
     "quantized_attention",

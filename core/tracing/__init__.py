@@ -10,12 +10,12 @@ from __future__ import annotations
 from .api import trace
 from .autowrap import WrappedStatement
 from .guards import Guard, GuardViolation
-from .opaque import opaque
+from .opaque import LazyFunctions, opaque
 from .partition import OUTPUT_NAME, Subgraph
 from .result import OpaqueCall, SwallowedTargetsError, TraceError, TraceResult, VerifyError
 from .targets import TargetError
 
 __all__ = [
-    "OUTPUT_NAME", "Guard", "GuardViolation", "OpaqueCall", "Subgraph", "SwallowedTargetsError", "TargetError", "TraceError", "TraceResult",
+    "OUTPUT_NAME", "Guard", "GuardViolation", "LazyFunctions", "OpaqueCall", "Subgraph", "SwallowedTargetsError", "TargetError", "TraceError", "TraceResult",
     "VerifyError", "WrappedStatement", "opaque", "trace",
 ]

@@ -41,6 +41,33 @@ def default_opaque_functions(prefixes: Sequence[str] = OPAQUE_MODULE_PREFIXES) -
     return found
 
 
+class LazyFunctions(Sequence):
+    """Opaque functions found by ``find()`` on first use, for :attr:`ModelPatch.opaque_functions`.
+
+    Why: finding them imports a transformers modeling module (~1.5 s and ~150 MiB); a patch that did so
+    when registered made every command pay for it (``layerwise plugins``, ``plan``, model-free runs),
+    though only tracing that architecture reads them.
+    """
+
+    def __init__(self, find: Callable[[], Iterable[Callable[..., Any]]]) -> None:
+        self._find = find
+        self._found: tuple[Callable[..., Any], ...] | None = None
+
+    def _functions(self) -> tuple[Callable[..., Any], ...]:
+        if self._found is None:
+            self._found = tuple(self._find())
+        return self._found
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._functions()[index]
+
+    def __len__(self) -> int:
+        return len(self._functions())
+
+    def __repr__(self) -> str:
+        return f"LazyFunctions({getattr(self._find, '__qualname__', self._find)!r})"
+
+
 def registry_mappings() -> list[dict[str, Any]]:
     """The dicts behind transformers' function registries (``ALL_ATTENTION_FUNCTIONS`` & co.).
 

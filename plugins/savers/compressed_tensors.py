@@ -77,7 +77,7 @@ from layerwise.plugin.quantization import (
     linear_weight,
     nvfp4_block_scales,
     pack_fp4,
-    pack_int,
+    pack_to_int32,
     quantize_weight,
     quantized_attention,
     quantized_modules,
@@ -350,8 +350,6 @@ def compressed_state_dict(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
 def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What quantized module ``name`` is saved as: its encoded weight and qparams (every other tensor of
     the module is saved as it is)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
     args: QuantizationArgs = module.quantization_args
     prefix = f"{name}." if name else ""
     weight = linear_weight(module).detach().to("cpu", torch.float32)
@@ -378,7 +376,7 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     elif fmt == "int-quantized":
         state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
     else:
-        state[f"{prefix}weight_packed"] = pack_int(q, args.num_bits)
+        state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
         state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
     if not args.symmetric:
         zp = torch.round(zero_point).to(torch.int8)

@@ -137,3 +137,31 @@ def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir
     with pytest.raises(PlanError, match="weights=memory, offload=cpu needs"):
         layerwise.compress(str(bf16_llama_dir), GROUP32, show_progress=False,
                            options=layerwise.CompressOptions.of(weights="memory", offload="cpu"))
+
+
+def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_expert_build(tmp_path):
+    """A DeepSeek-V3-shaped config (one dense layer, then MoE layers of 16 routed experts and a shared one, MLA),
+    config only: the experts unfused on meta without ``nn.Module.__init__`` (model_zoo.moe._built) and the piece
+    accounting's single pass give the per-piece memory, layer count, FLOPs and choices that b765e21 (before both)
+    reported for the same plan."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, dtype="bfloat16",
+        architectures=["DeepseekV3ForCausalLM"])
+    config.save_pretrained(tmp_path / "ds")
+    plan = layerwise.plan(str(tmp_path / "ds"), "{GPTQModifier: {scheme: W4A16, group_size: 16}}",
+                          dataset=["a b c d"] * 4, gpu_memory=80 * 2**30,
+                          host_memory=256 * 2**30, serve_on="H100")
+    assert plan.ok and len(plan.layers) == 176 and list(plan.targets) == ["DeepseekV3DecoderLayer"]
+    assert [[p.label, p.weights, p.activations, p.statistics, p.temporary] for p in plan.pieces] == [
+        ["model.layers.0", 72032, 98304, 152576, 2097152], ["model.layers.1", 233824, 98304, 680960, 1572864],
+        ["model.layers.2", 233824, 98304, 680960, 1572864], ["model.layers.3", 233824, 98304, 680960, 1572864],
+        ["the rest (embeddings, head, ...)", 65664, 98304, 0, 4194304]]
+    assert (plan.weight_bytes, plan.output_bytes) == (839168, 315392)
+    assert plan.flops == {"forwards": 139854872576.0, "Hessians": 143881404416.0, "solves": 44018248.0}
+    assert [[c.weights, c.offload, c.host_peak - plan.baseline_bytes, c.disk, c.fits] for c in plan.choices] == [
+        ["memory", "cpu", 51170816, 0, True], ["memory", "disk", 1081344, 50331648, True]]

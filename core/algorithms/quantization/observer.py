@@ -15,6 +15,8 @@ combines them: the widest range for min-max (exact), a subclass's own rule other
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,18 @@ from layerwise.algorithms.quantization.qmath import activation_min_max, weight_m
 
 class Observer:
     """Min-max by default: subclasses change :meth:`reduce_weight` and/or :meth:`combine`."""
+
+    #: a weight's range for its channel, group or block strategy depends on the rows it covers alone, bit for
+    #: bit whatever the rows around them, so the weight may be observed in chunks of whole rows (a model-free
+    #: run does, to bound its memory). Min-max is (minima and maxima are exact in any order); a subclass that
+    #: overrides :meth:`reduce_weight` is taken not to be unless it says so (MSE's means are sums whose order,
+    #: and so their last bits, may change with the tensor's size and threads).
+    rows_independent: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reduce_weight" in cls.__dict__ and "rows_independent" not in cls.__dict__:
+            cls.rows_independent = False
 
     def __init__(self, args: QuantizationArgs) -> None:
         self.args = args

@@ -80,10 +80,28 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     fq = weight if on_grid else fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32),
                                                      args, g_idx)
     replace_data(target, fq.t().contiguous() if is_transposed(module) else fq)
+    set_weight_qparams(module, scale, zero_point, args, g_idx, global_scale)
+
+
+@torch.no_grad()
+def set_weight_qparams(module: nn.Module, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
+                       g_idx: Tensor | None = None, global_scale: Tensor | None = None) -> None:
+    """Store the qparams of ``module``'s weight as :func:`set_quantized_weight` does, leaving the weight as it is.
+
+    The saver quantizes the weight again with these qparams, so an unquantized weight encodes to the same
+    integers as its fake-quantized values would (they are ``q * scale`` rounded to the weight's dtype, less
+    than half a step from ``q * scale`` for every scheme: ``tests/model_io/model_free`` checks the bytes). A
+    model-free run uses this to skip the fake quantization it never reads.
+    """
+    if args.float_format == "nvfp4" and global_scale is None:
+        raise ValueError("an NVFP4 weight needs the global_scale its block scales are relative to")
+    target = module.weight
+    scale = scale.to(device=target.device, dtype=torch.float32 if args.float_format else target.dtype)
+    zero_point = torch.zeros_like(scale) if zero_point is None else zero_point.to(device=target.device)
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point.to(scale.dtype))
     if g_idx is not None:
-        _set_buffer(module, "weight_g_idx", g_idx)
+        _set_buffer(module, "weight_g_idx", g_idx.to(device=target.device, dtype=torch.int32))
     elif "weight_g_idx" in module._buffers:
         del module._buffers["weight_g_idx"]
     if global_scale is not None and args.float_format == "nvfp4":

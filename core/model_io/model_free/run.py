@@ -4,24 +4,29 @@
    already), the output folder (never an input, replaced only as ``overwrite`` allows), the recipe
    (data-free quantization modifiers only), every target and ignore entry against the tensor
    names (:mod:`.selection`, with did-you-mean errors), group sizes against the layers' widths,
-   and memory: each worker holds one source tensor and its float32 work plus its shard's encoded
-   outputs; the workers are as many as fit in the memory available (an error when not one does).
-2. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file copies
-   release the GIL); their files are written into
-   the output's locked temporary folder, which becomes the output in one rename at the end
+   and memory: each worker holds one chunk of a layer's rows and its float32 work (the whole layer for
+   per-tensor ranges), never its shard's output; the workers are as many as fit in the memory available
+   (an error when not one does).
+2. NVFP4 only: each layer's largest magnitude is read (a chunk at a time) for its global scale, shared by
+   the projections vLLM fuses (q/k/v, gate/up: :mod:`~layerwise.algorithms.quantization.global_scales`),
+   as the in-memory run shares it.
+3. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file reads and
+   writes release the GIL); each file is written header first, a chunk at a time, into the output's
+   locked temporary folder, which becomes the output in one rename at the end
    (:func:`~layerwise.model_io.saving.atomic_output_dir`): complete or absent.
-3. Beside the shards: the index, ``config.json`` with the saver's ``quantization_config``, every
+4. Beside the shards: the index, ``config.json`` with the saver's ``quantization_config``, every
    other file of the folder (tokenizer, generation config, ...) copied, ``recipe.yaml`` and
    ``layerwise_summary.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,9 @@ from layerwise.model_io.model_free.worker import (
     LayerJob,
     ShardJob,
     ShardResult,
+    chunk_rows,
     default_threads,
+    layer_amax,
     run_shard,
 )
 from layerwise.model_io.model_paths import check_model_path, check_not_quantized
@@ -49,8 +56,8 @@ from layerwise.model_io.streaming.checkpoint import INDEX_FILE, SINGLE_FILE
 from layerwise.model_io.streaming.safetensors_io import StoredTensor, read_header
 from layerwise.runtime import memory_policy
 
-#: float32 copies of one layer's weight a worker's quantization holds at its peak (the weight, its
-#: fake-quantized values and the rounding's temporaries), beside the tensor as stored
+#: float32 copies of a chunk of a layer's rows a worker's quantization holds at its peak (the observer's
+#: input, the saver's, the rounding's and the packing's temporaries), beside the chunk as read
 WORK_COPIES = 4
 #: files of a model folder that are weights (never copied to the output as they are)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -93,7 +100,31 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     for job in plan.values():
         by_file[all_layers[job.module].file].append(job)
     workers = _workers(workers, shards, by_file, all_layers, tensors)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerwise-config") as background:
+        # the saver's config builder imports compressed-tensors and, through it, transformers (seconds of one
+        # core): made beside the shards' work, it is ready when they are
+        quantization_config = background.submit(_quantization_config, saver, all_layers, plan, modifiers, ignore)
+        plan = _with_global_scales(plan, all_layers)
+        by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
+        report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
+                        modifiers, plan, tensors, start)
+    report.seconds = time.perf_counter() - start
+    return report
 
+
+def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[str, LayerJob], modifiers: list,
+                         ignore: list[str] | None) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config``, from the saver given the layers' args on a meta shadow model."""
+    shadow = _shadow_model(all_layers, plan)
+    return saver.quantization_config(shadow, {name: shadow.get_submodule(name) for name in plan},
+                                     _ignore_entries(modifiers, ignore))
+
+
+def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, shards: list[str],
+           by_file: dict[str, list[LayerJob]], save_format: str, workers: int, quantization_config: Future,
+           modifiers: list, plan: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
+           start: float) -> Any:
+    """The output folder, complete or absent: the shards, their index, the config and the files beside."""
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         jobs = [ShardJob(folder / file, tmp / file, tuple(by_file[file]), save_format, default_threads(workers))
                 for file in shards]
@@ -105,9 +136,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _copy_other_files(folder, tmp)
         config = json.loads((folder / "config.json").read_text())
-        shadow = _shadow_model(all_layers, plan)
-        config["quantization_config"] = saver.quantization_config(
-            shadow, {name: shadow.get_submodule(name) for name in plan}, _ignore_entries(modifiers, ignore))
+        config["quantization_config"] = quantization_config.result()
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_to_yaml(modifiers))
         report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
@@ -118,7 +147,6 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
         (tmp / SUMMARY_FILE).write_text(summary_json(report))
         for name, text in output_card_files(report, output_dir).items():  # over the source model's own card
             (tmp / name).write_text(text, encoding="utf-8")
-    report.seconds = time.perf_counter() - start
     return report
 
 
@@ -161,6 +189,10 @@ def _layer_jobs(modifiers: list, all_layers: dict[str, Layer], extra_ignore: lis
             raise ModelFreeError(str(exc)) from None
         for module in selected:
             layer = all_layers[module]
+            if args.float_format is not None and layer.columns % args.group_size:
+                raise ModelFreeError(f"{owner}: {args.float_format.upper()} scales blocks of {args.group_size} input "
+                                     f"columns, which do not divide in_features {layer.columns} of layer {module!r}; "
+                                     f"add {module!r} to ignore, or use an integer scheme")
             if args.strategy == "group" and layer.columns % args.group_size:
                 divisors = [g for g in (32, 64, 128) if layer.columns % g == 0]
                 alt = f", or group_size {divisors[-1]}" if divisors else ""
@@ -193,10 +225,9 @@ def _workers(asked: int | None, shards: list[str], by_file: dict[str, list[Layer
     per_worker = worker_memory(shards, by_file, all_layers)
     free = memory_policy.available_memory()
     if free is not None and per_worker > free:
-        raise ModelFreeError(f"a model-free worker needs ~{_size(per_worker)} (its largest layer in float32 "
-                             f"x {WORK_COPIES} and its shard's quantized output), {_size(free)} is available: "
-                             f"free memory, or re-shard the checkpoint into smaller files (save_pretrained("
-                             f"max_shard_size=...))")
+        raise ModelFreeError(f"a model-free worker needs ~{_size(per_worker)} (its largest chunk of a layer's rows "
+                             f"in float32 x {WORK_COPIES}, the whole layer for per-tensor ranges), {_size(free)} is "
+                             f"available: free memory, or quantize the layers with per-tensor ranges per channel")
     count = asked if asked is not None else min(len(shards), os.cpu_count() or 1)
     if asked is not None and asked < 1:
         raise ModelFreeError(f"workers must be 1 or more, got {asked}")
@@ -210,13 +241,39 @@ def _size(nbytes: int) -> str:
 
 
 def worker_memory(shards: list[str], by_file: dict[str, list[LayerJob]], all_layers: dict[str, Layer]) -> int:
-    """One worker's peak: its largest layer in float32 times :data:`WORK_COPIES` beside the stored tensor, and
-    the largest shard's encoded output (at most its quantized layers' stored bytes)."""
-    largest = max((all_layers[job.module] for jobs in by_file.values() for job in jobs),
-                  key=lambda layer: layer.rows * layer.columns, default=None)
-    work = 0 if largest is None else largest.rows * largest.columns * 4 * WORK_COPIES + largest.stored.nbytes
-    output = max((sum(all_layers[job.module].stored.nbytes for job in jobs) for jobs in by_file.values()), default=0)
-    return work + output
+    """One worker's peak beside the process: its largest chunk of rows (:func:`~.worker.chunk_rows`) as read and
+    in float32 times :data:`WORK_COPIES`. Its output is written as it is made, never held."""
+    observers: dict = {}
+    peak = 0
+    for jobs in by_file.values():
+        for job in jobs:
+            layer = all_layers[job.module]
+            values = chunk_rows(layer.rows, layer.columns, job, observers) * layer.columns
+            peak = max(peak, values * (4 * WORK_COPIES + layer.stored.nbytes // max(layer.rows * layer.columns, 1)))
+    return peak
+
+
+def _with_global_scales(plan: dict[str, LayerJob], all_layers: dict[str, Layer]) -> dict[str, LayerJob]:
+    """NVFP4 jobs with their global scale: from the largest magnitude of the layer and of the projections fused
+    with it (:func:`~layerwise.algorithms.quantization.global_scales.fused_groups`), as the in-memory run
+    computes it (the same maximum, read a chunk at a time); other jobs unchanged."""
+    from layerwise.algorithms.quantization.float_formats import nvfp4_global_scale
+    from layerwise.algorithms.quantization.global_scales import fused_groups
+
+    by_args: dict[Any, list[str]] = {}
+    for name, job in plan.items():
+        if job.weights.float_format == "nvfp4":
+            by_args.setdefault(job.weights, []).append(name)
+    if not by_args:
+        return plan
+    plan = dict(plan)
+    for names in by_args.values():
+        for group in fused_groups(names):
+            amax = torch.stack([layer_amax(all_layers[n].stored.path, all_layers[n].stored) for n in group]).amax()
+            scale = nvfp4_global_scale(amax)
+            for name in group:
+                plan[name] = dataclasses.replace(plan[name], global_scale=scale)
+    return plan
 
 
 def _run(jobs: list[ShardJob], workers: int) -> list[ShardResult]:

@@ -12,6 +12,7 @@ data_offsets}`` plus ``__metadata__``), then the data.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -19,6 +20,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -120,47 +122,163 @@ class MappedFiles:
         self._bases.clear()
 
 
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor of a file to write: its safetensors dtype name and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+def layout_of(value: torch.Tensor | StoredTensor) -> TensorLayout:
+    """The layout a CPU tensor, or a tensor of another safetensors file copied as it is, is written with."""
+    if isinstance(value, StoredTensor):
+        return TensorLayout(value.dtype, tuple(value.shape))
+    return TensorLayout(NAMES[value.dtype], tuple(value.shape))
+
+
+class StreamedFile:
+    """A safetensors file written header first, then each tensor's bytes as they come, chunk by chunk.
+
+    Why: a file's header names every tensor with its byte range, so a writer that waits for the header
+    holds every tensor until the last is made. Here the layout is declared up front (dtypes and shapes
+    are known before the values are), the header is written at once, and a tensor's bytes go to their
+    place as soon as they exist: one chunk in memory, not a file's worth. The file is built under a
+    temporary name and renamed by :meth:`finish` only when every byte of every tensor was written
+    (else :meth:`abort`, or leaving the ``with`` block on an error, removes it): complete or absent.
+    """
+
+    def __init__(self, path: Path, layout: dict[str, TensorLayout]) -> None:
+        self.path = path
+        self.layout = dict(layout)
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self._start: dict[str, int] = {}
+        for name, entry in self.layout.items():
+            nbytes = entry.nbytes
+            header[name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [offset, offset + nbytes]}
+            self._start[name] = offset
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.nbytes = offset
+        self._base = 8 + len(encoded)
+        self._done = dict.fromkeys(self.layout, 0)
+        self._tmp = path.with_name(f".{path.name}.tmp")
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(self._fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+            os.ftruncate(self._fd, self._base + offset)
+        except BaseException:
+            self.abort()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.finish()
+        else:
+            self.abort()
+
+    def write(self, name: str, chunk: torch.Tensor) -> None:
+        """Append ``chunk`` (the tensor, or its next rows) to tensor ``name``'s bytes."""
+        entry = self.layout[name]
+        if NAMES.get(chunk.dtype) != entry.dtype:
+            raise SafetensorsError(f"tensor {name!r} is declared {entry.dtype}, a chunk of it is {chunk.dtype}")
+        data = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        done = self._done[name]
+        if done + data.numel() > entry.nbytes:
+            raise SafetensorsError(f"tensor {name!r} is declared {tuple(entry.shape)} ({entry.nbytes} bytes); "
+                                   f"{done + data.numel()} bytes were written to it")
+        if data.numel():
+            _pwrite_all(self._fd, memoryview(data.numpy()), self._base + self._start[name] + done)
+        self._done[name] = done + data.numel()
+
+    def copy(self, name: str, stored: StoredTensor) -> None:
+        """Tensor ``name`` as ``stored`` holds it in another safetensors file, copied by the kernel
+        (``copy_file_range``: the bytes never pass through this process's memory)."""
+        entry = self.layout[name]
+        if stored.nbytes != entry.nbytes or self._done[name]:
+            raise SafetensorsError(f"tensor {name!r}: {stored.nbytes} bytes to copy into a {entry.nbytes}-byte "
+                                   f"slot that has {self._done[name]} already")
+        with open(stored.path, "rb") as source:
+            _copy_between(source.fileno(), stored.start, self._fd, self._base + self._start[name], stored.nbytes)
+        self._done[name] = stored.nbytes
+
+    def finish(self) -> int:
+        """Check that every tensor is complete and give the file its name; returns the data bytes."""
+        short = [name for name, entry in self.layout.items() if self._done[name] != entry.nbytes]
+        if short:
+            self.abort()
+            raise SafetensorsError(f"{self.path.name}: tensor(s) {', '.join(map(repr, short[:5]))} were not written "
+                                   f"in full; the file was removed")
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._tmp, self.path)
+        return self.nbytes
+
+    def abort(self) -> None:
+        """Remove the unfinished file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._tmp.unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.pwrite(fd, view[:_COPY_CHUNK], offset)
+        view, offset = view[written:], offset + written
+
+
+def _copy_between(source: int, source_offset: int, target: int, target_offset: int, nbytes: int) -> None:
+    """``nbytes`` from ``source`` at ``source_offset`` to ``target`` at ``target_offset``: in the kernel where the
+    system can (``copy_file_range``), else through a bounded buffer."""
+    left = nbytes
+    if hasattr(os, "copy_file_range"):
+        try:
+            while left:
+                copied = os.copy_file_range(source, target, min(left, _COPY_CHUNK), source_offset, target_offset)
+                if copied == 0:
+                    raise OSError(f"the source ended {left} bytes before its tensor's end")
+                left, source_offset, target_offset = left - copied, source_offset + copied, target_offset + copied
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                raise
+    while left:
+        chunk = os.pread(source, min(left, _COPY_CHUNK), source_offset)
+        if not chunk:
+            raise OSError(f"the source ended {left} bytes before its tensor's end")
+        _pwrite_all(target, chunk, target_offset)
+        left, source_offset, target_offset = left - len(chunk), source_offset + len(chunk), target_offset + len(chunk)
+
+
 def write_file(path: Path, tensors: dict[str, torch.Tensor | StoredTensor],
                written: Callable[[torch.Tensor], None] | None = None) -> int:
     """Write ``tensors`` (CPU tensors, or byte ranges of another safetensors file copied unchanged) to ``path``
     atomically; returns the data bytes written. ``written`` is told each chunk of a tensor once it is
     in the file (to release mapped pages as it goes)."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, value in tensors.items():
-        if isinstance(value, StoredTensor):
-            dtype, shape, nbytes = value.dtype, list(value.shape), value.nbytes
-        else:
-            dtype, shape, nbytes = NAMES[value.dtype], list(value.shape), value.numel() * value.element_size()
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
-        for value in tensors.values():
+    with StreamedFile(path, {name: layout_of(value) for name, value in tensors.items()}) as out:
+        for name, value in tensors.items():
             if isinstance(value, StoredTensor):
-                _copy_range(value, out)
+                out.copy(name, value)
             elif value.numel():
-                data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                for begin in range(0, data.numel(), _COPY_CHUNK):
-                    chunk = data[begin:begin + _COPY_CHUNK]
-                    out.write(memoryview(chunk.numpy()))
+                flat = value.detach().to("cpu").contiguous().reshape(-1)
+                step = max(1, _COPY_CHUNK // flat.element_size())
+                for begin in range(0, flat.numel(), step):
+                    chunk = flat[begin:begin + step]
+                    out.write(name, chunk)
                     if written is not None:
-                        written(chunk)
-    os.replace(tmp, path)
-    return offset
-
-
-def _copy_range(stored: StoredTensor, out) -> None:
-    with open(stored.path, "rb") as source:
-        source.seek(stored.start)
-        left = stored.nbytes
-        while left:
-            chunk = source.read(min(left, _COPY_CHUNK))
-            if not chunk:
-                raise OSError(f"{stored.path} ended before its tensor's bytes")
-            out.write(chunk)
-            left -= len(chunk)
+                        written(chunk.view(torch.uint8))
+    return out.nbytes

@@ -206,3 +206,25 @@ def test_float8_grid_equals_torchs_float8_round_trip():
         assert torch.equal(float8_grid(transposed).nan_to_num(7.0), expected.nan_to_num(7.0))
         assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
         assert bool(got.isnan().any()) == bool(values.isnan().any())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_group_quantization_broadcasts_the_scales_it_used_to_repeat(symmetric):
+    """quantize_weight / fake_quantize_weight with groups broadcast each group's scale (and zero point) over its
+    columns: the values of the per-column scales expand_qparams builds, element for element."""
+    from layerwise.algorithms.quantization.args import QuantizationArgs
+    from layerwise.algorithms.quantization.qmath import (
+        expand_qparams,
+        fake_quantize,
+        fake_quantize_weight,
+        quantize,
+        quantize_weight,
+        weight_qparams,
+    )
+
+    args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group", group_size=16)
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    scale, zero = weight_qparams(weight, args)
+    s, z = expand_qparams(weight, scale, zero, args)
+    assert torch.equal(quantize_weight(weight, scale, zero, args), quantize(weight, s, z, args))
+    assert torch.equal(fake_quantize_weight(weight, scale, zero, args), fake_quantize(weight, s, z, args))

@@ -68,6 +68,48 @@ def test_bit_identical_to_the_in_memory_run(sharded_llama, tmp_path, name):
     assert sorted(set(index["weight_map"].values())) == sorted(p.name for p in sharded_llama.glob("*.safetensors"))
 
 
+#: every data-free preset a chunked layer can take, and the observers' row independence with them
+CHUNKED = [RECIPES["W4A16_ASYM_G32"], "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16",
+           "{QuantizationModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, strategy: tensor}}}, "
+           "ignore: [lm_head]}}",
+           "{QuantizationModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, symmetric: false, "
+           "strategy: channel}}}, ignore: [lm_head]}}"]
+
+
+@pytest.mark.parametrize("recipe", CHUNKED)
+def test_layers_quantized_in_chunks_of_rows_write_the_in_memory_bytes(tmp_path, monkeypatch, recipe):
+    from layerwise.model_io.model_free import worker
+
+    # 320-row MLP layers in chunks of 128 rows (the last 64): the chunked path, its remainder, and packed
+    # zero points, FP8 tiles and NVFP4 global scales across chunks; int8 asymmetric (the last recipe) keeps the
+    # in-memory run's fake-quantized round trip (worker.codes_survive_storage)
+    block = recipe == "FP8_BLOCK"  # its inputs' groups of 128 must divide every layer's width
+    folder = _save_llama(tmp_path / "llama", intermediate_size=384 if block else 320, hidden_size=128 if block else 64)
+    monkeypatch.setattr(worker, "CHUNK_ELEMENTS", 128 * 64)
+    chunked = []
+    original = worker.chunk_rows
+    monkeypatch.setattr(worker, "chunk_rows", lambda *a: chunked.append(original(*a)) or chunked[-1])
+    compress_model_free(folder, recipe, tmp_path / "free", workers=2)
+    layerwise.compress(str(folder), recipe, output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    _assert_same_output(tmp_path / "free", tmp_path / "memory")
+    assert (128 in chunked) != ("strategy: tensor" in recipe)  # per-tensor ranges take the layer whole
+
+
+def test_nvfp4_global_scales_are_shared_by_the_projections_vllm_fuses(sharded_llama, tmp_path):
+    compress_model_free(sharded_llama, "NVFP4A16", tmp_path / "free", workers=2)
+    tensors = _tensors(tmp_path / "free")
+    source = _tensors(sharded_llama)
+    attention = [tensors[f"model.layers.0.self_attn.{p}_proj.weight_global_scale"] for p in "qkv"]
+    assert torch.equal(attention[0], attention[1]) and torch.equal(attention[0], attention[2])
+    gate, up = (tensors[f"model.layers.0.mlp.{p}_proj.weight_global_scale"] for p in ("gate", "up"))
+    assert torch.equal(gate, up)
+    amax = max(source[f"model.layers.0.mlp.{p}_proj.weight"].abs().amax().float() for p in ("gate", "up"))
+    assert torch.allclose(gate, 448 * 6 / amax)  # FP8 max x FP4 max over the pair's largest magnitude
+    down = tensors["model.layers.0.mlp.down_proj.weight_global_scale"]
+    assert torch.allclose(down, 448 * 6 / source["model.layers.0.mlp.down_proj.weight"].abs().amax().float())
+
+
 def test_compress_with_weights_model_free_is_the_same_run(sharded_llama, tmp_path):
     report = layerwise.compress(str(sharded_llama), G32, output_dir=tmp_path / "out", show_progress=False,
                                 options=layerwise.CompressOptions.of(weights="model-free", workers=1))
@@ -195,3 +237,19 @@ def test_the_output_gets_the_model_card_in_place_of_the_source_models_readme(sha
     card = (out / "README.md").read_text()
     assert is_layerwise_card(out / "README.md") and "- compressed-tensors" in card and "- w8a16" in card
     assert (sharded_llama / "README.md").read_text() == "# the original model's own card\n"  # the input untouched
+
+
+def test_loading_the_plugins_imports_no_modeling_code():
+    """Patches find their opaque functions when a trace asks (LazyFunctions): registering them imports no
+    transformers modeling module (seconds and ~150 MiB every model-free run, plan and CLI call paid)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom layerwise.host.plugin_manager import registry\nregistry('savers')\n"
+            "from layerwise.model_zoo import mllama, qwen2_vl\n"
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.')))\n"
+            "assert len(mllama.MLLAMA.opaque_functions) == 2\n"
+            "print('modeling_mllama' in str(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = done.stdout.strip().splitlines()
+    assert before == "[]" and after == "True"  # imported once a trace reads them
