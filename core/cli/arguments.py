@@ -30,3 +30,10 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 24G or 512MiB, got {text!r}")
     scale = 2**30 if unit == "" else _UNITS[unit]
     return int(float(found.group(1)) * scale)
+
+
+def with_kv_cache(recipe: str, kv_cache: str | None) -> str | list:
+    """The recipe of ``--recipe``, followed by the KV cache's QuantizationModifier when ``--kv-cache`` is given."""
+    if kv_cache is None:
+        return recipe
+    return [recipe, {"QuantizationModifier": {"scheme": None, "kv_cache_scheme": kv_cache}}]

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from layerwise.cli.arguments import memory_size
+from layerwise.cli.arguments import memory_size, with_kv_cache
 
 
 def add_parser(subparsers: Any, add_run_arguments: Any, options_from_flags: Any) -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         from layerwise.errors import InvalidArgumentError
 
         raise InvalidArgumentError("plan needs --model FOLDER (the model compress would read)")
-    found = plan(args.model, args.recipe or "W4A16", dataset=args.dataset, output_dir=args.output_dir,
+    found = plan(args.model, with_kv_cache(args.recipe or "W4A16", args.kv_cache), dataset=args.dataset, output_dir=args.output_dir,
                  num_calibration_samples=args.num_samples, max_seq_length=args.max_seq_length, device=args.device,
                  overwrite=(("any" if args.overwrite_any else args.overwrite) or None),
                  options=args.options_from_flags(args), gpu_memory=args.gpu_memory, host_memory=args.host_memory,

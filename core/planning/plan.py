@@ -46,7 +46,7 @@ from layerwise.planning.hardware import (
     table_rates,
 )
 from layerwise.planning.model_shape import CheckpointInfo, meta_model
-from layerwise.planning.serving import TABLE_DATE, Serving, vllm_support
+from layerwise.planning.serving import TABLE_DATE, Serving, vllm_kv_cache_support, vllm_support
 from layerwise.runtime import memory_policy
 from layerwise.runtime.devices import free_memory
 from layerwise.runtime.memory_policy import (
@@ -119,6 +119,11 @@ class Plan:
     rates: Rates | None = None
     serve_on: GPU | None = None
     serving: list[tuple[str, int, Serving]] = field(default_factory=list)
+    #: the KV cache's scheme as the plan prints it (FP8 KV cache / FP8 attention), and vLLM's answer for it
+    kv_cache: str = ""
+    kv_serving: Serving | None = None
+    #: the uncompressed model's second stream of activations (GPTAQ, AutoRound match: model): the cache twice
+    reference_stream: bool = False
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -227,7 +232,8 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
     tokens = plan.samples * plan.seq_length
     element = torch.empty((), dtype=plan.dtype).element_size()
     hidden = hidden_size(model.config) if hasattr(model, "config") else 0
-    plan.cache_bytes = cache_bytes(tokens, hidden, element)
+    plan.reference_stream = any(getattr(m, "needs_reference_inputs", False) for m in modifiers)
+    plan.cache_bytes = cache_bytes(tokens, hidden, element) * (2 if plan.reference_stream else 1)
     plan.targets_per_piece = calibration.targets_per_subgraph
     awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
     plan.pieces = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers, dtype=plan.dtype,
@@ -239,6 +245,7 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
     _memory(plan, model, info, placement, output_dir, needs_data, gpu_memory, host_memory)
     _time(plan, model, modifiers, needs_data, tokens, hidden, placement, calibration, gpu_memory, measure)
     _serving(plan, placement)
+    _kv_cache(plan, modifiers)
     return plan
 
 
@@ -462,6 +469,23 @@ def _serving(plan: Plan, placement: Any) -> None:
                        f"(compute capability {gpu.capability[0]}.{gpu.capability[1]}): {support.kernel}")
 
 
+def _kv_cache(plan: Plan, modifiers: list) -> None:
+    """The KV cache a modifier calibrates (``kv_cache_scheme``), and whether vLLM serves it on the named GPU."""
+    kv = next((c for c in (getattr(m, "kv_calibration", None) for m in modifiers) if c is not None), None)
+    if kv is None:
+        return
+    per = "per KV head" if kv.args.strategy == "attn_head" else "per attention layer"
+    plan.kv_cache = (f"FP8 E4M3, static scales {per} ({'q_scale, ' if kv.queries else ''}k_scale, v_scale; "
+                     f"{'FP8 attention' if kv.queries else 'vLLM --kv-cache-dtype fp8'})")
+    gpu = plan.serve_on
+    if gpu is None:
+        return
+    plan.kv_serving = vllm_kv_cache_support(kv.args, gpu.capability, queries=kv.queries)
+    if not plan.kv_serving.serves:
+        plan.error(f"vLLM cannot serve this KV cache on {gpu.name} (compute capability {gpu.capability[0]}."
+                   f"{gpu.capability[1]}): {plan.kv_serving.kernel}")
+
+
 def describe_scheme(weights: Any, inputs: Any) -> str:
     """``int4 group 128 sym`` / ``float8 channel + float8 token dynamic inputs``."""
     def one(args: Any) -> str:
@@ -526,7 +550,8 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
                      f"{_gib(piece.statistics)} + {_gib(piece.temporary)}")
     if plan.gpu_budget is not None:
         lines.append(f"GPU budget:  {_gib(plan.gpu_budget)} ({DEVICE_MEMORY_FRACTION:.0%} of its free memory)")
-    lines.append(f"cache:       {_gib(plan.cache_bytes)} of activations at a cut" if plan.samples else
+    stream = " (two streams: the uncompressed model's beside the compressed one)" if plan.reference_stream else ""
+    lines.append(f"cache:       {_gib(plan.cache_bytes)} of activations at a cut{stream}" if plan.samples else
                  "cache:       none")
     lines.append(f"host RAM:    {_gib(plan.host_memory)} {plan.host_memory_source}; process floor "
                  f"{_gib(plan.baseline_bytes)} (measured now)")
@@ -553,6 +578,10 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
         lines.append(f"serving on {name} (vLLM kernel table of {TABLE_DATE}):")
         for scheme, count, support in plan.serving:
             lines.append(f"  {count} x {scheme}: {support.status} ({support.kernel})")
+    if plan.kv_cache:
+        served = "" if plan.kv_serving is None else f"; on {plan.serve_on.name}: {plan.kv_serving.status} " \
+                                                     f"({plan.kv_serving.kernel})"
+        lines.append(f"kv cache:    {plan.kv_cache}{served}")
     for finding in plan.findings:
         if finding.level != "error":
             lines.append(f"{finding.level}: {finding.text}")

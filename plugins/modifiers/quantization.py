@@ -113,6 +113,12 @@ class QuantizationModifier(Modifier):
         do not."""
         return (self.input_args is not None and self.input_args.calibrated) or self._kv is not None
 
+    @property
+    def kv_calibration(self) -> KVCacheCalibration | None:
+        """The KV cache this modifier calibrates (``kv_cache_scheme`` / ``attention_scheme``), if any: what
+        ``layerwise plan`` reports."""
+        return self._kv
+
     # -- configuration -----------------------------------------------------------------
     def _kv_cache(self, owner: str) -> KVCacheCalibration | None:
         """The KV cache's calibration (``kv_cache_scheme``), with the queries too for FP8 attention

@@ -165,3 +165,24 @@ def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_ex
     assert plan.flops == {"forwards": 139854872576.0, "Hessians": 143881404416.0, "solves": 44018248.0}
     assert [[c.weights, c.offload, c.host_peak - plan.baseline_bytes, c.disk, c.fits] for c in plan.choices] == [
         ["memory", "cpu", 51170816, 0, True], ["memory", "disk", 1081344, 50331648, True]]
+
+
+def test_a_kv_cache_is_planned_with_its_serving_and_a_second_stream_doubles_the_cache(bf16_llama_dir, tmp_path,
+                                                                                      capsys):
+    data = [{"input_ids": torch.randint(0, 100, (1, 16))} for _ in range(4)]
+    kv = "{QuantizationModifier: {scheme: null, kv_cache_scheme: fp8_head}}"
+    plan = layerwise.plan(str(bf16_llama_dir), kv, dataset=data, serve_on="H100")
+    assert plan.ok and "per KV head" in plan.kv_cache and plan.kv_serving.status == "native"
+    # per-head scales are read by FlashAttention 3 only: on an A100 the plan (and the CLI's exit status) fails
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(" ".join(f"w{i + j}" for j in range(20)) for i in range(8)))
+    flags = ["plan", "--model", str(bf16_llama_dir), "--recipe", GROUP32, "--dataset", str(text), "--num-samples", "4"]
+    assert main([*flags, "--kv-cache", "fp8_head", "--serve-on", "A100"]) == 1
+    assert "kv cache:    FP8 E4M3, static scales per KV head" in capsys.readouterr().out
+    assert main([*flags, "--kv-cache", "fp8", "--serve-on", "A100"]) == 0
+    refused = layerwise.plan(str(bf16_llama_dir), kv, dataset=data, serve_on="A100")
+    assert not refused.ok and any("per-head KV scales" in e for e in refused.errors)
+    plain = layerwise.plan(str(bf16_llama_dir), "GPTQ_W4A16", dataset=data)
+    gptaq = layerwise.plan(str(bf16_llama_dir), "{GPTQModifier: {scheme: W4A16, gptaq: true}}", dataset=data)
+    assert not plain.reference_stream and gptaq.reference_stream
+    assert gptaq.cache_bytes == 2 * plain.cache_bytes
