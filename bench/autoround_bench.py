@@ -104,6 +104,16 @@ def layerwise_recipe(method: str, scheme: str, args: argparse.Namespace):
 
 
 def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
+    recipe = layerwise_recipe(method, scheme, args) if method != "fp32" else None
+    result = timed_layerwise(recipe, args, with_data=method != "RTN")
+    if method == "AutoRound":
+        result["blocks_better_than_rtn"] = sum(r["loss"] < r["rtn_loss"] for r in recipe.summary)
+    return result
+
+
+def timed_layerwise(recipe, args: argparse.Namespace, with_data: bool = True) -> dict:
+    """tiny-llama-doc compressed with ``recipe`` (None: fp32) on ``--samples`` windows of ``calib.txt``, the
+    compress call timed, then evaluated against fp32 on ``--eval`` windows of ``eval.txt``."""
     import torch
 
     from layerwise import compress
@@ -113,14 +123,11 @@ def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
     tokenizer, model = load_tokenizer(TINY_LLAMA), load_model(TINY_LLAMA)
     calib = [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in _windows(tokenizer, CALIB, args.samples)]
     result = {"seconds": 0.0}
-    if method != "fp32":
-        recipe = layerwise_recipe(method, scheme, args)
+    if recipe is not None:
         start = time.perf_counter()
-        model = compress(model, recipe, dataset=calib if method != "RTN" else None, max_seq_length=512,
+        model = compress(model, recipe, dataset=calib if with_data else None, max_seq_length=512,
                          num_calibration_samples=len(calib), show_progress=False)
         result["seconds"] = time.perf_counter() - start
-        if method == "AutoRound":
-            result["blocks_better_than_rtn"] = sum(r["loss"] < r["rtn_loss"] for r in recipe.summary)
     result.update(quality(model, load_model(TINY_LLAMA), _windows(tokenizer, EVAL, args.eval)))
     return result
 
@@ -159,14 +166,19 @@ def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
     python = os.environ["LLMCOMPRESSOR_PYTHON"] if config == LLMC else sys.executable
     cmd = [python, __file__, "--child", config, "--scheme", scheme, "--iters", str(args.iters),
            "--batch-size", str(args.batch_size), "--samples", str(args.samples), "--eval", str(args.eval)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    return child_result(cmd, f"{config} / {scheme}", args.threads)
+
+
+def child_result(cmd: list[str], label: str, threads: int | None) -> dict:
+    """Run one configuration's child process (offline, ``--threads`` passed on) and read its RESULT line."""
+    if threads:
+        cmd = [*cmd, "--threads", str(threads)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    print(f"running {config} / {scheme} ...", file=sys.stderr, flush=True)
+    print(f"running {label} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            print(f"  {config} / {scheme}: {line[len('RESULT '):]}", file=sys.stderr, flush=True)
+            print(f"  {label}: {line[len('RESULT '):]}", file=sys.stderr, flush=True)
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": " | ".join(tail) or f"exit status {proc.returncode}"}
@@ -180,7 +192,7 @@ def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> li
              "|---|---|---|---|---|---|---|"]
     for scheme in (*SCHEMES, W4A8):
         gptq = results.get(("GPTQ", scheme), {}).get("kl")
-        for config in (*METHODS, LLMC, *W4A8_METHODS):
+        for config in dict.fromkeys((*METHODS, LLMC, *W4A8_METHODS)):  # GPTQ is in both lists
             r = results.get((config, scheme))
             if r is None:
                 continue

@@ -28,13 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from autoround_bench import CALIB, EVAL, ROOT, TINY_LLAMA, _windows, quality
+from autoround_bench import (
+    CALIB,
+    EVAL,
+    TINY_LLAMA,
+    _windows,
+    child_result,
+    quality,
+    timed_layerwise,
+)
 
 SCHEMES = {"W4A8 g128": 8, "W4A4 g128": 4}
 OURS = ("GPTQ", "R1 + GPTQ", "R1+R4 + GPTQ", "R1+R2+R4 + GPTQ")
@@ -50,27 +57,15 @@ def scheme_dict(scheme: str) -> dict:
 
 
 def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
-    import torch
-
-    from layerwise import compress
-    from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.plugins.modifiers.gptq import GPTQModifier
     from layerwise.plugins.modifiers.rotation import RotationModifier
 
-    torch.set_num_threads(args.threads) if args.threads else None
-    tokenizer, model = load_tokenizer(TINY_LLAMA), load_model(TINY_LLAMA)
-    calib = [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in _windows(tokenizer, CALIB, args.samples)]
-    result = {"seconds": 0.0}
+    recipe = None
     if method != "fp32":
         recipe = [GPTQModifier(scheme=scheme_dict(scheme), ignore=["lm_head"])]
         if method != "GPTQ":
             recipe.insert(0, RotationModifier(seed=args.seed, online="R4" in method, heads="R2" in method))
-        start = time.perf_counter()
-        model = compress(model, recipe, dataset=calib, max_seq_length=512, num_calibration_samples=len(calib),
-                         show_progress=False)
-        result["seconds"] = time.perf_counter() - start
-    result.update(quality(model, load_model(TINY_LLAMA), _windows(tokenizer, EVAL, args.eval)))
-    return result
+    return timed_layerwise(recipe, args)
 
 
 def child_llmcompressor(method: str, scheme: str, args: argparse.Namespace) -> dict:
@@ -109,17 +104,7 @@ def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
     python = os.environ["LLMCOMPRESSOR_PYTHON"] if config in THEIRS else sys.executable
     cmd = [python, __file__, "--child", config, "--scheme", scheme, "--samples", str(args.samples),
            "--eval", str(args.eval), "--seed", str(args.seed)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    print(f"running {config} / {scheme} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            print(f"  {config} / {scheme}: {line[len('RESULT '):]}", file=sys.stderr, flush=True)
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": " | ".join(tail) or f"exit status {proc.returncode}"}
+    return child_result(cmd, f"{config} / {scheme}", args.threads)
 
 
 def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> list[str]:
