@@ -122,6 +122,8 @@ class Plan:
     #: the KV cache's scheme as the plan prints it (FP8 KV cache / FP8 attention), and vLLM's answer for it
     kv_cache: str = ""
     kv_serving: Serving | None = None
+    #: weights="model-free": the run's forecast (shards, workers, memory per worker), no model built
+    model_free: Any = None
     #: the uncompressed model's second stream of activations (GPTAQ, AutoRound match: model): the cache twice
     reference_stream: bool = False
     findings: list[Finding] = field(default_factory=list)
@@ -197,6 +199,10 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
     modifiers = parse_recipe(recipe)
     plan = Plan(model=str(model) if not isinstance(model, torch.nn.Module) else type(model).__name__)
     plan.serve_on = find_gpu(serve_on) if serve_on else None
+    if placement.weights == "model-free" and not isinstance(model, torch.nn.Module):
+        _model_free_plan(plan, model, recipe, options, output_dir, host_memory)
+        _serving(plan, placement)
+        return plan
     info = None
     if not isinstance(model, torch.nn.Module):
         check_model_path(model)
@@ -410,6 +416,47 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
                            f"max_seq_length, or a larger GPU", "memory")
 
 
+def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, output_dir: Any,
+                     host_memory: int | None) -> None:
+    """``weights="model-free"``: no model is built (any architecture, as the run itself); the shards, the layers
+    the recipe selects by tensor name, the workers and their memory, from the safetensors headers."""
+    from layerwise.model_io.model_free.run import forecast_model_free
+
+    with plan.checking():
+        check_model_path(str(folder))
+        check_not_quantized(str(folder))
+        if output_dir is not None:
+            check_not_an_input(output_dir, [("model", str(folder))])
+            check_output_dir(output_dir, options.output.overwrite)
+        plan.model_free = forecast_model_free(folder, recipe, ignore=list(options.calibration.ignore or []),
+                                              workers=options.placement.workers)
+    forecast = plan.model_free
+    if forecast is None:
+        return
+    plan.architecture, plan.patch = "any (model-free: no model class)", None
+    for job, rows, columns, nbytes in forecast.jobs:
+        plan.layers[job.module] = Quantized(job.module, rows, columns, job.weights, job.inputs, False)
+    element = max((nbytes // max(rows * columns, 1) for _, rows, columns, nbytes in forecast.jobs), default=2)
+    plan.weight_bytes = forecast.source_bytes
+    plan.output_bytes = forecast.source_bytes - sum(nbytes for *_, nbytes in forecast.jobs) + sum(
+        stored_weight_bytes(layer, element) for layer in plan.layers.values())
+    import compressed_tensors  # noqa: F401  the run imports it (and transformers) for the config: part of its floor
+
+    plan.baseline_bytes = current_rss()
+    plan.host_memory = host_memory if host_memory is not None else memory_policy.available_memory()
+    plan.host_memory_source = "given" if host_memory is not None else "available now"
+    plan.disk_free = _disk_free(output_dir)
+    peak = plan.baseline_bytes + forecast.workers * forecast.per_worker
+    disk = plan.output_bytes if output_dir is not None else 0
+    fits = (plan.host_memory is None or peak <= plan.host_memory) and (plan.disk_free is None or disk <= plan.disk_free)
+    plan.chosen = Choice("model-free", "none", peak, disk, fits)
+    plan.choices.append(plan.chosen)
+    if not fits:
+        plan.error(f"a model-free run needs ~{_gib(peak)} of memory and {_gib(disk)} of disk "
+                   f"({_gib(plan.host_memory)} {plan.host_memory_source}, {_gib(plan.disk_free)} free): fewer "
+                   f"workers (--workers 1), or free memory", "memory")
+
+
 def _disk_free(output_dir: Any) -> int | None:
     where = Path(output_dir).expanduser().absolute() if output_dir is not None else Path.cwd()
     while not where.exists() and where != where.parent:
@@ -520,6 +567,8 @@ def _flop(value: float) -> str:
 
 def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
     """The plan as the CLI prints it."""
+    if plan.model_free is not None:
+        return _model_free_lines(plan)
     lines = [f"model:       {plan.model} ({plan.architecture}, {str(plan.dtype).removeprefix('torch.')}, "
              f"built on meta from its config; no weight read)"]
     if plan.checkpoint is not None:
@@ -572,6 +621,12 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
     if plan.rates is not None:
         lines.append(f"time:        ~{_duration(plan.seconds)} (an estimate; rates {plan.rates.model_dtype / 1e9:.0f} / "
                      f"{plan.rates.fp32 / 1e9:.0f} GFLOP/s, {plan.rates.source})")
+    return lines + _closing_lines(plan)
+
+
+def _closing_lines(plan: Plan) -> list[str]:
+    """Serving, notes and the verdict: the end of every plan."""
+    lines = []
     if plan.serving:
         gpu = plan.serve_on or "this GPU"
         name = gpu.name if isinstance(gpu, GPU) else gpu
@@ -587,3 +642,25 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
             lines.append(f"{finding.level}: {finding.text}")
     lines.append(plan.verdict())
     return lines
+
+
+def _model_free_lines(plan: Plan) -> list[str]:
+    """A model-free plan: no model, pieces or cache; shards, workers, memory and disk."""
+    forecast = plan.model_free
+    by_scheme: dict[str, int] = {}
+    for layer in plan.layers.values():
+        key = describe_scheme(layer.weights, layer.inputs)
+        by_scheme[key] = by_scheme.get(key, 0) + 1
+    lines = [f"model:       {plan.model} (model-free: no model class is built; safetensors headers only)",
+             f"shards:      {forecast.shards}, {_gib(forecast.source_bytes)} in all, the largest "
+             f"{_gib(forecast.largest_shard)}",
+             "layers:      " + ("; ".join(f"{count} x {key}" for key, count in by_scheme.items()) or "none") +
+             " (selected by tensor name)",
+             f"workers:     {forecast.workers}, ~{_gib(forecast.per_worker)} each beside the process (a chunk of a "
+             f"layer's rows, in float32; each output tensor is written as it is made)"]
+    if plan.chosen is not None:
+        lines.append(f"host RAM:    peak ~{_gib(plan.chosen.host_peak)} (process floor {_gib(plan.baseline_bytes)} "
+                     f"measured now, with what the run imports); {_gib(plan.host_memory)} {plan.host_memory_source}")
+        lines.append(f"disk:        output ~{_gib(plan.output_bytes)} (from {_gib(plan.weight_bytes)}); "
+                     f"{_gib(plan.disk_free)} free there")
+    return lines + _closing_lines(plan)

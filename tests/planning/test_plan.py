@@ -186,3 +186,29 @@ def test_a_kv_cache_is_planned_with_its_serving_and_a_second_stream_doubles_the_
     gptaq = layerwise.plan(str(bf16_llama_dir), "{GPTQModifier: {scheme: W4A16, gptaq: true}}", dataset=data)
     assert not plain.reference_stream and gptaq.reference_stream
     assert gptaq.cache_bytes == 2 * plain.cache_bytes
+
+
+def test_a_model_free_plan_builds_no_model_and_forecasts_the_run(tmp_path):
+    import json
+
+    from layerwise.verbs.options import CompressOptions
+    from tests.model_io.model_free.test_model_free import G32, _save_llama
+
+    folder = _save_llama(tmp_path / "mystery")  # sharded, and an architecture transformers does not know
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mystery-lm", architectures=["MysteryForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    options = CompressOptions.of(weights="model-free", workers=2)
+    plan = layerwise.plan(str(folder), G32, output_dir=tmp_path / "out", options=options, serve_on="H100")
+    assert plan.ok, plan.errors
+    forecast = plan.model_free
+    assert forecast.shards == len(list(folder.glob("*.safetensors"))) and forecast.workers == 2
+    assert len(plan.layers) == 14 and plan.chosen.weights == "model-free"
+    assert plan.chosen.host_peak == plan.baseline_bytes + 2 * forecast.per_worker
+    report = layerwise.compress(str(folder), G32, output_dir=tmp_path / "out", options=options)
+    written = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
+    assert abs(plan.output_bytes - written) < 0.05 * written  # the shards' JSON headers aside (a few KB here)
+    assert len(report.compressed_modules) == 14
+    # too little memory for the workers: the plan (and its exit status) says so before any work
+    small = layerwise.plan(str(folder), G32, options=options, host_memory=plan.baseline_bytes // 2)
+    assert not small.ok and "model-free run needs" in small.errors[0]

@@ -112,6 +112,42 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFreeForecast:
+    """What a model-free run of a folder will do and need, from the safetensors headers alone (``plan``)."""
+
+    shards: int
+    largest_shard: int
+    source_bytes: int
+    #: each layer quantized: its job (module, weight and input args), rows, columns and stored bytes
+    jobs: tuple[tuple[LayerJob, int, int, int], ...]
+    workers: int
+    #: one worker's peak beside the process (:func:`worker_memory`)
+    per_worker: int
+
+
+def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore: list[str] | None = None,
+                        workers: int | None = None) -> ModelFreeForecast:
+    """The shards, layers, workers and memory a model-free run of ``model`` with ``recipe`` will have; the same
+    selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise ModelFreeError(f"{str(model)!r} is not a local folder: model-free compression reads the safetensors "
+                             f"files of a folder; download it first")
+    shards, tensors = _shards(folder)
+    all_layers = layers(tensors)
+    jobs = _layer_jobs(parse_recipe(recipe), all_layers, list(ignore or []))
+    by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
+    for job in jobs.values():
+        by_file[all_layers[job.module].file].append(job)
+    sizes = {file: (folder / file).stat().st_size for file in shards}
+    shaped = tuple((job, all_layers[job.module].rows, all_layers[job.module].columns,
+                    all_layers[job.module].stored.nbytes) for job in jobs.values())
+    return ModelFreeForecast(len(shards), max(sizes.values(), default=0), sum(sizes.values()), shaped,
+                             _workers(workers, shards, by_file, all_layers, tensors),
+                             worker_memory(shards, by_file, all_layers))
+
+
 def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[str, LayerJob], modifiers: list,
                          ignore: list[str] | None) -> dict[str, Any]:
     """``config.json``'s ``quantization_config``, from the saver given the layers' args on a meta shadow model."""
