@@ -352,7 +352,11 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     the module is saved as it is)."""
     args: QuantizationArgs = module.quantization_args
     prefix = f"{name}." if name else ""
-    weight = linear_weight(module).detach().to("cpu", torch.float32)
+    # in its own dtype: quantizing divides by the float32 scale, which computes in float32 a slice at a time
+    # (the same values as a float32 copy of the whole weight, without making one)
+    weight = linear_weight(module).detach().to("cpu")
+    if not weight.is_floating_point() or weight.dtype == torch.float64:
+        weight = weight.to(torch.float32)
     scale = module.weight_scale.detach().to("cpu")
     zero_point = module.weight_zero_point.detach().to("cpu")
     g_idx = getattr(module, "weight_g_idx", None)
