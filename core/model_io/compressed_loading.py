@@ -95,6 +95,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
         if redecode and folder.is_dir():
             decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
+            restore_input_quantization(result[0] if isinstance(result, tuple) else result, folder, loaded)
         attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
         return result
     result = load_sparse(folder, loaded, model_class, **kwargs)
@@ -146,7 +147,8 @@ def packed_fp4(config: Any) -> bool:
     (FP4 unpacked, E8M0 scales) and its compressed forward then fails in a float32 model ("self and mat2
     must have the same dtype");
     transformers' dequantize-on-load path gives dense weights in the model's dtype (bfloat16-exact: in a
-    float32 model they are the bfloat16-rounded values), without input quantization. :func:`load_compressed`
+    float32 model they are the bfloat16-rounded values), without input quantization (put back by
+    :func:`restore_input_quantization`). :func:`load_compressed`
     takes that path unless ``dtype=torch.bfloat16`` is asked for, where compressed-tensors' own forward runs
     (input quantization included)."""
     quant = quantization_config(config)
@@ -188,6 +190,51 @@ def decode_float_formats(model: torch.nn.Module, folder: Path) -> list[str]:
                 weight.copy_(exact.to(weight.dtype))
                 decoded.append(stem)
     return decoded
+
+
+@torch.no_grad()
+def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any) -> list[str]:
+    """After :func:`decode_float_formats`: the layers whose config group quantizes their inputs (NVFP4, MXFP4,
+    MXFP8 with activations) do so again, as the in-memory model did (transformers' dequantized load leaves
+    them plain); NVFP4's calibrated ``input_global_scale`` is read back. Returns the layers."""
+    from safetensors import safe_open
+
+    from layerwise.algorithms.quantization.config_groups import read_config_groups
+    from layerwise.algorithms.quantization.storage import set_input_quantization
+    from layerwise.common.matching import find_modules
+
+    quant = quantization_config(config)
+    saved = {}
+    for name, group in (quant.get("config_groups") or {}).items():
+        inputs = group.get("input_activations") if isinstance(group, dict) else None
+        if isinstance(inputs, dict) and inputs.get("dynamic") == "local":  # NVFP4: per-block at run time, as
+            group = {**group, "input_activations": {**inputs, "dynamic": True}}  # layerwise's preset says it
+        saved[name] = group
+    groups = [g for g in read_config_groups(saved, "quantization_config.config_groups")
+              if g.scheme is not None and g.scheme.input_activations is not None]
+    if not groups:
+        return []
+    global_scales: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        with safe_open(str(file), "pt") as tensors:
+            names = tensors.keys()
+            for key in names:
+                if key.endswith(".input_global_scale"):
+                    global_scales[key.removesuffix(".input_global_scale")] = tensors.get_tensor(key)
+    prefix = getattr(model, "base_model_prefix", "")
+    restored = []
+    for group in groups:
+        inputs = group.scheme.input_activations
+        if not inputs.dynamic and inputs.strategy != "tensor_group":
+            continue  # static scales of the integer / FP8 formats: compressed-tensors' own load keeps them
+        for name, module in find_modules(model, group.targets, quant.get("ignore") or []).items():
+            scale = next((global_scales[n] for n in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}."))
+                          if n in global_scales), None)
+            if inputs.strategy == "tensor_group" and scale is None:
+                continue
+            set_input_quantization(module, inputs, global_scale=scale)
+            restored.append(name)
+    return restored
 
 
 def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:

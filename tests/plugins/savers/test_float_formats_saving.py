@@ -188,3 +188,22 @@ def test_a_float32_model_reloads_to_its_own_weights_and_outputs(preset, tmp_path
         assert torch.equal(reloaded.get_submodule(name).weight, module.weight), name
     with torch.no_grad():
         assert torch.equal(reloaded(**BATCHES[0]).logits, model(**BATCHES[0]).logits)
+
+
+@pytest.mark.parametrize("preset", ["NVFP4", "MXFP4", "MXFP8"])
+def test_a_float32_reload_quantizes_the_inputs_again(preset, tmp_path):
+    """With quantized inputs too: the float32 reload puts each layer's input quantization back (NVFP4's
+    calibrated global input scale read from the checkpoint), so its outputs are the in-memory model's."""
+    model = build_tiny_llama(hidden_size=64, intermediate_size=128)
+    data = [batch["input_ids"] for batch in BATCHES]
+    layerwise.compress(model, preset, dataset=[{"input_ids": ids} for ids in data], output_dir=tmp_path / "out",
+                       show_progress=False)
+    reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+    quantized = quantized_modules(model)
+    assert all(getattr(reloaded.get_submodule(n), "input_quantization_args", None) == m.input_quantization_args
+               for n, m in quantized.items())
+    if preset == "NVFP4":
+        name, module = next(iter(quantized.items()))
+        assert torch.equal(reloaded.get_submodule(name).input_global_scale, module.input_global_scale)
+    with torch.no_grad():
+        assert torch.equal(reloaded(**BATCHES[0]).logits, model(**BATCHES[0]).logits)
