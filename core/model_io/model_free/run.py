@@ -79,12 +79,9 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     from layerwise.host.plugin_manager import registry
 
     start = time.perf_counter()
-    folder = Path(model).expanduser()
     check_model_path(str(model))
     check_not_quantized(str(model))
-    if not folder.is_dir():
-        raise ModelFreeError(f"{str(model)!r} is not a local folder: model-free compression reads the safetensors "
-                             f"files of a folder; download it first")
+    folder = _folder(model)
     check_not_an_input(output_dir, [("model", str(folder))])
     check_output_dir(output_dir, overwrite)
     saver = registry("savers").get(save_format)
@@ -93,13 +90,10 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
                              f"module on its own, or has no quantization_config); use save_format="
                              f"'compressed-tensors'")
     modifiers = parse_recipe(recipe)
-    shards, tensors = _shards(folder)
-    all_layers = layers(tensors)
-    plan = _layer_jobs(modifiers, all_layers, list(ignore or []))
-    by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
-    for job in plan.values():
-        by_file[all_layers[job.module].file].append(job)
-    workers = _workers(workers, shards, by_file, all_layers, tensors)
+    selection = _Selection.of(folder, modifiers, ignore)
+    shards, tensors, all_layers, plan, by_file = (selection.shards, selection.tensors, selection.layers,
+                                                  selection.jobs, selection.by_file)
+    workers = _workers(workers, shards, worker_memory(shards, by_file, all_layers))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerwise-config") as background:
         # the saver's config builder imports compressed-tensors and, through it, transformers (seconds of one
         # core): made beside the shards' work, it is ready when they are
@@ -130,22 +124,43 @@ def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore:
                         workers: int | None = None) -> ModelFreeForecast:
     """The shards, layers, workers and memory a model-free run of ``model`` with ``recipe`` will have; the same
     selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
+    folder = _folder(model)
+    selection = _Selection.of(folder, parse_recipe(recipe), ignore)
+    sizes = {file: (folder / file).stat().st_size for file in selection.shards}
+    shaped = tuple((job, selection.layers[job.module].rows, selection.layers[job.module].columns,
+                    selection.layers[job.module].stored.nbytes) for job in selection.jobs.values())
+    per_worker = worker_memory(selection.shards, selection.by_file, selection.layers)
+    return ModelFreeForecast(len(selection.shards), max(sizes.values(), default=0), sum(sizes.values()), shaped,
+                             _workers(workers, selection.shards, per_worker), per_worker)
+
+
+def _folder(model: str | os.PathLike) -> Path:
     folder = Path(model).expanduser()
     if not folder.is_dir():
         raise ModelFreeError(f"{str(model)!r} is not a local folder: model-free compression reads the safetensors "
                              f"files of a folder; download it first")
-    shards, tensors = _shards(folder)
-    all_layers = layers(tensors)
-    jobs = _layer_jobs(parse_recipe(recipe), all_layers, list(ignore or []))
-    by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
-    for job in jobs.values():
-        by_file[all_layers[job.module].file].append(job)
-    sizes = {file: (folder / file).stat().st_size for file in shards}
-    shaped = tuple((job, all_layers[job.module].rows, all_layers[job.module].columns,
-                    all_layers[job.module].stored.nbytes) for job in jobs.values())
-    return ModelFreeForecast(len(shards), max(sizes.values(), default=0), sum(sizes.values()), shaped,
-                             _workers(workers, shards, by_file, all_layers, tensors),
-                             worker_memory(shards, by_file, all_layers))
+    return folder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """A folder's shards and tensors, its quantizable layers, the recipe's job for each, and the jobs by shard."""
+
+    shards: list[str]
+    tensors: dict[str, tuple[str, StoredTensor]]
+    layers: dict[str, Layer]
+    jobs: dict[str, LayerJob]
+    by_file: dict[str, list[LayerJob]]
+
+    @staticmethod
+    def of(folder: Path, modifiers: list, ignore: list[str] | None) -> _Selection:
+        shards, tensors = _shards(folder)
+        all_layers = layers(tensors)
+        jobs = _layer_jobs(modifiers, all_layers, list(ignore or []))
+        by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
+        for job in jobs.values():
+            by_file[all_layers[job.module].file].append(job)
+        return _Selection(shards, tensors, all_layers, jobs, by_file)
 
 
 def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[str, LayerJob], modifiers: list,
@@ -255,10 +270,9 @@ def _data_free_quantize_module(modifier: Any) -> Any:
         return None
 
 
-def _workers(asked: int | None, shards: list[str], by_file: dict[str, list[LayerJob]], all_layers: dict[str, Layer],
-             tensors: dict[str, tuple[str, StoredTensor]]) -> int:
-    """How many shards at once: asked for, else one per shard and core; fewer when memory is short."""
-    per_worker = worker_memory(shards, by_file, all_layers)
+def _workers(asked: int | None, shards: list[str], per_worker: int) -> int:
+    """How many shards at once: asked for, else one per shard and core; fewer when memory is short for workers
+    of ``per_worker`` bytes each (:func:`worker_memory`)."""
     free = memory_policy.available_memory()
     if free is not None and per_worker > free:
         raise ModelFreeError(f"a model-free worker needs ~{_size(per_worker)} (its largest chunk of a layer's rows "

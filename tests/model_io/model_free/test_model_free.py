@@ -188,7 +188,7 @@ def test_memory_bounds_the_workers(sharded_llama, monkeypatch):
     largest = max(all_layers.values(), key=lambda layer: layer.rows * layer.columns)  # 128 x 64 (MLP)
     assert need >= largest.rows * largest.columns * 4 * run.WORK_COPIES
     monkeypatch.setattr(run.memory_policy, "available_memory", lambda: 2 * need)
-    assert run._workers(None, shards, by_file, all_layers, tensors) == min(2, len(shards))
+    assert run._workers(None, shards, need) == min(2, len(shards))
 
 
 def test_the_output_is_written_completely_or_not_at_all(sharded_llama, tmp_path, monkeypatch):
