@@ -350,9 +350,7 @@ def current_rss() -> int:
 def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, placement: Any,
             output_dir: Any, needs_data: bool, gpu_memory: int | None, host_memory: int | None) -> None:
     """Host RAM per placement choice, the device's need per piece, disk, and what ``auto`` picks."""
-    plan.baseline_bytes = current_rss()
-    plan.host_memory = host_memory if host_memory is not None else memory_policy.available_memory()
-    plan.host_memory_source = "given" if host_memory is not None else "available now"
+    _machine(plan, output_dir, host_memory)
     on_gpu = gpu_memory is not None or (placement.device or "").startswith("cuda") or (
         placement.device is None and torch.cuda.is_available())
     plan.device = "cuda" if on_gpu else "cpu"
@@ -363,7 +361,6 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
         for layer in plan.layers.values() if layer.weights is not None)
     on_host = 0 if on_gpu else work
     can_stream = info is not None
-    plan.disk_free = _disk_free(output_dir)
     for weights in ("memory", "stream") if can_stream else ("memory",):
         for offload in ("cpu", "disk") if needs_data else ("cpu",):
             cache = plan.cache_bytes if offload == "cpu" and needs_data else 0
@@ -373,9 +370,7 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
                 peak = plan.baseline_bytes + 2 * largest_piece + cache + on_host
             disk = (plan.output_bytes if output_dir is not None else 0) + (
                 plan.cache_bytes if offload == "disk" and needs_data else 0)
-            fits = (plan.host_memory is None or peak <= plan.host_memory) and (
-                plan.disk_free is None or disk <= plan.disk_free)
-            plan.choices.append(Choice(weights, offload, peak, disk, fits))
+            plan.choices.append(_choice(plan, weights, offload, peak, disk))
     weights = placement.weights
     if weights == "auto":
         streams = can_stream and isinstance(plan.model, str) and should_stream(plan.model, plan.host_memory)[0]
@@ -442,19 +437,30 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
         stored_weight_bytes(layer, element) for layer in plan.layers.values())
     import compressed_tensors  # noqa: F401  the run imports it (and transformers) for the config: part of its floor
 
+    _machine(plan, output_dir, host_memory)
+    peak = plan.baseline_bytes + forecast.workers * forecast.per_worker
+    disk = plan.output_bytes if output_dir is not None else 0
+    plan.chosen = _choice(plan, "model-free", "none", peak, disk)
+    plan.choices.append(plan.chosen)
+    if not plan.chosen.fits:
+        plan.error(f"a model-free run needs ~{_gib(peak)} of memory and {_gib(disk)} of disk "
+                   f"({_gib(plan.host_memory)} {plan.host_memory_source}, {_gib(plan.disk_free)} free): fewer "
+                   f"workers (--workers 1), or free memory", "memory")
+
+
+def _machine(plan: Plan, output_dir: Any, host_memory: int | None) -> None:
+    """The machine planned for: this process's floor now, the host memory (given, else available) and the disk
+    free where the output goes."""
     plan.baseline_bytes = current_rss()
     plan.host_memory = host_memory if host_memory is not None else memory_policy.available_memory()
     plan.host_memory_source = "given" if host_memory is not None else "available now"
     plan.disk_free = _disk_free(output_dir)
-    peak = plan.baseline_bytes + forecast.workers * forecast.per_worker
-    disk = plan.output_bytes if output_dir is not None else 0
+
+
+def _choice(plan: Plan, weights: str, offload: str, peak: int, disk: int) -> Choice:
+    """A placement needing ``peak`` bytes of host memory and ``disk`` bytes of disk, and whether the machine has them."""
     fits = (plan.host_memory is None or peak <= plan.host_memory) and (plan.disk_free is None or disk <= plan.disk_free)
-    plan.chosen = Choice("model-free", "none", peak, disk, fits)
-    plan.choices.append(plan.chosen)
-    if not fits:
-        plan.error(f"a model-free run needs ~{_gib(peak)} of memory and {_gib(disk)} of disk "
-                   f"({_gib(plan.host_memory)} {plan.host_memory_source}, {_gib(plan.disk_free)} free): fewer "
-                   f"workers (--workers 1), or free memory", "memory")
+    return Choice(weights, offload, peak, disk, fits)
 
 
 def _disk_free(output_dir: Any) -> int | None:
