@@ -355,7 +355,7 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     # in its own dtype: quantizing divides by the float32 scale, which computes in float32 a slice at a time
     # (the same values as a float32 copy of the whole weight, without making one)
     weight = linear_weight(module).detach().to("cpu")
-    if not weight.is_floating_point() or weight.dtype == torch.float64:
+    if weight.dtype == torch.float64:  # float64 would divide in float64: not the float32 values saved before
         weight = weight.to(torch.float32)
     scale = module.weight_scale.detach().to("cpu")
     zero_point = module.weight_zero_point.detach().to("cpu")
