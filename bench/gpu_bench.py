@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from gptq_bench import CALIB, EVAL, TINY_LLAMA, _peak_rss_gb, _result_line, _windows, perplexity
@@ -123,11 +124,14 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
     rows = token_rows(config.vocab_size, samples, seq_len)
     peaks = {"bf16": matmul_peak_tflops(device, "bfloat16"), "fp32": matmul_peak_tflops(device, "float32")}
     batches = [{"input_ids": torch.tensor([r])} for r in rows]
+    free = None
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
+        free = torch.cuda.mem_get_info(device)[0]
     profiler = _profiler(device) if profile else contextlib.nullcontext()
     start = time.perf_counter()
-    with profiler:
+    with profiler, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model = layerwise.compress(folder, RECIPE, dataset=batches, num_calibration_samples=samples,
                                    max_seq_length=seq_len, device=device, show_progress=False)
     seconds = time.perf_counter() - start
@@ -137,7 +141,9 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
               "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.startswith("cuda") else None,
               "pieces": report.pieces, "accounting": report.accounting, "matmul_peak_tflops": peaks,
               "forward_flops": forward_flops(config, tokens, seq_len), "piece_gb": piece_gb(config, tokens),
-              "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+              "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+              "free_gpu_bytes": free, "placement": getattr(report, "placement", ""),
+              "warnings": sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})}
     if profile:
         result["profile"] = profile_summary(profiler, report.accounting)
     print("RESULT " + json.dumps(result))
@@ -269,7 +275,10 @@ def physical_limit(lw: dict) -> dict[str, float]:
 def report(lw: dict, llmc: dict | None) -> list[str]:
     acc, peaks = lw["accounting"], lw["matmul_peak_tflops"]
     lines = [f"device: {lw['device']}; matmul peak measured in the same process: {peaks['bf16']:.0f} TFLOP/s bf16, "
-             f"{peaks['fp32']:.1f} TFLOP/s fp32 (TF32 off)", "", f"pieces: {lw['pieces']}", "",
+             f"{peaks['fp32']:.1f} TFLOP/s fp32 (TF32 off)", "", f"pieces: {lw['pieces']}",
+             f"placement: {lw.get('placement') or '-'}; free GPU memory at the start: "
+             f"{(lw.get('free_gpu_bytes') or 0) / 2**30:.1f} GiB",
+             f"warnings: {'; '.join(lw.get('warnings') or []) or 'none'}", "",
              "| tool | compress() s | tokens/s | peak GPU GB | peak host RSS GB |", "|---|---:|---:|---:|---:|"]
     for r in (lw, llmc):
         if r is not None:
