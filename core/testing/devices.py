@@ -221,5 +221,25 @@ def simulated_device(device: str | torch.device = "cuda:0", free_bytes: int | No
     runs when no device is named, as a visible GPU is (the test suite's ``LAYERWISE_TEST_DEVICE=simulated``).
     """
     mode = SimulatedDevice(device)
-    with _devices.simulating(mode.device, free_bytes, default), mode:
+    with _devices.simulating(mode.device, free_bytes, default), _no_graphs(), mode:
         yield mode
+
+
+@contextlib.contextmanager
+def _no_graphs() -> Iterator[None]:
+    """GPTQ's column loop eager: a simulated GPU's tensors live in CPU memory, and on a host with a real GPU
+    a CUDA graph recorded on them would launch real kernels on CPU pointers."""
+    from layerwise.algorithms.quantization import gptq
+
+    recorder = gptq._graph_backend
+    gptq._graph_backend = _Eager
+    try:
+        yield
+    finally:
+        gptq._graph_backend = recorder
+
+
+class _Eager:
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        return False

@@ -156,12 +156,18 @@ def test_device_errors_are_told_apart_through_their_causes():
 
 @needs_cuda
 def test_calibrating_on_the_gpu_gives_the_cpu_result(tmp_path):
-    """GPTQ on the GPU (weights onloaded piece by piece, Hessians and solves in fp32) against the CPU run:
-    the same cut, and at least 99 % of the quantized integers equal per layer."""
+    """GPTQ on the GPU against the CPU run: the same cut, and each layer as close to its original weights.
+
+    Not the same integers: on an H200 (2026-11-27) the solver given one Hessian picked other grid points
+    for some entries (a last-bit difference of a GPU matmul, carried into later columns by GPTQ's error
+    feedback and into later layers by their inputs), and the dequantized weights differ in the scales' last
+    bit, so ``==`` matched 30-50 % of them; each layer's relative error from its original weights was
+    within 1 % of the CPU run's. The threshold here is 5 %."""
     samples = _samples()
-    results, cuts = {}, {}
+    results, cuts, originals = {}, {}, {}
     for device in ("cpu", "cuda"):
         model = build_tiny_llama()
+        originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeviceErrorWarning)
             layerwise.compress(model, GPTQ_W4A16_G32, dataset=samples,
@@ -173,9 +179,12 @@ def test_calibrating_on_the_gpu_gives_the_cpu_result(tmp_path):
         if device == "cuda":
             assert model.layerwise_report.peak_gpu_bytes > 0
     assert cuts["cuda"] == cuts["cpu"] and cuts["cpu"].startswith("layers")
+    assert results["cuda"].keys() == results["cpu"].keys() and results["cpu"]
     for name, weight in results["cpu"].items():
-        same = (results["cuda"][name] == weight).float().mean().item()
-        assert same >= 0.99, f"{name}: only {same:.4f} of the quantized weights equal the CPU run's"
+        original = originals[name]
+        on_cpu = (weight - original).norm() / original.norm()
+        on_gpu = (results["cuda"][name] - original).norm() / original.norm()
+        assert abs(on_gpu / on_cpu - 1) < 0.05, f"{name}: error {on_gpu:.5f} on the GPU, {on_cpu:.5f} on the CPU"
 
 
 @needs_cuda
