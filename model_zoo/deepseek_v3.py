@@ -5,6 +5,8 @@ Linear MLPs and are calibrated as usual; the router's correction bias is left al
 
 from __future__ import annotations
 
+import dataclasses
+
 from layerwise import hookimpl
 
 from .moe import moe_smoothing_mappings, text_moe_patch
@@ -20,6 +22,9 @@ DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "Deeps
         (("re:.*self_attn\\.q_b_proj",), "re:.*self_attn\\.q_a_layernorm"),
         (("re:.*self_attn\\.kv_b_proj",), "re:.*self_attn\\.kv_a_layernorm"),
     ))
+#: vLLM loads MLA's query and compressed key/value down-projections as one matrix (``fused_qkv_a_proj``, when
+#: there is a query LoRA): they share one NVFP4 global scale (the MLPs' gate/up are in the default table)
+DEEPSEEK_V3 = dataclasses.replace(DEEPSEEK_V3, fused_projections=(("q_a_proj", "kv_a_proj_with_mqa"),))
 
 
 @hookimpl

@@ -9,7 +9,7 @@ ships the built-in ones.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +51,23 @@ class ModelPatch:
     attention_modules: tuple[str, ...] = ()
     #: where the residual stream is read and written, for RotationModifier (``None``: the Llama-like layout)
     rotation_layout: RotationLayout | None = None
+    #: sibling projections (leaf names under one parent, e.g. ``("wq", "wk", "wv")``) that vLLM loads into one
+    #: fused matrix with ONE NVFP4 global scale, so they must share it: added to the default table (q/k/v,
+    #: gate/up, query/key/value, w1/w3; :data:`~layerwise.algorithms.quantization.global_scales.FUSED_PROJECTIONS`),
+    #: not instead of it, and a leaf named here takes this set before the table's. Only for checkpoints that keep
+    #: the siblings as separate tensors (an already fused ``qkv_proj`` needs nothing)
+    fused_projections: tuple[tuple[str, ...], ...] = ()
     #: transformers versions this patch was verified against
     verified_transformers: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # a dotted or repeated leaf would never match, or match two sets: say so when the patch is written
+        leaves = [leaf for members in self.fused_projections for leaf in members]
+        bad = [leaf for leaf in leaves if not isinstance(leaf, str) or not leaf or "." in leaf]
+        if bad or len(set(leaves)) != len(leaves) or any(isinstance(m, str) for m in self.fused_projections):
+            raise ValueError(f"ModelPatch {self.name!r}: fused_projections must be tuples of distinct leaf module "
+                             f"names (no dots), each in one set, e.g. (('wq', 'wk', 'wv'),); got "
+                             f"{self.fused_projections!r}")
 
     def match_score(self, model: torch.nn.Module) -> int:
         """2 for a class-name match, 1 for a model_type match, 0 for none."""
@@ -62,6 +77,16 @@ class ModelPatch:
         if config is not None and getattr(config, "model_type", None) in self.model_types:
             return 1
         return 0
+
+    def config_match_score(self, config: Mapping[str, Any]) -> int:
+        """:meth:`match_score` from a checkpoint's ``config.json`` alone (a model-free run builds no model): 2 when
+        one of its ``architectures`` is a class this patch names, 1 for its ``model_type``, 0 for none."""
+        architectures = config.get("architectures") or ()
+        if isinstance(architectures, str):
+            architectures = (architectures,)
+        if any(name in self.architectures for name in architectures):
+            return 2
+        return 1 if config.get("model_type") in self.model_types else 0
 
     @contextlib.contextmanager
     def calibrating(self, model: torch.nn.Module) -> Iterator[None]:

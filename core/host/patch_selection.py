@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +16,20 @@ def find_patch(model: torch.nn.Module, patches: Sequence[ModelPatch] | None = No
     """The registered patch that best matches ``model``, or ``None``."""
     if patches is None:
         patches = [p for _, p in registry("model_patches").items()]
-    scored = [(p.match_score(model), p) for p in patches]
+    return _best([(p.match_score(model), p) for p in patches])
+
+
+def find_patch_for_config(config: Mapping[str, Any], patches: Sequence[ModelPatch] | None = None) -> ModelPatch | None:
+    """The registered patch that best matches a checkpoint's ``config.json`` (its ``architectures`` class names,
+    then its ``model_type``: :meth:`ModelPatch.config_match_score`), or ``None``: for the runs that build no
+    model (model-free), with the same ties as :func:`find_patch`."""
+    if patches is None:
+        patches = [p for _, p in registry("model_patches").items()]
+    return _best([(p.config_match_score(config), p) for p in patches])
+
+
+def _best(scored: list[tuple[int, ModelPatch]]) -> ModelPatch | None:
+    """The first patch of the highest score above 0."""
     best = max((s for s, _ in scored), default=0)
     return next((p for s, p in scored if s == best), None) if best else None
 

@@ -424,11 +424,11 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
             check_not_an_input(output_dir, [("model", str(folder))])
             check_output_dir(output_dir, options.output.overwrite)
         plan.model_free = forecast_model_free(folder, recipe, ignore=list(options.calibration.ignore or []),
-                                              workers=options.placement.workers)
+                                              workers=options.placement.workers, patch=options.calibration.patch)
     forecast = plan.model_free
     if forecast is None:
         return
-    plan.architecture, plan.patch = "any (model-free: no model class)", None
+    plan.architecture, plan.patch = "any (model-free: no model class)", forecast.patch
     for job, rows, columns, nbytes in forecast.jobs:
         plan.layers[job.module] = Quantized(job.module, rows, columns, job.weights, job.inputs, False)
     element = max((nbytes // max(rows * columns, 1) for _, rows, columns, nbytes in forecast.jobs), default=2)

@@ -28,7 +28,7 @@ from layerwise.algorithms.quantization.float_formats import (
     nvfp4_global_scale,
     pack_fp4,
 )
-from layerwise.algorithms.quantization.global_scales import fused_groups, global_scales
+from layerwise.algorithms.quantization.global_scales import fused_groups, fused_sets, global_scales
 from layerwise.algorithms.quantization.gptq import (
     GPTQError,
     GPTQResult,
@@ -117,6 +117,7 @@ __all__ = [
     "find_attention_modules",
     "fp4_codes",
     "fused_groups",
+    "fused_sets",
     "global_scales",
     "gptq_quantize",
     "is_transposed",

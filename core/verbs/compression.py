@@ -291,7 +291,7 @@ def _model_free(model: Any, recipe: RecipeLike, output_dir: Any, options: Compre
                                    "folder: pass the folder and output_dir= (CLI: --model FOLDER --output-dir OUT)")
     return compress_model_free(model, recipe, output_dir, ignore=list(options.calibration.ignore or []),
                                overwrite=options.output.overwrite, workers=options.placement.workers,
-                               save_format=options.output.save_format)
+                               save_format=options.output.save_format, patch=options.calibration.patch)
 
 
 def _save(saver: Saver, model: torch.nn.Module, stream: Any, output_dir: str | os.PathLike, tokenizer: Any,

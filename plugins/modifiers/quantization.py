@@ -37,6 +37,7 @@ from layerwise.plugin.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
+    fused_sets,
     global_scales,
     is_transposed,
     kv_cache_args,
@@ -106,6 +107,7 @@ class QuantizationModifier(Modifier):
         self._observer: Any = None
         self._input_observers: dict[str, Any] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
+        self._fused: tuple[tuple[str, ...], ...] = fused_sets()
 
     @property
     def requires_data(self) -> bool:  # type: ignore[override]
@@ -211,6 +213,9 @@ class QuantizationModifier(Modifier):
         if self.input_args is not None:
             registry("observers").get(self.input_args.observer)  # an unknown name fails before calibrating
         self._modules = self.resolve_modules(state)
+        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        # NVFP4: the projections the run's patch declares fused share a global scale too (beside the defaults)
+        self._fused = fused_sets(patch.fused_projections if patch is not None else ())
         if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step
             self._kv.resolve(state)
         self._done = set()
@@ -280,11 +285,12 @@ class QuantizationModifier(Modifier):
 
     def prepare_global_scales(self, names: list[str]) -> None:
         """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the
-        projections a server fuses (q/k/v, gate/up); nothing for other formats."""
+        projections a server fuses (q/k/v, gate/up, and the run's patch's ``fused_projections``); nothing for
+        other formats."""
         if not names:
             return
         weights = {name: linear_weight(self._modules[name]).detach() for name in names}
-        self._global_scales.update(global_scales(weights, self.args))
+        self._global_scales.update(global_scales(weights, self.args, self._fused))
 
     # -- work --------------------------------------------------------------------------
     @torch.no_grad()

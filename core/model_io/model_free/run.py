@@ -8,8 +8,9 @@
    per-tensor ranges), never its shard's output; the workers are as many as fit in the memory available
    (an error when not one does).
 2. NVFP4 only: each layer's largest magnitude is read (a chunk at a time) for its global scale, shared by
-   the projections vLLM fuses (q/k/v, gate/up: :mod:`~layerwise.algorithms.quantization.global_scales`),
-   as the in-memory run shares it.
+   the projections vLLM fuses (q/k/v, gate/up: :mod:`~layerwise.algorithms.quantization.global_scales`, and
+   the sets the model patch declares, the patch matched from ``config.json``'s ``architectures`` or
+   ``model_type`` as no model class is built: :func:`model_free_patch`), as the in-memory run shares it.
 3. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file reads and
    writes release the GIL); each file is written header first, a chunk at a time, into the output's
    locked temporary folder, which becomes the output in one rename at the end
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from layerwise.errors import LayerwiseError
+from layerwise.host.model_patch import ModelPatch
 from layerwise.host.recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from layerwise.host.saver import Saver
 from layerwise.model_io.model_free.selection import Layer, SelectionError, layers, select
@@ -69,12 +71,14 @@ class ModelFreeError(LayerwiseError, ValueError):
 
 def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir: str | os.PathLike, *,
                         ignore: list[str] | None = None, overwrite: Overwrite = False, workers: int | None = None,
-                        save_format: str = "compressed-tensors") -> Any:
+                        save_format: str = "compressed-tensors", patch: ModelPatch | str | bool | None = None) -> Any:
     """Quantize the safetensors folder ``model`` with the data-free ``recipe`` into ``output_dir``, shard by
     shard, without a model class; returns the run's :class:`~layerwise.reports.run_report.CompressionReport`.
 
     ``ignore`` adds module-name entries to every modifier's; ``workers`` (default: as many as there are
-    shards, cores and memory for) is the number of shards quantized at once.
+    shards, cores and memory for) is the number of shards quantized at once; ``patch`` is the model patch whose
+    ``fused_projections`` NVFP4 shares global scales over (:func:`model_free_patch`; default: the one matching
+    ``config.json``).
     """
     from layerwise.host.plugin_manager import registry
 
@@ -84,6 +88,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     folder = _folder(model)
     check_not_an_input(output_dir, [("model", str(folder))])
     check_output_dir(output_dir, overwrite)
+    chosen = model_free_patch(folder, patch)
     saver = registry("savers").get(save_format)
     if type(saver).quantization_config is Saver.quantization_config or not saver.streams:
         raise ModelFreeError(f"save format {save_format!r} cannot write a model-free run (its saver encodes no "
@@ -98,7 +103,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
         # the saver's config builder imports compressed-tensors and, through it, transformers (seconds of one
         # core): made beside the shards' work, it is ready when they are
         quantization_config = background.submit(_quantization_config, saver, all_layers, plan, modifiers, ignore)
-        plan = _with_global_scales(plan, all_layers)
+        plan = _with_global_scales(plan, all_layers, chosen)
         by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
         report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
                         modifiers, plan, tensors, start)
@@ -118,20 +123,47 @@ class ModelFreeForecast:
     workers: int
     #: one worker's peak beside the process (:func:`worker_memory`)
     per_worker: int
+    #: the model patch matched from ``config.json`` (:func:`model_free_patch`), by name
+    patch: str | None = None
 
 
 def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore: list[str] | None = None,
-                        workers: int | None = None) -> ModelFreeForecast:
+                        workers: int | None = None, patch: ModelPatch | str | bool | None = None) -> ModelFreeForecast:
     """The shards, layers, workers and memory a model-free run of ``model`` with ``recipe`` will have; the same
     selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
     folder = _folder(model)
+    chosen = model_free_patch(folder, patch)
     selection = _Selection.of(folder, parse_recipe(recipe), ignore)
     sizes = {file: (folder / file).stat().st_size for file in selection.shards}
     shaped = tuple((job, selection.layers[job.module].rows, selection.layers[job.module].columns,
                     selection.layers[job.module].stored.nbytes) for job in selection.jobs.values())
     per_worker = worker_memory(selection.shards, selection.by_file, selection.layers)
     return ModelFreeForecast(len(selection.shards), max(sizes.values(), default=0), sum(sizes.values()), shaped,
-                             _workers(workers, selection.shards, per_worker), per_worker)
+                             _workers(workers, selection.shards, per_worker), per_worker,
+                             chosen.name if chosen is not None else None)
+
+
+def model_free_patch(folder: str | os.PathLike, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
+    """The model patch of a run that builds no model: ``None`` / ``True`` the registered one matching the folder's
+    ``config.json`` (its ``architectures`` class names, then its ``model_type``:
+    :func:`~layerwise.host.patch_selection.find_patch_for_config`), ``False`` none, a name or a
+    :class:`ModelPatch` that one. Only its data serves (``fused_projections``): nothing of it is applied."""
+    from layerwise.host.patch_selection import find_patch_for_config
+    from layerwise.host.plugin_manager import registry
+
+    if patch is False:
+        return None
+    if isinstance(patch, ModelPatch):
+        return patch
+    if isinstance(patch, str):
+        return registry("model_patches").get(patch)
+    if patch is not None and patch is not True:
+        raise ModelFreeError(f"patch={patch!r}: pass a registered patch's name, a ModelPatch, True or False")
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the folder check says what is missing; no config, no patch
+    return find_patch_for_config(config) if isinstance(config, dict) else None
 
 
 def _folder(model: str | os.PathLike) -> Path:
@@ -303,12 +335,13 @@ def worker_memory(shards: list[str], by_file: dict[str, list[LayerJob]], all_lay
     return peak
 
 
-def _with_global_scales(plan: dict[str, LayerJob], all_layers: dict[str, Layer]) -> dict[str, LayerJob]:
+def _with_global_scales(plan: dict[str, LayerJob], all_layers: dict[str, Layer],
+                        patch: ModelPatch | None = None) -> dict[str, LayerJob]:
     """NVFP4 jobs with their global scale: from the largest magnitude of the layer and of the projections fused
-    with it (:func:`~layerwise.algorithms.quantization.global_scales.fused_groups`), as the in-memory run
-    computes it (the same maximum, read a chunk at a time); other jobs unchanged."""
+    with it (:func:`~layerwise.algorithms.quantization.global_scales.fused_groups`, with ``patch``'s declared
+    sets), as the in-memory run computes it (the same maximum, read a chunk at a time); other jobs unchanged."""
     from layerwise.algorithms.quantization.float_formats import nvfp4_global_scale
-    from layerwise.algorithms.quantization.global_scales import fused_groups
+    from layerwise.algorithms.quantization.global_scales import fused_groups, fused_sets
 
     by_args: dict[Any, list[str]] = {}
     for name, job in plan.items():
@@ -317,8 +350,9 @@ def _with_global_scales(plan: dict[str, LayerJob], all_layers: dict[str, Layer])
     if not by_args:
         return plan
     plan = dict(plan)
+    fused = fused_sets(patch.fused_projections if patch is not None else ())
     for names in by_args.values():
-        for group in fused_groups(names):
+        for group in fused_groups(names, fused):
             amax = torch.stack([layer_amax(all_layers[n].stored.path, all_layers[n].stored) for n in group]).amax()
             scale = nvfp4_global_scale(amax)
             for name in group:

@@ -110,6 +110,51 @@ def test_nvfp4_global_scales_are_shared_by_the_projections_vllm_fuses(sharded_ll
     assert torch.allclose(down, 448 * 6 / source["model.layers.0.mlp.down_proj.weight"].abs().amax().float())
 
 
+def _wq_scales(folder: Path) -> list[torch.Tensor]:
+    tensors = _tensors(folder)
+    return [tensors[f"model.layers.0.self_attn.{p}.weight_global_scale"] for p in ("wq", "wk", "wv")]
+
+
+def test_nvfp4_shares_the_global_scales_the_patch_matched_from_config_json_declares(register_plugin, tmp_path):
+    from tests.wq_llama import MODEL_TYPE, WqPlugin, save_wq_llama
+
+    folder = save_wq_llama(tmp_path / "wq")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == MODEL_TYPE
+    source = _tensors(folder)
+    own = [448 * 6 / source[f"model.layers.0.self_attn.{p}.weight"].abs().amax().float() for p in ("wq", "wk", "wv")]
+    compress_model_free(folder, "NVFP4A16", tmp_path / "alone", workers=1)
+    alone = _wq_scales(tmp_path / "alone")  # no patch knows the architecture: three layers of their own
+    assert all(torch.allclose(scale, expected) for scale, expected in zip(alone, own))
+    assert len({scale.item() for scale in alone}) == 3
+
+    register_plugin(WqPlugin(), "wq-llama")
+    compress_model_free(folder, "NVFP4A16", tmp_path / "fused", workers=2)
+    fused = _wq_scales(tmp_path / "fused")
+    assert all(torch.equal(scale, fused[0]) for scale in fused) and torch.allclose(fused[0], min(own))
+    tensors = _tensors(tmp_path / "fused")
+    assert torch.equal(tensors["model.layers.0.mlp.gate_proj.weight_global_scale"],
+                       tensors["model.layers.0.mlp.up_proj.weight_global_scale"])  # the default table still holds
+    # matched by model_type alone when no class name matches; patch=False keeps the default table only
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["SomethingElse"]}))
+    compress_model_free(folder, "NVFP4A16", tmp_path / "by-type", workers=1)
+    assert all(torch.equal(a, b) for a, b in zip(_wq_scales(tmp_path / "by-type"), fused))
+    compress_model_free(folder, "NVFP4A16", tmp_path / "none", workers=1, patch=False)
+    assert all(torch.equal(a, b) for a, b in zip(_wq_scales(tmp_path / "none"), alone))
+
+
+def test_nvfp4_with_a_patchs_fused_projections_is_bit_identical_to_the_in_memory_run(register_plugin, tmp_path):
+    from tests.wq_llama import WqPlugin, build_wq_llama, save_wq_llama
+
+    register_plugin(WqPlugin(), "wq-llama")
+    folder = save_wq_llama(tmp_path / "wq")
+    compress_model_free(folder, "NVFP4A16", tmp_path / "free", workers=2)
+    layerwise.compress(build_wq_llama(), "NVFP4A16", output_dir=tmp_path / "memory", show_progress=False)
+    _assert_same_output(tmp_path / "free", tmp_path / "memory")
+    scales = _wq_scales(tmp_path / "free")
+    assert all(torch.equal(scale, scales[0]) for scale in scales)
+
+
 def test_compress_with_weights_model_free_is_the_same_run(sharded_llama, tmp_path):
     report = layerwise.compress(str(sharded_llama), G32, output_dir=tmp_path / "out", show_progress=False,
                                 options=layerwise.CompressOptions.of(weights="model-free", workers=1))
