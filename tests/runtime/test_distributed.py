@@ -36,7 +36,10 @@ RUNS = [("gptq", GPTQ_W4A16, True, {}), ("sq_gptq", "SQ_GPTQ_W8A8", False, {"pro
         ("gptaq", "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  gptaq: true\n", False, {}),
         # AutoRound: the ranks' samples gathered in the batches' order, one rank tunes each block
         ("autoround", "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 3\n  batch_size: 2\n", False,
-         {})]
+         {}),
+        # the FP8 KV cache: each attention's key / value maxima taken over the ranks (max-reduced, so exact)
+        ("kv_fp8", GPTQ_W4A16 + "  kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
+                                "symmetric: true}\n", False, {})]
 #: recipes run on two ranks and compared on their weights only (pruning masks; AWQ's merged sample)
 OTHERS = {"wanda": "WandaModifier:\n  sparsity: 0.5\n", "sparsegpt": "SparseGPTModifier:\n  mask_structure: '2:4'\n",
           "awq": "AWQModifier:\n  scheme: W4A16_ASYM\n  group_size: 32\n"}
@@ -48,10 +51,18 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids]
 
 
+#: the KV cache's scales, on the attention modules
+KV_SCALES = ("k_scale", "v_scale", "q_scale")
+
+
 def compressed(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """Every quantized module's weight, qparams and input scale (CPU copies)."""
+    """Every quantized module's weight, qparams and input scale, and each attention's KV cache scales (CPU
+    copies; the scales under ``NAME#kv``)."""
     out = {}
     for name, module in model.named_modules():
+        kv = {k: v.detach().clone() for k, v in module.named_buffers(recurse=False) if k in KV_SCALES}
+        if kv:
+            out[f"{name}#kv"] = kv
         if getattr(module, "quantization_args", None) is None:
             continue
         out[name] = {k: v.detach().clone() for k, v in
@@ -183,6 +194,9 @@ def assert_matches(reference: dict, distributed: dict, scale_rtol: float = 1e-6)
     for name, ref in reference.items():
         got = distributed[name]
         assert set(ref) == set(got), name
+        if name.endswith("#kv"):  # maxima over the ranks' samples: the very scales of one process
+            assert all(torch.equal(ref[k], got[k]) for k in ref), f"{name}: {ref} != {got}"
+            continue
         same += int((integers(ref) == integers(got)).sum())
         total += ref["weight"].numel()
         for key in ("weight_scale", "input_scale"):
@@ -213,6 +227,9 @@ def test_two_ranks_match_one_process(ranks, name, recipe, options):
         for key, value in tensors.items():
             assert torch.equal(value, rank1[module][key]), f"{module}.{key} differs between the ranks"
     assert_matches(single_process(recipe, **options), rank0, SCALE_RTOL.get(name, 1e-6))
+    if "kv_cache_scheme" in recipe:  # every attention of the model has its KV scales, the same as one process's
+        attentions = {n for n, m in build_tiny_llama().named_modules() if type(m).__name__.endswith("Attention")}
+        assert {k.removesuffix("#kv") for k in rank0 if k.endswith("#kv")} == attentions and attentions
     assert rank_result(ranks, 0)[name]["samples"] == SAMPLES
 
 
