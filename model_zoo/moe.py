@@ -26,6 +26,7 @@ DeepSeek-V3, ...):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import types
@@ -47,6 +48,7 @@ __all__ = [
     "ExpertMLP",
     "LinearExperts",
     "calibrate_all_experts",
+    "experts_unfuser",
     "find_experts",
     "is_fused_experts",
     "moe_smoothing_mappings",
@@ -329,16 +331,25 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         _inputs.check_modality(family, modality, (_inputs.TEXT,))
         return _inputs.text_inputs(config.vocab_size, batch, seq_len, avoid=_inputs.special_ids(config))
 
-    return ModelPatch(
+    patch = ModelPatch(
         name=name,
         model_types=(model_type,),
         architectures=(f"{class_prefix}ForCausalLM", f"{class_prefix}Model"),
         sequential_targets=(f"{class_prefix}DecoderLayer",),
         ignore=MOE_IGNORE,
-        apply=unfuse_experts if expert_names == EXPERT_NAMES else functools.partial(unfuse_experts, names=expert_names),
+        expert_projections=expert_names,
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
         tiny_models=(tiny_builder,),
         smoothing_mappings=smoothing_mappings,
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )
+    return dataclasses.replace(patch, apply=experts_unfuser(patch))
+
+
+def experts_unfuser(patch: ModelPatch) -> Any:
+    """``patch``'s ``apply``: :func:`unfuse_experts` with the names its ``expert_projections`` declares, the one
+    declaration model-free splits fused checkpoints by too, so that both runs name the experts' layers alike."""
+    if tuple(patch.expert_projections) == EXPERT_NAMES:
+        return unfuse_experts
+    return functools.partial(unfuse_experts, names=tuple(patch.expert_projections))

@@ -57,6 +57,13 @@ class ModelPatch:
     #: not instead of it, and a leaf named here takes this set before the table's. Only for checkpoints that keep
     #: the siblings as separate tensors (an already fused ``qkv_proj`` needs nothing)
     fused_projections: tuple[tuple[str, ...], ...] = ()
+    #: one expert's (gate, up, down) leaf names, as the family's per-expert checkpoints name them, for checkpoints
+    #: holding transformers 5's fused experts (``<experts>.gate_up_proj`` ``(experts, 2 * intermediate, hidden)``,
+    #: gate rows first; ``<experts>.down_proj`` ``(experts, hidden, intermediate)``): the in-memory run unfuses them
+    #: into ``<experts>.<e>.<name>`` Linear layers (``apply``) and model-free splits the 3-D tensors into the same
+    #: names from this field alone, as data, without building the model; each expert's gate and up share an NVFP4
+    #: global scale (vLLM fuses them). Empty: no fused experts to split (model-free leaves 3-D tensors dense)
+    expert_projections: tuple[str, ...] = ()
     #: transformers versions this patch was verified against
     verified_transformers: tuple[str, ...] = field(default_factory=tuple)
 
@@ -68,6 +75,19 @@ class ModelPatch:
             raise ValueError(f"ModelPatch {self.name!r}: fused_projections must be tuples of distinct leaf module "
                              f"names (no dots), each in one set, e.g. (('wq', 'wk', 'wv'),); got "
                              f"{self.fused_projections!r}")
+        names = self.expert_projections
+        if names and (isinstance(names, str) or len(names) != 3 or len(set(names)) != 3
+                      or any(not isinstance(n, str) or not n or "." in n for n in names)):
+            raise ValueError(f"ModelPatch {self.name!r}: expert_projections must be three distinct leaf module names "
+                             f"(no dots): an expert's gate, up and down, e.g. ('gate_proj', 'up_proj', 'down_proj'); "
+                             f"got {names!r}")
+
+    def shared_scale_sets(self) -> tuple[tuple[str, ...], ...]:
+        """The leaf-name sets this patch adds to those sharing an NVFP4 global scale (see
+        :func:`~layerwise.algorithms.quantization.global_scales.fused_sets`): ``fused_projections``, then each
+        expert's gate and up (``expert_projections``), which vLLM loads as one matrix."""
+        experts = (tuple(self.expert_projections[:2]),) if self.expert_projections else ()
+        return (*self.fused_projections, *experts)
 
     def match_score(self, model: torch.nn.Module) -> int:
         """2 for a class-name match, 1 for a model_type match, 0 for none."""

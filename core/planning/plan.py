@@ -429,6 +429,10 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
     if forecast is None:
         return
     plan.architecture, plan.patch = "any (model-free: no model class)", forecast.patch
+    from layerwise.model_io.model_free.run import dense_experts_notes
+
+    for note in dense_experts_notes(forecast.dense_experts):
+        plan.note(note)
     for job, rows, columns, nbytes in forecast.jobs:
         plan.layers[job.module] = Quantized(job.module, rows, columns, job.weights, job.inputs, False)
     element = max((nbytes // max(rows * columns, 1) for _, rows, columns, nbytes in forecast.jobs), default=2)

@@ -57,6 +57,8 @@ class CompressionReport:
     resumed_from_piece: int | None = None
     #: every setting of the run by name (``CompressOptions.as_dict()``): what a rerun needs to match it
     options: dict[str, Any] = field(default_factory=dict)
+    #: what the run left undone and why, in a line each (a model-free run's fused MoE experts left dense)
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         """The summary ``layerwise compress`` prints, not the dataclass's field dump."""

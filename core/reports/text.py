@@ -259,6 +259,7 @@ def summary_text(report: Any, ascii_only: bool = True) -> str:
         lines.append(f"resumed:            from piece {report.resumed_from_piece} (an interrupted run's checkpoint; "
                      f"time and size count the whole run)")
     lines.append(f"modules compressed: {len(report.compressed_modules)}")
+    lines += [f"{'note:':<20}{note}" for note in getattr(report, "notes", ())]
     lines += skipped_lines(report.skipped_non_finite)
     lines += [f"calibration:        {report.calibration_samples} samples",
               f"time:               {time_text(report.seconds, report.accounting)}",

@@ -215,7 +215,7 @@ class QuantizationModifier(Modifier):
         self._modules = self.resolve_modules(state)
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
         # NVFP4: the projections the run's patch declares fused share a global scale too (beside the defaults)
-        self._fused = fused_sets(patch.fused_projections if patch is not None else ())
+        self._fused = fused_sets(patch.shared_scale_sets() if patch is not None else ())
         if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step
             self._kv.resolve(state)
         self._done = set()
@@ -285,7 +285,7 @@ class QuantizationModifier(Modifier):
 
     def prepare_global_scales(self, names: list[str]) -> None:
         """NVFP4: the global scales of ``names`` from their weights before any is quantized, equal across the
-        projections a server fuses (q/k/v, gate/up, and the run's patch's ``fused_projections``); nothing for
+        projections a server fuses (q/k/v, gate/up, and the sets the run's patch declares: :meth:`~layerwise.host.model_patch.ModelPatch.shared_scale_sets`); nothing for
         other formats."""
         if not names:
             return

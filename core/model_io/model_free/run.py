@@ -7,9 +7,13 @@
    and memory: each worker holds one chunk of a layer's rows and its float32 work (the whole layer for
    per-tensor ranges), never its shard's output; the workers are as many as fit in the memory available
    (an error when not one does).
+   MoE experts a checkpoint holds fused (3-D ``gate_up_proj`` / ``down_proj``) are split into per-expert
+   2-D weights named as the in-memory run names its unfused layers, when the model patch declares the
+   experts' names (``ModelPatch.expert_projections``, :mod:`.experts`); without it they stay dense, and
+   the forecast and the report say so.
 2. NVFP4 only: each layer's largest magnitude is read (a chunk at a time) for its global scale, shared by
    the projections vLLM fuses (q/k/v, gate/up: :mod:`~layerwise.algorithms.quantization.global_scales`, and
-   the sets the model patch declares, the patch matched from ``config.json``'s ``architectures`` or
+   the sets the model patch declares, each expert's gate and up among them, the patch matched from ``config.json``'s ``architectures`` or
    ``model_type`` as no model class is built: :func:`model_free_patch`), as the in-memory run shares it.
 3. Each shard is quantized by one worker thread (:mod:`.worker`; torch's kernels and the file reads and
    writes release the GIL); each file is written header first, a chunk at a time, into the output's
@@ -37,6 +41,12 @@ from layerwise.errors import LayerwiseError
 from layerwise.host.model_patch import ModelPatch
 from layerwise.host.recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from layerwise.host.saver import Saver
+from layerwise.model_io.model_free.experts import (
+    FusedExpertsError,
+    check_experts_pairs,
+    fused_experts_tensors,
+    split_experts,
+)
 from layerwise.model_io.model_free.selection import Layer, SelectionError, layers, select
 from layerwise.model_io.model_free.worker import (
     LayerJob,
@@ -77,8 +87,8 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
 
     ``ignore`` adds module-name entries to every modifier's; ``workers`` (default: as many as there are
     shards, cores and memory for) is the number of shards quantized at once; ``patch`` is the model patch whose
-    ``fused_projections`` NVFP4 shares global scales over (:func:`model_free_patch`; default: the one matching
-    ``config.json``).
+    ``fused_projections`` NVFP4 shares global scales over and whose ``expert_projections`` split fused MoE
+    experts (:func:`model_free_patch`; default: the one matching ``config.json``).
     """
     from layerwise.host.plugin_manager import registry
 
@@ -95,7 +105,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
                              f"module on its own, or has no quantization_config); use save_format="
                              f"'compressed-tensors'")
     modifiers = parse_recipe(recipe)
-    selection = _Selection.of(folder, modifiers, ignore)
+    selection = _Selection.of(folder, modifiers, ignore, _expert_projections(chosen))
     shards, tensors, all_layers, plan, by_file = (selection.shards, selection.tensors, selection.layers,
                                                   selection.jobs, selection.by_file)
     workers = _workers(workers, shards, worker_memory(shards, by_file, all_layers))
@@ -106,7 +116,8 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
         plan = _with_global_scales(plan, all_layers, chosen)
         by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
         report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
-                        modifiers, plan, tensors, start)
+                        modifiers, plan, tensors, start, _expert_projections(chosen),
+                        dense_experts_notes(selection.dense_experts))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -125,6 +136,8 @@ class ModelFreeForecast:
     per_worker: int
     #: the model patch matched from ``config.json`` (:func:`model_free_patch`), by name
     patch: str | None = None
+    #: fused MoE experts tensors left dense, as no patch declares how they split (:func:`dense_experts_notes`)
+    dense_experts: tuple[str, ...] = ()
 
 
 def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore: list[str] | None = None,
@@ -133,21 +146,36 @@ def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore:
     selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
     folder = _folder(model)
     chosen = model_free_patch(folder, patch)
-    selection = _Selection.of(folder, parse_recipe(recipe), ignore)
+    selection = _Selection.of(folder, parse_recipe(recipe), ignore, _expert_projections(chosen))
     sizes = {file: (folder / file).stat().st_size for file in selection.shards}
     shaped = tuple((job, selection.layers[job.module].rows, selection.layers[job.module].columns,
                     selection.layers[job.module].stored.nbytes) for job in selection.jobs.values())
     per_worker = worker_memory(selection.shards, selection.by_file, selection.layers)
     return ModelFreeForecast(len(selection.shards), max(sizes.values(), default=0), sum(sizes.values()), shaped,
                              _workers(workers, selection.shards, per_worker), per_worker,
-                             chosen.name if chosen is not None else None)
+                             chosen.name if chosen is not None else None, tuple(selection.dense_experts))
+
+
+def dense_experts_notes(names: list[str] | tuple[str, ...]) -> list[str]:
+    """What the forecast and the report say of fused experts left dense (nothing when there are none)."""
+    if not names:
+        return []
+    shown = ", ".join(names[:2]) + (f", ... ({len(names)} tensors)" if len(names) > 2 else "")
+    return [f"fused MoE experts stay dense: {shown} are 3-D tensors, and no model patch matched from config.json "
+            f"declares how they split (ModelPatch.expert_projections); register a patch that does (or pass "
+            f"patch=) to quantize them per expert"]
+
+
+def _expert_projections(patch: ModelPatch | None) -> tuple[str, ...]:
+    return tuple(patch.expert_projections) if patch is not None else ()
 
 
 def model_free_patch(folder: str | os.PathLike, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
     """The model patch of a run that builds no model: ``None`` / ``True`` the registered one matching the folder's
     ``config.json`` (its ``architectures`` class names, then its ``model_type``:
     :func:`~layerwise.host.patch_selection.find_patch_for_config`), ``False`` none, a name or a
-    :class:`ModelPatch` that one. Only its data serves (``fused_projections``): nothing of it is applied."""
+    :class:`ModelPatch` that one. Only its data serves (``fused_projections``, ``expert_projections``): nothing of
+    it is applied."""
     from layerwise.host.patch_selection import find_patch_for_config
     from layerwise.host.plugin_manager import registry
 
@@ -183,16 +211,18 @@ class _Selection:
     layers: dict[str, Layer]
     jobs: dict[str, LayerJob]
     by_file: dict[str, list[LayerJob]]
+    #: fused MoE experts tensors left whole (no ``expert_projections`` to split them by)
+    dense_experts: list[str] = dataclasses.field(default_factory=list)
 
     @staticmethod
-    def of(folder: Path, modifiers: list, ignore: list[str] | None) -> _Selection:
-        shards, tensors = _shards(folder)
+    def of(folder: Path, modifiers: list, ignore: list[str] | None, projections: tuple[str, ...] = ()) -> _Selection:
+        shards, tensors = _shards(folder, projections)
         all_layers = layers(tensors)
         jobs = _layer_jobs(modifiers, all_layers, list(ignore or []))
         by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
         for job in jobs.values():
             by_file[all_layers[job.module].file].append(job)
-        return _Selection(shards, tensors, all_layers, jobs, by_file)
+        return _Selection(shards, tensors, all_layers, jobs, by_file, fused_experts_tensors(tensors))
 
 
 def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[str, LayerJob], modifiers: list,
@@ -206,11 +236,11 @@ def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[
 def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, shards: list[str],
            by_file: dict[str, list[LayerJob]], save_format: str, workers: int, quantization_config: Future,
            modifiers: list, plan: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
-           start: float) -> Any:
+           start: float, projections: tuple[str, ...] = (), notes: list[str] | None = None) -> Any:
     """The output folder, complete or absent: the shards, their index, the config and the files beside."""
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
-        jobs = [ShardJob(folder / file, tmp / file, tuple(by_file[file]), save_format, default_threads(workers))
-                for file in shards]
+        jobs = [ShardJob(folder / file, tmp / file, tuple(by_file[file]), save_format, default_threads(workers),
+                         projections) for file in shards]
         results = _run(jobs, workers)
         weight_map = {name: result.file for result in results for name in result.names}
         total = sum(result.nbytes for result in results)
@@ -224,6 +254,7 @@ def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, sh
         (tmp / "recipe.yaml").write_text(recipe_to_yaml(modifiers))
         report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
         report.output_dir = str(Path(output_dir))
+        report.notes.extend(notes or ())
         from layerwise.reports.model_card import output_card_files
         from layerwise.reports.run_summary import SUMMARY_FILE, summary_json
 
@@ -233,8 +264,9 @@ def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, sh
     return report
 
 
-def _shards(folder: Path) -> tuple[list[str], dict[str, tuple[str, StoredTensor]]]:
-    """The folder's safetensors files and every tensor's (file, location), from the headers alone."""
+def _shards(folder: Path, projections: tuple[str, ...] = ()) -> tuple[list[str], dict[str, tuple[str, StoredTensor]]]:
+    """The folder's safetensors files and every tensor's (file, location), from the headers alone; fused MoE experts
+    split into per-expert weights by ``projections`` (:func:`~.experts.split_experts`; none: left whole)."""
     index = folder / INDEX_FILE
     if index.is_file():
         files = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
@@ -246,9 +278,16 @@ def _shards(folder: Path) -> tuple[list[str], dict[str, tuple[str, StoredTensor]
                              f"{' (it has ' + ', '.join(found) + ')' if found else ''}: model-free compression reads "
                              f"safetensors only; save the model with save_pretrained() first")
     tensors: dict[str, tuple[str, StoredTensor]] = {}
-    for file in files:
-        for name, stored in read_header(folder / file).items():
-            tensors[name] = (file, stored)
+    try:
+        if projections:
+            check_experts_pairs({name: stored for file in files for name, stored in read_header(folder / file).items()})
+        for file in files:
+            for name, stored in split_experts(read_header(folder / file), projections).items():
+                if name in tensors:
+                    raise FusedExpertsError(f"{name!r} is in {tensors[name][0]} and {file} (split from fused experts)")
+                tensors[name] = (file, stored)
+    except FusedExpertsError as exc:
+        raise ModelFreeError(str(exc)) from None
     return files, tensors
 
 
@@ -350,7 +389,7 @@ def _with_global_scales(plan: dict[str, LayerJob], all_layers: dict[str, Layer],
     if not by_args:
         return plan
     plan = dict(plan)
-    fused = fused_sets(patch.fused_projections if patch is not None else ())
+    fused = fused_sets(patch.shared_scale_sets() if patch is not None else ())
     for names in by_args.values():
         for group in fused_groups(names, fused):
             amax = torch.stack([layer_amax(all_layers[n].stored.path, all_layers[n].stored) for n in group]).amax()

@@ -41,6 +41,7 @@ from layerwise.algorithms.quantization.storage import (
     set_quantized_weight,
     set_weight_qparams,
 )
+from layerwise.model_io.model_free.experts import split_experts
 from layerwise.model_io.model_free.layout import EncodedTensor, LayoutError, layer_layout, row_unit
 from layerwise.model_io.streaming.safetensors_io import (
     DTYPES,
@@ -80,6 +81,8 @@ class ShardJob:
     layers: tuple[LayerJob, ...]
     save_format: str
     threads: int
+    #: the patch's ``expert_projections``: fused MoE experts are split into per-expert layers by them (:mod:`.experts`)
+    expert_projections: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def run_shard(job: ShardJob) -> ShardResult:
     if job.threads and torch.get_num_threads() > job.threads:
         torch.set_num_threads(job.threads)  # process-wide: the workers share the cores
     saver = registry("savers").get(job.save_format)
-    stored = read_header(job.source)
+    stored = split_experts(read_header(job.source), job.expert_projections)
     by_tensor = {f"{layer.module}.weight": layer for layer in job.layers}
     observers: dict[QuantizationArgs, Any] = {}
     layouts: dict[tuple, list[EncodedTensor]] = {}

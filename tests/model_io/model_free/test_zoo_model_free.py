@@ -1,7 +1,9 @@
-"""Every zoo model whose checkpoint keeps its layers as 2-D weights: model-free writes the in-memory run's bytes.
+"""Every zoo model: model-free writes the in-memory run's bytes.
 
-MoE families are left out: their checkpoints hold the experts fused (3-D tensors), which the zoo's patches
-unfuse into Linear layers on load; model-free, seeing tensors only, leaves fused experts as they are.
+MoE families are compared twice: from the checkpoint ``save_pretrained`` writes (transformers 5.24 writes
+the experts back per expert, 2-D) and from one holding them fused (the 3-D ``experts.gate_up_proj`` /
+``experts.down_proj`` of the modules, as transformers 5 keeps them): model-free splits those by the patch's
+``expert_projections``, as the in-memory run unfuses them by it.
 Families whose checkpoints transformers renames on load (``model.layers`` saved for the module
 ``model.language_model.layers``: Qwen2-VL, Llava, Mllama, Gemma3, ...) are compared under the checkpoint's
 names, which both runs write (transformers renames back on save): the layers the in-memory run quantized
@@ -11,23 +13,44 @@ are read from its output, and model-free is given the rest as its ignore list.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import layerwise
 from layerwise.model_io.model_free import compress_model_free
 from tests.model_io.model_free.test_model_free import _tensors
 from tests.model_zoo.zoo_tiny_models import ARCHS
 
-FUSED_EXPERTS = ("qwen3_moe", "mixtral", "deepseek_v3")
+MOE = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
-@pytest.mark.parametrize("arch", [name for name in ARCHS if name not in FUSED_EXPERTS])
-def test_zoo_model_free_is_bit_identical(arch, tmp_path):
+def save_fused(model: torch.nn.Module, folder: Path) -> Path:
+    """``model`` saved with its modules' own tensors (MoE experts fused, 3-D), not the per-expert ones
+    ``save_pretrained`` writes back: the checkpoint of a transformers 5 layout."""
+    model.save_pretrained(folder)
+    for file in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
+        file.unlink()
+    seen, tensors = set(), {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:  # a tied lm_head is the embedding's tensor: saved once
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.detach().contiguous()
+    assert any(t.dim() == 3 for t in tensors.values())
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("arch,fused", [(name, False) for name in ARCHS] + [(name, True) for name in MOE])
+def test_zoo_model_free_is_bit_identical(arch, fused, tmp_path):
     torch.manual_seed(0)
     model = ARCHS[arch].build()
-    model.save_pretrained(tmp_path / "model")
+    if fused:
+        save_fused(model, tmp_path / "model")
+    else:
+        model.save_pretrained(tmp_path / "model")
     layerwise.compress(str(tmp_path / "model"), "W8A16", output_dir=tmp_path / "memory", show_progress=False,
                        options=layerwise.CompressOptions.of(weights="memory"))
     # the layers the in-memory run quantized, by the names its output (and the checkpoint) gives them: transformers
@@ -36,6 +59,9 @@ def test_zoo_model_free_is_bit_identical(arch, tmp_path):
                  if name.endswith(".weight_scale")}
     saved = _tensors(tmp_path / "model")
     layers = {name.removesuffix(".weight") for name, t in saved.items() if name.endswith(".weight") and t.dim() == 2}
+    if fused:  # the per-expert layers the split gives
+        assert any(name.endswith(".weight_scale") and ".experts.0." in name for name in _tensors(tmp_path / "memory"))
+        layers |= {name for name in quantized if ".experts." in name}
     # the patch's ignore list names classes and towers model-free cannot see: the same layers, by name
     ignore = sorted(layers - quantized)
     recipe = {"QuantizationModifier": {"scheme": "W8A16", "targets": ["re:.*"], "ignore": ignore}}
@@ -48,3 +74,20 @@ def test_zoo_model_free_is_bit_identical(arch, tmp_path):
     groups = [json.loads((tmp_path / which / "config.json").read_text())["quantization_config"]["config_groups"]
               for which in ("free", "memory")]
     assert groups[0] == groups[1]
+
+
+def test_nvfp4_of_fused_experts_is_bit_identical_and_each_experts_gate_and_up_share_a_global_scale(tmp_path):
+    torch.manual_seed(0)
+    folder = save_fused(ARCHS["qwen3_moe"].build(), tmp_path / "model")
+    recipe = "{QuantizationModifier: {scheme: NVFP4A16, ignore: [lm_head, 're:.*mlp\\.gate$']}}"
+    compress_model_free(folder, recipe, tmp_path / "free", workers=1)
+    layerwise.compress(str(folder), recipe, output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    free, mem = _tensors(tmp_path / "free"), _tensors(tmp_path / "memory")
+    assert set(free) == set(mem) and all(torch.equal(free[name], mem[name]) for name in free)
+    source = _tensors(folder)["model.layers.1.mlp.experts.gate_up_proj"]
+    for e in range(source.shape[0]):
+        gate, up = (free[f"model.layers.1.mlp.experts.{e}.{p}.weight_global_scale"] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(gate, up) and torch.allclose(gate, 448 * 6 / source[e].abs().amax().float())
+    q, k, v = (free[f"model.layers.1.self_attn.{p}_proj.weight_global_scale"] for p in "qkv")
+    assert torch.equal(q, k) and torch.equal(q, v)
