@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,8 +40,15 @@ def resolve_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None 
     ``None``/``True``: pick automatically; ``False``: no patch; a name: that registered
     patch; a :class:`ModelPatch`: used as is.
     """
+    return chosen_patch(patch, lambda: find_patch(model))
+
+
+def chosen_patch(patch: ModelPatch | str | bool | None, automatic: Callable[[], ModelPatch | None]
+                 ) -> ModelPatch | None:
+    """The patch a ``patch=`` argument names, ``automatic()`` for ``None`` / ``True`` (the match for a model,
+    or for a ``config.json`` where no model is built)."""
     if patch is None or patch is True:
-        return find_patch(model)
+        return automatic()
     if patch is False:
         return None
     if isinstance(patch, ModelPatch):

@@ -176,21 +176,20 @@ def model_free_patch(folder: str | os.PathLike, patch: ModelPatch | str | bool |
     :func:`~layerwise.host.patch_selection.find_patch_for_config`), ``False`` none, a name or a
     :class:`ModelPatch` that one. Only its data serves (``fused_projections``, ``expert_projections``): nothing of
     it is applied."""
-    from layerwise.host.patch_selection import find_patch_for_config
-    from layerwise.host.plugin_manager import registry
+    from layerwise.host.patch_selection import chosen_patch
 
-    if patch is False:
-        return None
-    if isinstance(patch, ModelPatch):
-        return patch
-    if isinstance(patch, str):
-        return registry("model_patches").get(patch)
-    if patch is not None and patch is not True:
-        raise ModelFreeError(f"patch={patch!r}: pass a registered patch's name, a ModelPatch, True or False")
+    return chosen_patch(patch, lambda: _config_patch(folder))
+
+
+def _config_patch(folder: str | os.PathLike) -> ModelPatch | None:
+    """The registered patch matching the folder's ``config.json`` (none without a readable one: the folder
+    check says what is missing)."""
+    from layerwise.host.patch_selection import find_patch_for_config
+
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return None  # the folder check says what is missing; no config, no patch
+        return None
     return find_patch_for_config(config) if isinstance(config, dict) else None
 
 
