@@ -204,13 +204,7 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
     from layerwise.common.matching import find_modules
 
     quant = quantization_config(config)
-    saved = {}
-    for name, group in (quant.get("config_groups") or {}).items():
-        inputs = group.get("input_activations") if isinstance(group, dict) else None
-        if isinstance(inputs, dict) and inputs.get("dynamic") == "local":  # NVFP4: per-block at run time, as
-            group = {**group, "input_activations": {**inputs, "dynamic": True}}  # layerwise's preset says it
-        saved[name] = group
-    groups = [g for g in read_config_groups(saved, "quantization_config.config_groups")
+    groups = [g for g in read_config_groups(quant.get("config_groups") or {}, "quantization_config.config_groups")
               if g.scheme is not None and g.scheme.input_activations is not None]
     if not groups:
         return []

@@ -65,6 +65,10 @@ def test_a_config_groups_gptq_recipe_is_the_gptq_w4a16_preset():
      {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}, "FP8_BLOCK"),
     ({"num_bits": 4, "symmetric": False, "group_size": 128}, None, "W4A16_ASYM"),  # strategy from group_size
     ({"num_bits": 8, "group_size": -1}, None, "W8A16"),  # -1: channel
+    # compressed-tensors' NVFP4 scheme: the inputs' block scales at run time ("local") under a calibrated global one
+    ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "observer": "static_minmax"},
+     {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local",
+      "observer": "static_minmax"}, "NVFP4"),
 ])
 def test_config_groups_map_to_the_presets_they_spell(weights, inputs, preset):
     group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
@@ -119,6 +123,9 @@ def test_two_groups_quantize_each_layer_once_and_load_in_plain_transformers(tmp_
     ({"targets": ["Linear"], "weights": {"num_bits": 4, "blocksize": 128}},
      ["unknown field(s) 'blocksize'", "num_bits, type, symmetric"]),
     ({"weights": {"num_bits": 4}}, ["config_groups.g.targets", "targets: [Linear]"]),
+    ({"targets": ["Linear"], "weights": {"num_bits": 8},
+      "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": "local"}},
+     ["input_activations.dynamic 'local'", "strategy tensor_group", "dynamic: true or false"]),
 ])
 def test_what_layerwise_cannot_express_names_the_field_and_the_nearest(group, fragments):
     with pytest.raises(RecipeError) as info:

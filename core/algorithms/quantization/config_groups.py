@@ -182,8 +182,13 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
                           f"minimises the error)")
     dynamic = data.get("dynamic", False)
     if isinstance(dynamic, str):
-        raise RecipeError(f"{where}.dynamic {dynamic!r} (per-group scales of NVFP4's tensor_group) cannot be "
-                          f"expressed in layerwise; nearest: dynamic: true with strategy token or group")
+        # compressed-tensors' "local": NVFP4 inputs, each block's scale at run time under one calibrated global
+        # scale; layerwise's NVFP4 inputs (strategy tensor_group, dynamic true) are exactly that
+        if dynamic.lower() != "local" or str(data.get("strategy", "")).lower() != "tensor_group" or role == "weights":
+            raise RecipeError(f"{where}.dynamic {dynamic!r}: compressed-tensors' only string is 'local', for "
+                              f"input_activations with strategy tensor_group (NVFP4's per-block scales at run "
+                              f"time); elsewhere write dynamic: true or false")
+        dynamic = True
     if role == "weights" and dynamic:
         raise RecipeError(f"{where}.dynamic: weights are quantized once, dynamic is for input_activations; "
                           f"leave it out of weights")
