@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
-from layerwise.algorithms.quantization.qmath import qrange, weight_min_max
+from layerwise.algorithms.quantization.qmath import integer_qparams, qrange, weight_min_max
 
 #: the ranges the parameters are kept in (the paper's)
 OFFSET_RANGE = (-0.5, 0.5)
@@ -115,19 +115,10 @@ def _ranges(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tensor, Ten
 
 def _qparams(low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding) -> tuple[Tensor, Tensor]:
     """Scale and zero point (``(out, groups, 1)``, float32) of groups spanning ``[low, high]`` clipped by
-    ``rounding``; differentiable in the clipping factors, with the formulas of ``compute_qparams``."""
-    low = torch.clamp(low * rounding.min_scale.reshape(low.shape), max=0.0)
-    high = torch.clamp(high * rounding.max_scale.reshape(high.shape), min=0.0)
-    qmin, qmax = qrange(args)
-    span = float(qmax - qmin)
-    if args.symmetric:
-        scale = torch.maximum(low.abs(), high.abs()) / (span / 2)
-    else:
-        scale = (high - low) / span
-    scale = torch.clamp(scale, min=torch.finfo(torch.float32).eps)
-    if args.symmetric:
-        return scale, torch.zeros_like(scale)
-    return scale, torch.clamp(_round_ste(qmin - low / scale), qmin, qmax)
+    ``rounding``: ``integer_qparams``, differentiable in the clipping factors (straight-through rounding)."""
+    low = low * rounding.min_scale.reshape(low.shape)
+    high = high * rounding.max_scale.reshape(high.shape)
+    return integer_qparams(low, high, args, _round_ste)
 
 
 def _fake_grouped(grouped: Tensor, low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding,

@@ -86,6 +86,13 @@ def compute_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
         else:
             scale = mx_scale(amax, args.num_bits)
         return scale, torch.zeros_like(scale)
+    return integer_qparams(min_val, max_val, args)
+
+
+def integer_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
+                    rounding: Callable[[Tensor], Tensor] = torch.round) -> tuple[Tensor, Tensor]:
+    """An integer grid's scale and zero point from ranges (widened to include 0; a zero scale becomes eps);
+    ``rounding`` rounds the zero point (AutoRound passes a straight-through one to learn the ranges)."""
     min_val = torch.minimum(min_val, torch.zeros_like(min_val))
     max_val = torch.maximum(max_val, torch.zeros_like(max_val))
     qmin, qmax = qrange(args)
@@ -99,7 +106,7 @@ def compute_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
     if args.symmetric:
         zero_point = torch.zeros_like(scale)
     else:
-        zero_point = torch.round(torch.clamp(qmin - min_val / scale, qmin, qmax))
+        zero_point = rounding(torch.clamp(qmin - min_val / scale, qmin, qmax))
     return scale, zero_point
 
 
