@@ -65,7 +65,10 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     if zero_point is None:
         zero_point = torch.zeros_like(scale)
     target = module.weight
-    weight = weight_dequantized.to(device=target.device, dtype=torch.float32)
+    # in its own dtype: quantizing divides by the float32 scale a slice at a time, the same values as a float32
+    # copy of the whole weight without making one (float64 would divide in float64: it is quantized in float32)
+    weight = weight_dequantized.to(device=target.device,
+                                   dtype=torch.float32 if weight_dequantized.dtype == torch.float64 else None)
     scale = scale.to(device=target.device)
     zero_point = zero_point.to(device=target.device)
     if g_idx is not None:
