@@ -79,6 +79,7 @@ from layerwise.algorithms.quantization.storage import (
     replace_data,
     set_input_quantization,
     set_quantized_weight,
+    weight_codes,
 )
 from layerwise.tracing.smoothing_layout import discover_mappings
 
@@ -151,6 +152,7 @@ __all__ = [
     "split_by_piece",
     "transform_config",
     "tune_block",
+    "weight_codes",
     "weight_global_scale",
     "weight_qparams",
 ]

@@ -82,6 +82,7 @@ from layerwise.plugin.quantization import (
     quantized_attention,
     quantized_modules,
     transform_config,
+    weight_codes,
 )
 from layerwise.plugin.saving import (
     Overwrite,
@@ -367,7 +368,10 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
                 f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
                 f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
                 f"Use actorder='static' (same format, no g_idx) or actorder=None")
-    q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    q = weight_codes(module)  # compress() kept them from its own quantization: no second one
+    if q is None:
+        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    q = q.to("cpu")
     input_args = getattr(module, "input_quantization_args", None)
     fmt = weight_format(args, input_args)
     if args.float_format is not None:  # symmetric: no zero point

@@ -41,6 +41,7 @@ computed from each input, static ones calibrated once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -124,12 +125,26 @@ def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Te
 
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs) -> Tensor:
     """Quantize then dequantize (the values the compressed model computes with)."""
+    return _dequantize_in_place(quantize(x, scale, zero_point, args), scale, zero_point, args, x.dtype)
+
+
+def fake_quantize_with_codes(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
+                             codes_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`fake_quantize`'s values and the integer values of ``x`` in ``codes_dtype`` (one that holds them
+    exactly: int8, float8), from one quantization."""
     q = quantize(x, scale, zero_point, args)
+    codes = q.to(codes_dtype)
+    return _dequantize_in_place(q, scale, zero_point, args, x.dtype), codes
+
+
+def _dequantize_in_place(q: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
+                         dtype: torch.dtype) -> Tensor:
+    """``(q - zero_point) * scale`` in ``dtype``, computed in ``q`` itself when it has the scale's dtype."""
     if q.dtype != scale.dtype:
-        return dequantize(q, scale, zero_point).to(x.dtype)
+        return dequantize(q, scale, zero_point).to(dtype)
     if zero_point is not None and not args.symmetric:
         q.sub_(zero_point.to(q.dtype))
-    return q.mul_(scale).to(x.dtype)
+    return q.mul_(scale).to(dtype)
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -239,8 +254,16 @@ def fake_quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | Non
     return _weight_operation(fake_quantize, weight, scale, zero_point, args, g_idx)
 
 
+def fake_quantize_weight_with_codes(weight: Tensor, scale: Tensor, zero_point: Tensor | None,
+                                    args: QuantizationArgs, codes_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`fake_quantize_weight` (groups in order) and :func:`quantize_weight`'s values in ``codes_dtype``,
+    from one quantization of the weight instead of two."""
+    return _weight_operation(functools.partial(fake_quantize_with_codes, codes_dtype=codes_dtype), weight, scale,
+                             zero_point, args, None)
+
+
 def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_point: Tensor | None,
-                      args: QuantizationArgs, g_idx: Tensor | None) -> Tensor:
+                      args: QuantizationArgs, g_idx: Tensor | None) -> Any:
     """``operation(x, scale, zero_point, args)`` on a whole weight, its qparams broadcast to it: groups in order
     as ``(out, groups, group_size)`` blocks with a scale per block (the same values as :func:`expand_qparams`'s
     per-column scales, without building them), reordered groups and tiles through the expanded qparams; on
@@ -250,8 +273,10 @@ def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_p
         rows, columns = weight.shape
         blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
         zero_point = None if zero_point is None or args.symmetric else zero_point.unsqueeze(-1)
-        return by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1),
-                             zero_point).reshape(rows, columns)
+        result = by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1), zero_point)
+        if isinstance(result, tuple):
+            return tuple(r.reshape(rows, columns) for r in result)
+        return result.reshape(rows, columns)
     if args.strategy in ("channel", "tensor"):
         return by_row_slices(lambda x, s, z: operation(x, s, z, args), weight, scale, zero_point)
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
