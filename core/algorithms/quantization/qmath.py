@@ -132,8 +132,13 @@ def fake_quantize_with_codes(x: Tensor, scale: Tensor, zero_point: Tensor | None
                              codes_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """:func:`fake_quantize`'s values and the integer values of ``x`` in ``codes_dtype`` (one that holds them
     exactly: int8, float8), from one quantization."""
-    q = quantize(x, scale, zero_point, args)
-    codes = q.to(codes_dtype)
+    if args.type == "float" and args.num_bits == 8:  # the float8 cast gives the codes: made once, not twice
+        scaled = (x / scale).clamp_(*qrange(args))
+        codes = scaled.to(torch.float8_e4m3fn)
+        q = float8_grid(scaled, codes)
+    else:
+        q = quantize(x, scale, zero_point, args)
+        codes = q.to(codes_dtype)
     return _dequantize_in_place(q, scale, zero_point, args, x.dtype), codes
 
 
@@ -177,7 +182,17 @@ def weight_min_max(weight: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tens
         tiles = _tiles(w, args.block_structure)
         return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     groups = w.reshape(w.shape[0], w.shape[1] // args.group_size, args.group_size)
-    return groups.amin(dim=-1), groups.amax(dim=-1)
+    if w.dtype == torch.float64:
+        return groups.amin(dim=-1), groups.amax(dim=-1)
+    # in float32 slices of rows, then back to the weight's dtype (exact: minima and maxima are its values): on
+    # the CPU a bfloat16 reduction over groups of 32 is 3x slower (65 ms against 18 ms on a 8192 x 2048 weight)
+    low, high = by_row_slices(_float32_group_min_max, groups)
+    return low.to(w.dtype), high.to(w.dtype)
+
+
+def _float32_group_min_max(groups: Tensor) -> tuple[Tensor, Tensor]:
+    values = groups.to(torch.float32)
+    return values.amin(dim=-1), values.amax(dim=-1)
 
 
 def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | Any = None,
