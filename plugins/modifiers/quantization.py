@@ -297,7 +297,9 @@ class QuantizationModifier(Modifier):
         float dtype, and quantizing divides by the float32 scale a slice at a time): the same values as a
         float32 copy of the weight, without making one. Another observer gets the float32 copy."""
         weight = linear_weight(module).detach()
-        min_max = self._observer is None or type(self._observer).reduce_weight is Observer.reduce_weight
+        kind = type(self._observer)
+        min_max = self._observer is None or (kind.reduce_weight is Observer.reduce_weight
+                                             and kind.__call__ is Observer.__call__)
         if not min_max or weight.dtype == torch.float64:
             weight = weight.to(torch.float32)
         global_scale = self._global_scales.pop(name, None)
