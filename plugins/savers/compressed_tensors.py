@@ -81,8 +81,8 @@ from layerwise.plugin.quantization import (
     quantize_weight,
     quantized_attention,
     quantized_modules,
+    take_weight_codes,
     transform_config,
-    weight_codes,
 )
 from layerwise.plugin.saving import (
     Overwrite,
@@ -357,7 +357,7 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
                 f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
                 f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
                 f"Use actorder='static' (same format, no g_idx) or actorder=None")
-    q = weight_codes(module)  # compress() kept them from its own quantization: no second one
+    q = take_weight_codes(module)  # compress() kept them from its own quantization: no second one
     if q is None:
         q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
     q = q.to("cpu")

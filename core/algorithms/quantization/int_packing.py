@@ -47,7 +47,7 @@ def pack_to_int32(values: Tensor, num_bits: int, packed_dim: int = 1) -> Tensor:
         # two values a, b as one int16 word a + 256 b (both < 16): w | w >> 4 holds a + 16 b in its low byte, the
         # packed byte (contiguous passes over the pairs: 8 ms against 15 ms for a 8192 x 2048 weight)
         pairs = unsigned.view(torch.int16)
-        stream = (pairs | (pairs >> 4)).to(torch.uint8)
+        stream = (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
     elif 8 % num_bits == 0:
         per_byte = 8 // num_bits
         groups = _pad_columns(unsigned, -columns % per_byte).reshape(rows, -1, per_byte)

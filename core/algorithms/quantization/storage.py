@@ -12,9 +12,9 @@ After :func:`set_quantized_weight` a module carries
 
 Within :func:`keeping_codes` (``compress()`` with an output folder) it also keeps the weight's codes (the
 integers, or float8 values, the saver stores) from the same quantization, so the saver does not divide the
-weight by its scale a second time: :func:`weight_codes` gives them while the weight and its qparams are
-the ones they came from and the stored weight re-quantizes to them (:func:`codes_survive_storage`), and
-the context drops them when it ends.
+weight by its scale a second time: :func:`take_weight_codes` gives them (once) while the weight and its
+qparams are the ones they came from and the stored weight re-quantizes to them (:func:`codes_survive_storage`),
+and the context drops those left when it ends.
 
 After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
 activations, ``input_scale`` / ``input_zero_point`` buffers), and its ``forward`` fake-quantizes its
@@ -143,7 +143,7 @@ def codes_dtype(args: QuantizationArgs) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def keeping_codes(keep: bool = True) -> Iterator[None]:
-    """Inside, :func:`set_quantized_weight` keeps each weight's codes for the saver (:func:`weight_codes`);
+    """Inside, :func:`set_quantized_weight` keeps each weight's codes for the saver (:func:`take_weight_codes`);
     on exit they are dropped (they cost a byte a weight while kept). ``keep=False``: nothing is kept."""
     kept: list[nn.Module] | None = [] if keep else None
     token = _KEPT.set(kept)
@@ -155,10 +155,11 @@ def keeping_codes(keep: bool = True) -> Iterator[None]:
             module.__dict__.pop(_CODES, None)
 
 
-def weight_codes(module: nn.Module) -> Tensor | None:
+def take_weight_codes(module: nn.Module) -> Tensor | None:
     """The codes :func:`set_quantized_weight` kept for ``module``'s weight (in :func:`codes_dtype`), while its
-    weight, qparams and args are still the ones they came from; else ``None`` (quantize the weight)."""
-    codes: _Codes | None = module.__dict__.get(_CODES)
+    weight, qparams and args are still the ones they came from; else ``None`` (quantize the weight). The module
+    forgets them: an encoder takes them once, and their byte a weight is freed as it goes."""
+    codes: _Codes | None = module.__dict__.pop(_CODES, None)
     if codes is None:
         return None
     weight = module.weight

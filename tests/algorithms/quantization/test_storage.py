@@ -17,7 +17,7 @@ from layerwise.algorithms.quantization.storage import (
     replace_data,
     set_quantized_weight,
     set_weight_qparams,
-    weight_codes,
+    take_weight_codes,
 )
 
 
@@ -97,12 +97,19 @@ def test_kept_codes_are_the_codes_of_the_stored_weight(preset, dtype):
     scale, zero_point = weight_qparams(weight.float(), args)
     with keeping_codes():
         set_quantized_weight(layer, weight, scale, zero_point, args)
-        codes = weight_codes(layer)
+        codes = take_weight_codes(layer)
         assert codes is not None and codes.dtype == codes_dtype(args)
         again = quantize_weight(layer.weight.detach(), layer.weight_scale.float(), layer.weight_zero_point.float(),
                                 args)  # what the saver computes without them
         assert torch.equal(codes.to(torch.float32), again)
-    assert weight_codes(layer) is None  # dropped with the context
+        assert take_weight_codes(layer) is None  # taken once
+
+
+def test_codes_not_taken_are_dropped_with_the_context():
+    layer, args = _weights_of("W4A16", torch.bfloat16)
+    with keeping_codes():
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+    assert take_weight_codes(layer) is None
 
 
 def test_no_codes_where_they_would_not_survive_storage_or_outside_the_context():
@@ -111,27 +118,26 @@ def test_no_codes_where_they_would_not_survive_storage_or_outside_the_context():
     scale, zero_point = weight_qparams(layer.weight.detach().float(), asym)
     with keeping_codes():
         set_quantized_weight(layer, layer.weight.detach(), scale, zero_point, asym)
-        assert weight_codes(layer) is None
+        assert take_weight_codes(layer) is None
     set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
-    assert weight_codes(layer) is None
+    assert take_weight_codes(layer) is None
     with keeping_codes(False):
         set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
-        assert weight_codes(layer) is None
+        assert take_weight_codes(layer) is None
 
 
 def test_kept_codes_are_forgotten_when_the_weight_or_its_qparams_change():
     layer, args = _weights_of("W4A16", torch.bfloat16)
     with keeping_codes():
         set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
-        assert weight_codes(layer) is not None
         with torch.no_grad():
             layer.weight.mul_(2)  # in place: a new version
-        assert weight_codes(layer) is None
+        assert take_weight_codes(layer) is None
 
         set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
         replace_data(layer.weight, layer.weight.detach() * 2)  # new storage
-        assert weight_codes(layer) is None
+        assert take_weight_codes(layer) is None
 
         set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
         set_weight_qparams(layer, layer.weight_scale * 2, layer.weight_zero_point, args)  # new qparams
-        assert weight_codes(layer) is None
+        assert take_weight_codes(layer) is None
