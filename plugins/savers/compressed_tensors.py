@@ -222,7 +222,8 @@ def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -
     kernels read, and what compressed-tensors 0.20 expects of W4A8 too: it infers that format for
     every integer weight whose inputs are quantized); int8 with float8 inputs likewise; other
     integers packed into int32 (``pack-quantized``: weight-only, and W4AFP8, whose int4 weights
-    vLLM's kernel reads packed, as llm-compressor writes them)."""
+    vLLM's kernel reads packed; llm-compressor 0.14 with compressed-tensors 0.19 writes them unpacked,
+    ``int-quantized``, measured in BENCHMARKS.md's data-free section)."""
     if args.float_format is not None:
         return FLOAT_FORMATS[args.float_format]
     if args.type == "float":
