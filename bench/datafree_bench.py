@@ -8,13 +8,15 @@ temporary folder and, for each preset, in a fresh process per tool: loads it (no
 the compress call and the save, which together are the job (``compress(model, PRESET, output_dir=...)``;
 ``oneshot(model, recipe=QuantizationModifier(scheme=PRESET))`` then ``save_pretrained(save_compressed=True)``;
 every Linear but ``lm_head``), and reports the process's peak RSS and the whole process's wall time
-(interpreter, imports, loading, the job: what a user waits for). layerwise imports compressed-tensors
-when it first saves, inside the timed call; llm-compressor imports it with itself, before its timer. The two calls split the work
-differently: layerwise's compress() leaves the quantized values in the model (what it evaluates and
-saves), llm-compressor's oneshot computes the scales only and quantizes the weights when it saves, so
-only the sum compares like with like. That both write the same values is checked elsewhere
-(``bench/activation_bench.py``: identical perplexities; the tests: byte-identical packing against
-compressed-tensors).
+(interpreter, imports, loading, the job: what a user waits for). layerwise's save does not import
+compressed-tensors (it writes the config dicts itself); llm-compressor imports it with itself, before its
+timer. The two calls split the work differently: layerwise's compress() leaves the quantized values in the
+model (what it evaluates and saves), llm-compressor's oneshot computes the scales only and quantizes the
+weights when it saves, so only the sum compares like with like. That both write the same values is checked
+elsewhere (``bench/activation_bench.py``: identical perplexities; the tests: byte-identical packing against
+compressed-tensors). One layout differs: for W4AFP8 llm-compressor 0.14 (compressed-tensors 0.19) writes the
+int4 weights unpacked, one int8 each (``int-quantized``, 132 MB here), where layerwise packs them
+(``pack-quantized``, 71 MB, as for W4A16), so llm-compressor skips its packing there.
 
     LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/datafree_bench.py --threads 1 --repeat 3
 

@@ -79,6 +79,7 @@ from layerwise.algorithms.quantization.storage import (
     replace_data,
     set_input_quantization,
     set_quantized_weight,
+    take_weight_codes,
 )
 from layerwise.tracing.smoothing_layout import discover_mappings
 
@@ -150,6 +151,7 @@ __all__ = [
     "set_quantized_weight",
     "smoothquant_scales",
     "split_by_piece",
+    "take_weight_codes",
     "transform_config",
     "tune_block",
     "weight_global_scale",

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from layerwise.algorithms.quantization.storage import keeping_codes
 from layerwise.errors import DatasetError, InvalidArgumentError
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.patch_selection import use_patch
@@ -174,7 +175,8 @@ def compress(
         from layerwise.verbs.plan import preflight
 
         preflight(model, recipe, dataset, options, None)
-    with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed:  # a 2nd run fails now
+    # the saver encodes the codes quantizing computed (kept only while there is an output to write)
+    with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed, keeping_codes(writes):
         source, stream = None, None
         tokenizer = calibration.tokenizer
         if not isinstance(model, torch.nn.Module):

@@ -18,6 +18,7 @@ with it quantizes the KV cache only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,6 +35,7 @@ from layerwise.plugin import (
 )
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
+    Observer,
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
@@ -295,12 +297,24 @@ class QuantizationModifier(Modifier):
     # -- work --------------------------------------------------------------------------
     @torch.no_grad()
     def quantize_module(self, name: str, module: torch.nn.Module) -> None:
-        """Round-to-nearest: observe the weight, compute qparams, store the fake-quantized weight."""
-        weight = linear_weight(module).detach().to(torch.float32)
+        """Round-to-nearest: observe the weight, compute qparams, store the fake-quantized weight.
+
+        With a min-max observer the weight is read in its own dtype (its minima and maxima are exact in any
+        float dtype, and quantizing divides by the float32 scale a slice at a time): the same values as a
+        float32 copy of the weight, without making one. Another observer gets the float32 copy."""
+        weight = linear_weight(module).detach()
+        kind = type(self._observer)
+        min_max = self._observer is None or (kind.reduce_weight is Observer.reduce_weight
+                                             and kind.__call__ is Observer.__call__)
+        if not min_max or weight.dtype == torch.float64:
+            weight = weight.to(torch.float32)
         global_scale = self._global_scales.pop(name, None)
         if global_scale is None and self.args.float_format == "nvfp4":
             global_scale = global_scales({name: weight}, self.args)[name]
-        scale, zero_point = weight_qparams(weight, self.args, self._observer, global_scale)
+        observer = self._observer
+        if min_max:  # the range in float32 whatever the weight's dtype: the qparams are computed in float32
+            observer = functools.partial(_float32_range, self._observer or Observer(self.args))
+        scale, zero_point = weight_qparams(weight, self.args, observer, global_scale)
         set_quantized_weight(module, weight, scale, zero_point, self.args, global_scale=global_scale)
         self.quantize_inputs(name, module)
         self._done.add(name)
@@ -330,6 +344,12 @@ class QuantizationModifier(Modifier):
         ((name, fields),) = super().to_dict().items()
         unset = {f.name for f in dataclasses.fields(self) if f.default is None and getattr(self, f.name) is None}
         return {name: {k: v for k, v in fields.items() if k not in unset}}
+
+
+def _float32_range(observer: Observer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``observer``'s range of ``weight`` in float32 (exact: minima and maxima are values of the weight)."""
+    low, high = observer(weight)
+    return low.to(torch.float32), high.to(torch.float32)
 
 
 def check_float_format(owner: str, args: QuantizationArgs, modules: dict[str, torch.nn.Module]) -> None:

@@ -81,6 +81,7 @@ from layerwise.plugin.quantization import (
     quantize_weight,
     quantized_attention,
     quantized_modules,
+    take_weight_codes,
     transform_config,
 )
 from layerwise.plugin.saving import (
@@ -96,6 +97,7 @@ from layerwise.plugin.saving import (
 )
 from layerwise.plugin.sparsity import sparse_modules
 
+from .ct_config import args_json, config_json, scheme_json
 from .errors import SaveError
 from .sparse import DENSE, build_sparsity_config, check_marked_structure, check_sparse_layers
 
@@ -220,7 +222,8 @@ def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -
     kernels read, and what compressed-tensors 0.20 expects of W4A8 too: it infers that format for
     every integer weight whose inputs are quantized); int8 with float8 inputs likewise; other
     integers packed into int32 (``pack-quantized``: weight-only, and W4AFP8, whose int4 weights
-    vLLM's kernel reads packed, as llm-compressor writes them)."""
+    vLLM's kernel reads packed; llm-compressor 0.14 with compressed-tensors 0.19 writes them unpacked,
+    ``int-quantized``, measured in BENCHMARKS.md's data-free section)."""
     if args.float_format is not None:
         return FLOAT_FORMATS[args.float_format]
     if args.type == "float":
@@ -231,14 +234,11 @@ def weight_format(args: QuantizationArgs, input_args: QuantizationArgs | None) -
 
 
 def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, Any]:
-    """The ``quantization_config`` dict of config.json (validated by compressed-tensors' own classes).
+    """The ``quantization_config`` dict of config.json (compressed-tensors' own dump of it: :mod:`.ct_config`).
 
     With no quantized module it has no config groups and format ``dense``: the frame a
     ``sparsity_config`` goes in.
     """
-    from compressed_tensors.quantization import QuantizationArgs as CTArgs
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-
     by_args: dict[tuple[QuantizationArgs, QuantizationArgs | None], list[str]] = defaultdict(list)
     for name, module in modules.items():
         by_args[module.quantization_args, getattr(module, "input_quantization_args", None)].append(name)
@@ -249,15 +249,11 @@ def build_quantization_config(model: torch.nn.Module, modules: dict[str, torch.n
     for i, ((args, input_args), names) in enumerate(by_args.items()):
         # one group: every Linear minus `ignore`; several: each group lists its layers exactly
         targets = ["Linear"] if len(by_args) == 1 else [f"re:^{re.escape(n)}$" for n in names]
-        groups[f"group_{i}"] = QuantizationScheme(
-            targets=targets, weights=CTArgs(**_ct_args(args)),
-            input_activations=None if input_args is None else CTArgs(**_ct_args(input_args)),
-            output_activations=None,
-            format=weight_format(args, input_args) if len(formats) > 1 or packed_with_inputs(args, input_args) else None)
+        groups[f"group_{i}"] = scheme_json(
+            targets, args_json(_ct_args(args)), None if input_args is None else args_json(_ct_args(input_args)),
+            weight_format(args, input_args) if len(formats) > 1 or packed_with_inputs(args, input_args) else None)
     fmt = (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense"
-    config = QuantizationConfig(config_groups=groups, format=fmt,
-                                quantization_status="compressed", ignore=ignore if groups else [])
-    data = config.model_dump(mode="json")
+    data = config_json(groups, fmt, ignore if groups else [])
     data["kv_cache_scheme"] = kv_cache_scheme(model)
     add_attention_group(data, model)
     data["quant_method"] = "compressed-tensors"
@@ -277,8 +273,6 @@ def with_transform_config(model: torch.nn.Module, data: dict[str, Any]) -> dict[
 def kv_cache_scheme(model: torch.nn.Module) -> dict[str, Any] | None:
     """``quantization_config.kv_cache_scheme``: compressed-tensors' QuantizationArgs of the model's FP8 KV cache
     (one for every attention layer), as compressed-tensors serializes it; ``None`` without one."""
-    from compressed_tensors.quantization import QuantizationArgs as CTArgs
-
     kinds = {state.kv_args for m in quantized_attention(model).values()
              if (state := attention_state(m)) is not None and state.kv_args is not None}
     if not kinds:
@@ -286,16 +280,13 @@ def kv_cache_scheme(model: torch.nn.Module) -> dict[str, Any] | None:
     if len(kinds) > 1:
         raise SaveError("the attention layers have different KV cache schemes; compressed-tensors stores one "
                         "kv_cache_scheme for the model: calibrate them with one")
-    return CTArgs(**_ct_args(kinds.pop())).model_dump(mode="json")
+    return args_json(_ct_args(kinds.pop()))
 
 
 def add_attention_group(data: dict[str, Any], model: torch.nn.Module) -> None:
     """FP8 attention: a config group with the queries' args as ``input_activations`` and no weights, targeting
     the attention classes (what compressed-tensors writes for llm-compressor's attention group); the format is
     ``dense`` when no weight is quantized."""
-    from compressed_tensors.quantization import QuantizationArgs as CTArgs
-    from compressed_tensors.quantization import QuantizationScheme
-
     queried = {type(m).__name__: state.query_args for m in quantized_attention(model).values()
                if (state := attention_state(m)) is not None and state.query_args is not None}
     if not queried:
@@ -304,8 +295,8 @@ def add_attention_group(data: dict[str, Any], model: torch.nn.Module) -> None:
         raise SaveError("the attention layers quantize their queries with different args; calibrate them with one "
                         "attention_scheme")
     args = next(iter(queried.values()))
-    group = QuantizationScheme(targets=sorted(queried), input_activations=CTArgs(**_ct_args(args)))
-    data["config_groups"][f"group_{len(data['config_groups'])}"] = group.model_dump(mode="json")
+    group = scheme_json(sorted(queried), None, args_json(_ct_args(args)))
+    data["config_groups"][f"group_{len(data['config_groups'])}"] = group
 
 
 @torch.no_grad()
@@ -367,7 +358,10 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
                 f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
                 f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
                 f"Use actorder='static' (same format, no g_idx) or actorder=None")
-    q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    q = take_weight_codes(module)  # compress() kept them from its own quantization: no second one
+    if q is None:
+        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    q = q.to("cpu")
     input_args = getattr(module, "input_quantization_args", None)
     fmt = weight_format(args, input_args)
     if args.float_format is not None:  # symmetric: no zero point

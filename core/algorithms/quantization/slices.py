@@ -10,6 +10,7 @@ every step is elementwise). On a GPU one call over the whole tensor is faster, s
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,8 +19,9 @@ from torch import Tensor
 SLICE_ELEMENTS = 1 << 16
 
 
-def by_row_slices(function: Callable[..., Tensor], x: Tensor, *per_row: Tensor | None) -> Tensor:
-    """``function(x[a:b], *(p[a:b] for p in per_row))`` over slices of ``x``'s rows, joined into one tensor.
+def by_row_slices(function: Callable[..., Any], x: Tensor, *per_row: Tensor | None) -> Any:
+    """``function(x[a:b], *(p[a:b] for p in per_row))`` over slices of ``x``'s rows, joined into one tensor
+    (or, for a ``function`` returning a tuple of tensors, one tensor for each).
 
     An argument of ``per_row`` with as many rows as ``x`` is sliced with it; any other (a scalar scale,
     ``None``) is passed whole to every call. ``function`` must work row by row (elementwise, or along
@@ -34,11 +36,13 @@ def by_row_slices(function: Callable[..., Tensor], x: Tensor, *per_row: Tensor |
         return function(x[start:end], *(_rows(p, start, end, rows) for p in per_row))
 
     first = part(0, step)
-    out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype)
-    out[:step] = first
-    for start in range(step, rows, step):
-        out[start:start + step] = part(start, min(rows, start + step))
-    return out
+    several = isinstance(first, tuple)
+    outs = tuple(torch.empty((rows, *f.shape[1:]), dtype=f.dtype) for f in (first if several else (first,)))
+    for start in range(0, rows, step):
+        results = first if start == 0 else part(start, min(rows, start + step))
+        for out, result in zip(outs, results if several else (results,)):
+            out[start:start + step] = result
+    return outs if several else outs[0]
 
 
 def _rows(value: Tensor | None, start: int, end: int, rows: int) -> Tensor | None:

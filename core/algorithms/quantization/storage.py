@@ -10,6 +10,12 @@ After :func:`set_quantized_weight` a module carries
   weight's dtype, so the saver recovers the stored FP8 / E8M0 scale bytes exactly,
 * ``quantization_args``: the :class:`~layerwise.algorithms.quantization.args.QuantizationArgs` used.
 
+Within :func:`keeping_codes` (``compress()`` with an output folder) it also keeps the weight's codes (the
+integers, or float8 values, the saver stores) from the same quantization, so the saver does not divide the
+weight by its scale a second time: :func:`take_weight_codes` gives them (once) while the weight and its
+qparams are the ones they came from and the stored weight re-quantizes to them (:func:`codes_survive_storage`),
+and the context drops those left when it ends.
+
 After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
 activations, ``input_scale`` / ``input_zero_point`` buffers), and its ``forward`` fake-quantizes its
 input first: the model computes as an inference server running the checkpoint will, and the
@@ -22,18 +28,45 @@ takes and returns the ``nn.Linear`` layout ``(out, in)`` and transposes for you.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import types
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
-from layerwise.algorithms.quantization.qmath import fake_quantize_activation, fake_quantize_weight
+from layerwise.algorithms.quantization.qmath import (
+    fake_quantize_activation,
+    fake_quantize_weight,
+    fake_quantize_weight_with_codes,
+)
 from layerwise.common.mapped_pages import release_mapped_pages
 
 QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_scale",
                "input_zero_point", "input_global_scale")
+
+
+#: the modules whose codes are kept, inside :func:`keeping_codes` (``None`` outside)
+_KEPT: ContextVar[list[nn.Module] | None] = ContextVar("layerwise_kept_codes", default=None)
+#: the attribute (not a buffer: never in a state dict) holding a module's :class:`_Codes`
+_CODES = "_layerwise_weight_codes"
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """A weight's codes and what they were computed from (the weight's storage and version, the qparams)."""
+
+    values: Tensor
+    data_ptr: int
+    version: int
+    scale: Tensor
+    zero_point: Tensor
+    args: QuantizationArgs
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -65,7 +98,10 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     if zero_point is None:
         zero_point = torch.zeros_like(scale)
     target = module.weight
-    weight = weight_dequantized.to(device=target.device, dtype=torch.float32)
+    # in its own dtype: quantizing divides by the float32 scale a slice at a time, the same values as a float32
+    # copy of the whole weight without making one (float64 would divide in float64: it is quantized in float32)
+    weight = weight_dequantized.to(device=target.device,
+                                   dtype=torch.float32 if weight_dequantized.dtype == torch.float64 else None)
     scale = scale.to(device=target.device)
     zero_point = zero_point.to(device=target.device)
     if g_idx is not None:
@@ -77,10 +113,79 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     # the scale is kept in the weight's dtype (compressed-tensors stores it so); quantize with that scale.
     # The low-bit float formats keep float32: their stored FP8 / E8M0 scales are recovered from it exactly
     scale = scale.to(torch.float32 if args.float_format else target.dtype)
-    fq = weight if on_grid else fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32),
-                                                     args, g_idx)
+    kept = _KEPT.get()
+    dtype = None if kept is None or on_grid or g_idx is not None or is_transposed(module) else codes_dtype(args)
+    codes = None
+    if on_grid:
+        fq = weight
+    elif dtype is not None and codes_survive_storage(target.dtype, args):
+        fq, codes = fake_quantize_weight_with_codes(weight, scale.to(torch.float32), zero_point.to(torch.float32),
+                                                    args, dtype)
+    else:
+        fq = fake_quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args, g_idx)
     replace_data(target, fq.t().contiguous() if is_transposed(module) else fq)
     set_weight_qparams(module, scale, zero_point, args, g_idx, global_scale)
+    if codes is not None and kept is not None:
+        module.__dict__[_CODES] = _Codes(codes, target.data_ptr(), target._version, module._buffers["weight_scale"],
+                                         module._buffers["weight_zero_point"], args)
+        kept.append(module)
+
+
+def codes_dtype(args: QuantizationArgs) -> torch.dtype | None:
+    """The dtype that holds a weight's codes exactly: int8 for integers of up to 8 bits, float8 e4m3 for
+    8-bit floats (FP8, MXFP8); ``None`` for FP4 (its values are no integers; the saver encodes them)."""
+    if args.type == "int" and args.num_bits <= 8:
+        return torch.int8
+    if args.type == "float" and args.num_bits == 8:
+        return torch.float8_e4m3fn
+    return None
+
+
+@contextlib.contextmanager
+def keeping_codes(keep: bool = True) -> Iterator[None]:
+    """Inside, :func:`set_quantized_weight` keeps each weight's codes for the saver (:func:`take_weight_codes`);
+    on exit they are dropped (they cost a byte a weight while kept). ``keep=False``: nothing is kept."""
+    kept: list[nn.Module] | None = [] if keep else None
+    token = _KEPT.set(kept)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+        for module in kept or ():
+            module.__dict__.pop(_CODES, None)
+
+
+def take_weight_codes(module: nn.Module) -> Tensor | None:
+    """The codes :func:`set_quantized_weight` kept for ``module``'s weight (in :func:`codes_dtype`), while its
+    weight, qparams and args are still the ones they came from; else ``None`` (quantize the weight). The module
+    forgets them: an encoder takes them once, and their byte a weight is freed as it goes."""
+    codes: _Codes | None = module.__dict__.pop(_CODES, None)
+    if codes is None:
+        return None
+    weight = module.weight
+    same = (weight.data_ptr() == codes.data_ptr and weight._version == codes.version
+            and module._buffers.get("weight_scale") is codes.scale
+            and module._buffers.get("weight_zero_point") is codes.zero_point
+            and getattr(module, "quantization_args", None) is codes.args and "weight_g_idx" not in module._buffers)
+    return codes.values if same else None
+
+
+def codes_survive_storage(dtype: torch.dtype, args: QuantizationArgs) -> bool:
+    """Does a fake-quantized weight stored in ``dtype`` re-quantize to the very codes it came from?
+
+    The in-memory run keeps ``(q - z) * scale`` rounded to the weight's dtype and the saver quantizes that
+    again. Rounding to ``p`` significant bits moves a value by at most ``2**-p`` of it, so the code comes
+    back when ``|q - z| < 2**(p - 1)``: integers up to 8 bits symmetric (``|q| <= 127``; -128 is exact) or
+    up to 7 bits asymmetric in bfloat16, every integer scheme in float16 and float32, and the float
+    formats (their grids are far coarser than the rounding). int8 asymmetric in bfloat16 is the
+    exception (``|q - z|`` reaches 255): some codes move by one step there, so that case keeps the
+    in-memory run's steps to give its bytes.
+    """
+    if args.type == "float" or not dtype.is_floating_point:
+        return True
+    significant = 1 - int(math.log2(torch.finfo(dtype).eps))
+    span = (1 << (args.num_bits - 1)) - 1 if args.symmetric else (1 << args.num_bits) - 1
+    return span < 1 << (significant - 1)
 
 
 @torch.no_grad()
@@ -109,6 +214,7 @@ def set_weight_qparams(module: nn.Module, scale: Tensor, zero_point: Tensor | No
     else:
         module._buffers.pop("weight_global_scale", None)
     module.quantization_args = args
+    module.__dict__.pop(_CODES, None)  # codes of earlier qparams
 
 
 def replace_data(target: Tensor, values: Tensor) -> None:
@@ -145,7 +251,7 @@ def clear_quantization(module: nn.Module) -> None:
     """Forget a module's qparams and input quantization (its weight keeps its current values)."""
     for name in QPARAM_NAMES:
         module._buffers.pop(name, None)
-    for name in ("quantization_args", "input_quantization_args", "forward"):
+    for name in ("quantization_args", "input_quantization_args", "forward", _CODES):
         module.__dict__.pop(name, None)
 
 

@@ -23,7 +23,6 @@ go from file to file in the kernel.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from torch import nn
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import weight_qparams
 from layerwise.algorithms.quantization.storage import (
+    codes_survive_storage,
     set_input_quantization,
     set_quantized_weight,
     set_weight_qparams,
@@ -114,24 +114,6 @@ def observer_for(args: QuantizationArgs, observers: dict[QuantizationArgs, Any])
 
         observer = observers[args] = registry("observers").get(args.observer)(args)
     return observer
-
-
-def codes_survive_storage(dtype: torch.dtype, args: QuantizationArgs) -> bool:
-    """Does a fake-quantized weight stored in ``dtype`` re-quantize to the very codes it came from?
-
-    The in-memory run keeps ``(q - z) * scale`` rounded to the weight's dtype and the saver quantizes that
-    again. Rounding to ``p`` significant bits moves a value by at most ``2**-p`` of it, so the code comes
-    back when ``|q - z| < 2**(p - 1)``: integers up to 8 bits symmetric (``|q| <= 127``; -128 is exact) or
-    up to 7 bits asymmetric in bfloat16, every integer scheme in float16 and float32, and the float
-    formats (their grids are far coarser than the rounding). int8 asymmetric in bfloat16 is the
-    exception (``|q - z|`` reaches 255): some codes move by one step there, so that case keeps the
-    in-memory run's steps to give its bytes.
-    """
-    if args.type == "float" or not dtype.is_floating_point:
-        return True
-    significant = 1 - int(math.log2(torch.finfo(dtype).eps))
-    span = (1 << (args.num_bits - 1)) - 1 if args.symmetric else (1 << args.num_bits) - 1
-    return span < 1 << (significant - 1)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from layerwise.algorithms.quantization.int_packing import pack_to_int32, packed_
 
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("packed_dim", [0, 1])
-@pytest.mark.parametrize("shape", [(3, 64), (5, 37), (33, 7), (1, 1)])
+@pytest.mark.parametrize("shape", [(3, 64), (6, 64), (8, 1), (5, 37), (33, 7), (1, 1)])
 def test_every_bit_width_packs_as_compressed_tensors_does(bits, packed_dim, shape):
     generator = torch.Generator().manual_seed(bits * 100 + shape[1])
     low, high = -(1 << (bits - 1)), (1 << (bits - 1))

@@ -12,8 +12,11 @@ from layerwise.algorithms.quantization.qmath import (
     dequantize,
     fake_quantize,
     fake_quantize_weight,
+    fake_quantize_weight_with_codes,
     qrange,
     quantize,
+    quantize_weight,
+    weight_min_max,
     weight_qparams,
 )
 from layerwise.errors import RecipeError
@@ -228,3 +231,25 @@ def test_group_quantization_broadcasts_the_scales_it_used_to_repeat(symmetric):
     s, z = expand_qparams(weight, scale, zero, args)
     assert torch.equal(quantize_weight(weight, scale, zero, args), quantize(weight, s, z, args))
     assert torch.equal(fake_quantize_weight(weight, scale, zero, args), fake_quantize(weight, s, z, args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_group_ranges_reduced_in_float32_slices_are_the_weights_own(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(300, 1024).to(dtype)  # more rows than a slice holds
+    args = QuantizationArgs(4, True, "group", 32)
+    low, high = weight_min_max(weight, args)
+    groups = weight.reshape(300, 32, 32)
+    assert low.dtype == high.dtype == dtype
+    assert torch.equal(low, groups.amin(dim=-1)) and torch.equal(high, groups.amax(dim=-1))
+
+
+def test_float8_codes_kept_with_the_fake_quantized_values():
+    torch.manual_seed(0)
+    weight = torch.randn(300, 512).to(torch.bfloat16)
+    args = QuantizationArgs(8, True, "channel", type="float")
+    scale, zero_point = weight_qparams(weight.float(), args)
+    values, codes = fake_quantize_weight_with_codes(weight, scale, zero_point, args, torch.float8_e4m3fn)
+    assert torch.equal(values, fake_quantize_weight(weight, scale, zero_point, args))
+    assert torch.equal(codes.view(torch.uint8),
+                       quantize_weight(weight, scale, zero_point, args).to(torch.float8_e4m3fn).view(torch.uint8))

@@ -1,11 +1,23 @@
+import dataclasses
+
+import pytest
 import torch
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
-from layerwise.algorithms.quantization.qmath import fake_quantize_weight, weight_qparams
+from layerwise.algorithms.quantization.qmath import (
+    fake_quantize_weight,
+    quantize_weight,
+    weight_qparams,
+)
 from layerwise.algorithms.quantization.storage import (
+    codes_dtype,
+    keeping_codes,
     linear_weight,
     quantized_modules,
+    replace_data,
     set_quantized_weight,
+    set_weight_qparams,
+    take_weight_codes,
 )
 
 
@@ -64,3 +76,68 @@ def test_transposed_weight_stays_contiguous():
     scale, zp = weight_qparams(w, args)
     set_quantized_weight(conv, w, scale, zp, args)
     assert conv.weight.is_contiguous() and tuple(conv.weight.shape) == (64, 8)
+
+
+# -- the codes kept for the saver (compress() with an output folder) --------------------------------------
+def _weights_of(preset: str, dtype: torch.dtype):
+    from layerwise.algorithms.quantization.presets import PRESETS
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 200).to(dtype)  # more rows than a slice (slices.SLICE_ELEMENTS)
+    with torch.no_grad():
+        layer.weight.mul_(torch.randn_like(layer.weight).exp())  # outliers: every code is used
+    return layer, PRESETS[preset].weights
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP8A16"])
+def test_kept_codes_are_the_codes_of_the_stored_weight(preset, dtype):
+    layer, args = _weights_of(preset, dtype)
+    weight = layer.weight.detach().clone()
+    scale, zero_point = weight_qparams(weight.float(), args)
+    with keeping_codes():
+        set_quantized_weight(layer, weight, scale, zero_point, args)
+        codes = take_weight_codes(layer)
+        assert codes is not None and codes.dtype == codes_dtype(args)
+        again = quantize_weight(layer.weight.detach(), layer.weight_scale.float(), layer.weight_zero_point.float(),
+                                args)  # what the saver computes without them
+        assert torch.equal(codes.to(torch.float32), again)
+        assert take_weight_codes(layer) is None  # taken once
+
+
+def test_codes_not_taken_are_dropped_with_the_context():
+    layer, args = _weights_of("W4A16", torch.bfloat16)
+    with keeping_codes():
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+    assert take_weight_codes(layer) is None
+
+
+def test_no_codes_where_they_would_not_survive_storage_or_outside_the_context():
+    layer, args = _weights_of("W8A16", torch.bfloat16)
+    asym = dataclasses.replace(args, symmetric=False)  # |q - z| reaches 255: bf16 moves some codes
+    scale, zero_point = weight_qparams(layer.weight.detach().float(), asym)
+    with keeping_codes():
+        set_quantized_weight(layer, layer.weight.detach(), scale, zero_point, asym)
+        assert take_weight_codes(layer) is None
+    set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+    assert take_weight_codes(layer) is None
+    with keeping_codes(False):
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+        assert take_weight_codes(layer) is None
+
+
+def test_kept_codes_are_forgotten_when_the_weight_or_its_qparams_change():
+    layer, args = _weights_of("W4A16", torch.bfloat16)
+    with keeping_codes():
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # in place: a new version
+        assert take_weight_codes(layer) is None
+
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+        replace_data(layer.weight, layer.weight.detach() * 2)  # new storage
+        assert take_weight_codes(layer) is None
+
+        set_quantized_weight(layer, layer.weight.detach(), *weight_qparams(layer.weight.detach().float(), args), args)
+        set_weight_qparams(layer, layer.weight_scale * 2, layer.weight_zero_point, args)  # new qparams
+        assert take_weight_codes(layer) is None
