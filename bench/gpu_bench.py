@@ -1,7 +1,8 @@
 """GPTQ on one GPU, piece by piece: layerwise against llm-compressor in one run, and the distance to the
 device's own matmul peak.
 
-Model: a random-weight bf16 Llama of Llama-3.2-3B shape (``--shape 3b``; ``8b`` when time allows)
+Model: a random-weight bf16 Llama of Llama-3.2-3B shape (``--shape 3b``; ``1b`` for a short GPU lease, ``8b`` when
+time allows)
 saved once to ``--work``; calibration: ``--samples`` x ``--seq-len`` random tokens, the same ids
 for both tools; recipe: GPTQ W4A16, groups of 128, ``lm_head`` left out. Each tool runs in a fresh
 process (its own peak host RSS and GPU memory); llm-compressor from the Python named by
@@ -41,6 +42,7 @@ from gptq_bench import CALIB, EVAL, TINY_LLAMA, _peak_rss_gb, _result_line, _win
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied)
     "tiny": (256, 512, 4, 4, 2, 1024, True),
+    "1b": (2048, 8192, 16, 32, 8, 128256, True),  # Llama-3.2-1B: what the offline GPU runner's first stage uses
     "3b": (3072, 8192, 28, 24, 8, 128256, True),
     "8b": (4096, 14336, 32, 32, 8, 128256, False),
 }
