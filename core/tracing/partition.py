@@ -92,6 +92,9 @@ class Subgraph:
     attributes: list[str] = field(default_factory=list)
     #: tensors the tracer captured as constants (attributes of :attr:`module`): moved to the inputs' device
     constant_tensors: list[str] = field(default_factory=list, repr=False)
+    #: nodes whose arguments hold a ``torch.device`` the trace met as a value (a model's ``self.device``, read
+    #: where the weights rested while it was traced): pointed at the inputs' device, as the constants are
+    device_nodes: list[str] = field(default_factory=list, repr=False)
 
     @property
     def onload_names(self) -> list[str]:
@@ -107,9 +110,29 @@ class Subgraph:
             raise KeyError(f"subgraph {self.index} needs values {missing} that are not in the cache; "
                            "run the subgraphs in order and keep values until their consumed_names says so")
         args = [values[n] for n in self.input_names]
-        if self.constant_tensors:
-            self._constants_to(_first_device(args))
+        if self.constant_tensors or self.device_nodes:
+            device = _first_device(args)
+            self._constants_to(device)
+            self._devices_to(device)
         return self.module(*args)
+
+    def _devices_to(self, device: torch.device | None) -> None:
+        """The device values in :attr:`device_nodes`' arguments set to ``device`` (the graph recompiled once per
+        device change). A piece traced while the weights rested on the CPU and replayed on a GPU would else
+        move a value back to the CPU where the model's code says ``.to(self.device)`` (Idefics3's embeddings)."""
+        if device is None or not self.device_nodes:
+            return
+        def moved(value: Any) -> Any:
+            return device if isinstance(value, torch.device) and value != device else value
+
+        changed = False
+        for node in self.module.graph.nodes:
+            if node.name in self.device_nodes:
+                args, kwargs = fx.node.map_aggregate(node.args, moved), fx.node.map_aggregate(node.kwargs, moved)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            self.module.recompile()
 
     def _constants_to(self, device: torch.device | None) -> None:
         """The captured constant tensors on ``device`` (where the inputs are); moved once per device change."""
@@ -217,8 +240,22 @@ def partition(graph: fx.Graph, model: torch.nn.Module, constants: Mapping[str, A
             target_names=group_targets[index],
             modules=list(dict.fromkeys(called + [o for o in owners if o])),
             num_nodes=len(members), node_names=[n.name for n in members], entries=list(entries[index]),
-            attributes=list(dict.fromkeys(read)), constant_tensors=constant_tensors))
+            attributes=list(dict.fromkeys(read)), constant_tensors=constant_tensors,
+            device_nodes=[n.name for n in sub.nodes if _holds_device(n)]))
     return _without_containers(subgraphs)
+
+
+def _holds_device(node: fx.Node) -> bool:
+    """Does ``node`` take a ``torch.device`` value among its arguments (a device the trace read, now a literal)?"""
+    found: list[bool] = []
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.device):
+            found.append(True)
+        return value
+
+    fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return bool(found)
 
 
 def _first_device(values: Any) -> torch.device | None:

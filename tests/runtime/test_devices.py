@@ -243,3 +243,43 @@ def test_a_model_that_fits_on_the_device_moves_once_and_its_activations_stay_the
     tensors = len(list(model.parameters())) + len(list(model.buffers()))
     assert moves[2**30] <= tensors + 2 * len(_samples())  # every weight once, the token ids (and the cut's check)
     assert moves[None] > 4 * moves[2**30]
+
+
+class _MovesToItsDevice(torch.nn.Module):
+    """Embeddings moved ``.to(self.device)`` as Idefics3's forward does: the trace reads the device as a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    @property
+    def device(self) -> torch.device:  # as PreTrainedModel.device reads it: from the parameters, not a traced value
+        return next(self.parameters()).device
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids).to(self.device)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+
+def test_a_device_the_trace_read_as_a_value_follows_the_inputs_when_replayed_on_the_gpu():
+    """Traced with the weights on the CPU, ``.to(self.device)`` is ``.to(cpu)`` in the graph: replayed on a GPU
+    it moved the embeddings back to the CPU before the first layer (Idefics3's layer cut failed so)."""
+    from layerwise.runtime.cache import move_to
+    from layerwise.tracing import trace
+
+    torch.manual_seed(0)
+    model = _MovesToItsDevice().eval()
+    sample = {"input_ids": torch.randint(0, 16, (1, 5))}
+    result = trace(model, sample, sequential_targets=["layers.0", "layers.1"])
+    assert any(sub.device_nodes for sub in result.subgraphs)
+    expected = model(**sample)
+    with simulated_device("cuda:0") as gpu:
+        model.to("cuda")
+        got = result.replay(move_to(dict(sample), torch.device("cuda:0")))
+        assert gpu.on_device(got)
+        model.to("cpu")
+    assert torch.equal(got.to("cpu"), expected)
+    assert torch.equal(result.replay(sample), expected)  # and back on the CPU
