@@ -49,7 +49,7 @@ from layerwise.reports.eval_text import (
     token_windows,
 )
 from layerwise.reports.token_agreement import TokenAgreement, TokenMetrics, log_probs
-from layerwise.runtime.devices import resolve_device
+from layerwise.runtime.devices import free_memory, resolve_device
 
 #: a loaded model, or a function that loads it when its turn comes
 ModelSource = Union[torch.nn.Module, Callable[[], torch.nn.Module]]  # noqa: UP007 - a runtime alias
@@ -327,8 +327,8 @@ def _fits_together(original: ModelSource, compressed: ModelSource, device: torch
     if device.type != "cuda":
         return True
     moved = sum(_parameter_bytes(m) for m in (original, compressed) if _device_of(m).type != "cuda")
-    free, _ = torch.cuda.mem_get_info(device)
-    return moved <= GPU_SHARE * free
+    free = free_memory(device)  # a simulated GPU's too; unknown: one at a time
+    return free is not None and moved <= GPU_SHARE * free
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:

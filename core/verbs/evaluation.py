@@ -24,7 +24,7 @@ from layerwise.reports.eval_text import read_eval_text
 from layerwise.reports.quality import ModelSource, QualityReport
 from layerwise.reports.quality import evaluate as evaluate_models
 from layerwise.reports.task_accuracy import lm_eval_modules, parse_tasks, task_accuracy
-from layerwise.runtime.devices import resolve_device
+from layerwise.runtime.devices import free_memory, resolve_device
 
 PLACEMENTS = ("auto", "side-by-side", "one-at-a-time")
 #: loading a model whole takes about this many times its checkpoint's bytes (as for compress)
@@ -151,8 +151,9 @@ def _fit_together(original: ModelLike, compressed: ModelLike, device: torch.devi
     free = available_memory()
     if free is not None and need > free:
         return False
-    if device.type == "cuda":
-        return 2 * max(sizes) <= 0.8 * torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":  # free_memory knows a simulated GPU too; a device that cannot say: one at a time
+        on_device = free_memory(device)
+        return on_device is not None and 2 * max(sizes) <= 0.8 * on_device
     return True
 
 

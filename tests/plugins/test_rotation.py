@@ -172,7 +172,8 @@ def test_calibration_hooks_see_the_rotated_inputs_of_down_proj():
     _logits(model, sample["input_ids"])
     handle.remove()
     recorder = RoundingModifier(grid=1e-30)
-    layerwise.compress(model, [RotationModifier(online=True), recorder], dataset=[sample], show_progress=False)
+    layerwise.compress(model, [RotationModifier(online=True), recorder], dataset=[sample], show_progress=False,
+                       device="cpu")  # compared with the CPU forward's inputs
     seen = recorder.seen["model.layers.0.mlp.down_proj"][0]
     torch.testing.assert_close(seen, fwht(plain[0]), rtol=1e-4, atol=1e-5)
     assert (seen - plain[0]).abs().max() > 1e-2  # rotated, not the plain input

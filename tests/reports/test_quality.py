@@ -69,7 +69,7 @@ def test_kl_grows_as_the_bits_shrink(tokenizer, compressed_copies):
 def test_one_at_a_time_gives_the_same_numbers_as_side_by_side(tokenizer, compressed_copies):
     original, compressed = build_tiny_llama(), compressed_copies["W4A16"]
     texts = word_texts()
-    options = dict(window_length=32, max_windows=12, show_progress=False)
+    options = dict(window_length=32, max_windows=12, show_progress=False, device="cpu")  # both fit in RAM
     together = evaluate(original, compressed, texts, tokenizer, **options)
     apart = evaluate(lambda: original, lambda: compressed, texts, tokenizer, **options)
     batched = evaluate(original, compressed, texts, tokenizer, batch_size=4, together=False, **options)

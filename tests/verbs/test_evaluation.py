@@ -31,7 +31,7 @@ def pruned(tiny_llama_dir, tmp_path):
 def test_a_sparse_folder_is_decoded_before_it_is_compared(tiny_llama_dir, pruned):
     model, folder = pruned
     assert "sparse-bitmask" in (folder / "config.json").read_text()
-    options = dict(window_length=32, max_windows=4, show_progress=False)
+    options = dict(window_length=32, max_windows=4, show_progress=False, device="cpu")  # side by side in RAM
     from_folders = layerwise.evaluate(tiny_llama_dir, folder, word_texts(), **options)
     in_memory = layerwise.evaluate(build_tiny_llama(), model, word_texts(), **options)
     assert from_folders.tokens.kl_mean == pytest.approx(in_memory.tokens.kl_mean, rel=1e-5)
