@@ -30,6 +30,8 @@ from layerwise.plugin.quantization import (
 KINDS = ("key", "value")
 #: the states each scale is computed from
 SCALES = {"key": "k_scale", "value": "v_scale", "query": "q_scale"}
+#: an attention layer's input projections (the output projection is its other Linear)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 class KVCacheCalibration:
@@ -94,6 +96,22 @@ class KVCacheCalibration:
     def pending(self, modules: list[str] | None) -> bool:
         """Is a layer of ``modules`` (``None``: any) still to calibrate? Its piece then needs whole forwards."""
         return any(name not in self.done and (modules is None or _in_piece(name, modules)) for name in self.modules)
+
+    def stop_points(self, modules: list[str]) -> set[str] | None:
+        """The modules whose inputs come after every pending attention layer of ``modules`` computed its keys and
+        values: each one's output projection (its one Linear besides q/k/v). An observing forward may stop
+        there (the MLP after it is not needed to calibrate the cache); ``None`` where a layer has no such
+        projection (the whole forward then runs)."""
+        stops = set()
+        for name, module in self.modules.items():
+            if name in self.done or not _in_piece(name, modules):
+                continue
+            outputs = [child for child, layer in module.named_children()
+                       if isinstance(layer, torch.nn.Linear) and child not in PROJECTIONS]
+            if len(outputs) != 1:
+                return None
+            stops.add(f"{name}.{outputs[0]}" if name else outputs[0])
+        return stops
 
     def reduce(self, reducer: Reducer, modules: list[str] | None) -> None:
         """Every rank ends with the largest magnitudes any rank saw."""

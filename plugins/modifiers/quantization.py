@@ -89,6 +89,15 @@ class QuantizationModifier(Modifier):
     kv_cache_scheme: Any = None
     attention_scheme: Any = None
 
+    block_reason: ClassVar[str] = ("calibrates the KV cache on each whole block before the block's outputs, "
+                                   "computed with it, go on")
+
+    @property
+    def needs_uncompressed_block(self) -> bool:  # type: ignore[override]
+        """A KV cache's scales come from a whole block's keys and values before the block runs again with
+        them (the blocks cut; the layer cut would pass on outputs computed without them)."""
+        return self._kv is not None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = type(self).__name__
@@ -236,11 +245,15 @@ class QuantizationModifier(Modifier):
         """Static input scales read the inputs of the layers still to be quantized; otherwise nothing. An
         attention layer whose KV cache is still to calibrate needs whole forwards (its keys after the rotary
         embedding)."""
+        stops: set[str] = set()
         if self._kv is not None and self._kv.pending(modules):
-            return None
-        if not self.requires_data or (self.input_args is None or not self.input_args.calibrated):
-            return set()
-        return {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
+            found = self._kv.stop_points(modules)  # an observing forward may end at the output projections
+            if found is None:
+                return None
+            stops = found
+        if self.input_args is None or not self.input_args.calibrated:
+            return stops
+        return stops | {name for name in self._modules if name not in self._done and _in_piece(name, modules)}
 
     def _observe_inputs(self) -> None:
         """Static input scales: one observer per layer, fed by a pre-hook until the layer is quantized."""

@@ -285,3 +285,33 @@ def test_a_bfloat16_model_stores_bfloat16_scales_and_reloads_exactly(tiny_llama_
     with torch.no_grad():
         reloaded = layerwise.load_compressed(tmp_path / "out", dtype=torch.bfloat16)
         assert (reloaded(IDS).logits - model(IDS).logits).abs().max() == 0
+
+
+@pytest.mark.parametrize("scheme", [None, "W8A16"])
+def test_the_observing_forward_ends_at_the_output_projection_with_the_same_scales(scheme, monkeypatch):
+    """Calibrating the cache needs each block's keys and values, not its MLP: after the first batch the
+    observing forward stops at ``o_proj`` (a third of the work of each block's two runs saved, with the
+    very scales and outputs of whole forwards)."""
+    from layerwise.plugins.modifiers.kv_cache import KVCacheCalibration
+
+    def run(stop: bool) -> tuple[torch.nn.Module, int]:
+        if not stop:
+            monkeypatch.setattr(KVCacheCalibration, "stop_points", lambda self, modules: None)
+        model = build_tiny_llama()
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: calls.append(1))
+        layerwise.compress(model, kv_recipe("fp8_head", scheme), dataset=DATA, show_progress=False)
+        monkeypatch.undo()
+        assert model.layerwise_report.pieces.startswith("blocks")
+        return model, len(calls)
+
+    (early, early_calls), (whole, whole_calls) = run(True), run(False)
+    # whole forwards: each batch observed, then with the FP8 cache (and one replay checking the cut); ending at
+    # o_proj, every observed batch but the first (which learns where to stop) skips the MLP
+    assert whole_calls >= 2 * len(DATA) and early_calls == whole_calls - (len(DATA) - 1)
+    for name, attention in quantized_attention(whole).items():
+        other = quantized_attention(early)[name]
+        assert torch.equal(attention._buffers["k_scale"], other._buffers["k_scale"])
+        assert torch.equal(attention._buffers["v_scale"], other._buffers["v_scale"])
+    with torch.no_grad():
+        assert torch.equal(early(IDS).logits, whole(IDS).logits)
