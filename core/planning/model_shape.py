@@ -61,8 +61,8 @@ def meta_model(folder: str | Path, patch: Any = None, trust_remote_code: bool = 
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     info = checkpoint_info(path) if path.is_dir() else None
     cls = checkpoint_class(config, path, set(info.names) if info else None)
-    with torch.device("meta"):  # an Auto class (a config without ``architectures``) builds through from_config
-        build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
+    with torch.device("meta"):  # an Auto class (a config without ``architectures``) has from_config only
+        build = getattr(cls, "_from_config", None) or cls.from_config
         model = build(config, dtype=config_dtype(config))
     model.eval()
     return apply_patch(model, resolve_patch(model, patch)), info

@@ -439,8 +439,6 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
     plan.weight_bytes = forecast.source_bytes
     plan.output_bytes = forecast.source_bytes - sum(nbytes for *_, nbytes in forecast.jobs) + sum(
         stored_weight_bytes(layer, element) for layer in plan.layers.values())
-    import compressed_tensors  # noqa: F401  the run imports it (and transformers) for the config: part of its floor
-
     _machine(plan, output_dir, host_memory)
     peak = plan.baseline_bytes + forecast.workers * forecast.per_worker
     disk = plan.output_bytes if output_dir is not None else 0

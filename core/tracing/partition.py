@@ -95,6 +95,8 @@ class Subgraph:
     #: nodes whose arguments hold a ``torch.device`` the trace met as a value (a model's ``self.device``, read
     #: where the weights rested while it was traced): pointed at the inputs' device, as the constants are
     device_nodes: list[str] = field(default_factory=list, repr=False)
+    #: the device :attr:`device_nodes` point at now (``None``: as traced, not yet checked)
+    _devices_at: torch.device | None = field(default=None, init=False, repr=False)
 
     @property
     def onload_names(self) -> list[str]:
@@ -120,8 +122,10 @@ class Subgraph:
         """The device values in :attr:`device_nodes`' arguments set to ``device`` (the graph recompiled once per
         device change). A piece traced while the weights rested on the CPU and replayed on a GPU would else
         move a value back to the CPU where the model's code says ``.to(self.device)`` (Idefics3's embeddings)."""
-        if device is None or not self.device_nodes:
-            return
+        if device is None or not self.device_nodes or device == self._devices_at:
+            return  # every batch of a piece runs here: the graph is walked once per device, not per batch
+        self._devices_at = device
+
         def moved(value: Any) -> Any:
             return device if isinstance(value, torch.device) and value != device else value
 

@@ -21,7 +21,7 @@ import torch
 
 from layerwise.errors import check_choice
 from layerwise.reports.eval_text import read_eval_text
-from layerwise.reports.quality import ModelSource, QualityReport
+from layerwise.reports.quality import GPU_SHARE, ModelSource, QualityReport
 from layerwise.reports.quality import evaluate as evaluate_models
 from layerwise.reports.task_accuracy import lm_eval_modules, parse_tasks, task_accuracy
 from layerwise.runtime.devices import free_memory, resolve_device
@@ -153,7 +153,7 @@ def _fit_together(original: ModelLike, compressed: ModelLike, device: torch.devi
         return False
     if device.type != "cpu":  # free_memory knows a simulated GPU too; a device that cannot say: one at a time
         on_device = free_memory(device)
-        return on_device is not None and 2 * max(sizes) <= 0.8 * on_device
+        return on_device is not None and 2 * max(sizes) <= GPU_SHARE * on_device
     return True
 
 

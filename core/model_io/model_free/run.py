@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +109,13 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     shards, tensors, all_layers, plan, by_file = (selection.shards, selection.tensors, selection.layers,
                                                   selection.jobs, selection.by_file)
     workers = _workers(workers, shards, worker_memory(shards, by_file, all_layers))
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerwise-config") as background:
-        # the saver's config builder imports compressed-tensors and, through it, transformers (seconds of one
-        # core): made beside the shards' work, it is ready when they are
-        quantization_config = background.submit(_quantization_config, saver, all_layers, plan, modifiers, ignore)
-        plan = _with_global_scales(plan, all_layers, chosen)
-        by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
-        report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
-                        modifiers, plan, tensors, start, _expert_projections(chosen),
-                        dense_experts_notes(selection.dense_experts))
+    # the saver builds it as plain dicts (no compressed-tensors import: nothing to overlap with the shards' work)
+    quantization_config = _quantization_config(saver, all_layers, plan, modifiers, ignore)
+    plan = _with_global_scales(plan, all_layers, chosen)
+    by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
+    report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
+                    modifiers, plan, tensors, start, _expert_projections(chosen),
+                    dense_experts_notes(selection.dense_experts))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -233,7 +231,7 @@ def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[
 
 
 def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, shards: list[str],
-           by_file: dict[str, list[LayerJob]], save_format: str, workers: int, quantization_config: Future,
+           by_file: dict[str, list[LayerJob]], save_format: str, workers: int, quantization_config: dict[str, Any],
            modifiers: list, plan: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
            start: float, projections: tuple[str, ...] = (), notes: list[str] | None = None) -> Any:
     """The output folder, complete or absent: the shards, their index, the config and the files beside."""
@@ -248,7 +246,7 @@ def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, sh
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _copy_other_files(folder, tmp)
         config = json.loads((folder / "config.json").read_text())
-        config["quantization_config"] = quantization_config.result()
+        config["quantization_config"] = quantization_config
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_to_yaml(modifiers))
         report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
@@ -277,11 +275,12 @@ def _shards(folder: Path, projections: tuple[str, ...] = ()) -> tuple[list[str],
                              f"{' (it has ' + ', '.join(found) + ')' if found else ''}: model-free compression reads "
                              f"safetensors only; save the model with save_pretrained() first")
     tensors: dict[str, tuple[str, StoredTensor]] = {}
+    headers = {file: read_header(folder / file) for file in files}  # each file's header read once
     try:
         if projections:
-            check_experts_pairs({name: stored for file in files for name, stored in read_header(folder / file).items()})
-        for file in files:
-            for name, stored in split_experts(read_header(folder / file), projections).items():
+            check_experts_pairs({name: stored for header in headers.values() for name, stored in header.items()})
+        for file, header in headers.items():
+            for name, stored in split_experts(header, projections).items():
                 if name in tensors:
                     raise FusedExpertsError(f"{name!r} is in {tensors[name][0]} and {file} (split from fused experts)")
                 tensors[name] = (file, stored)
