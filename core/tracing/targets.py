@@ -176,12 +176,13 @@ def resolve_modules(model: torch.nn.Module, patterns: Sequence[str], *, outermos
     sub-blocks are calibrated with it).
     """
     found: dict[str, torch.nn.Module] = {}
+    inside = None  # the prefix of the last match kept: named_modules walks a subtree right after its root
     for name, module in model.named_modules():
-        if not name or not matches(name, module, patterns):
+        if not name or (outermost and inside is not None and name.startswith(inside)):
             continue
-        if outermost and any(name.startswith(parent + ".") for parent in found):
-            continue
-        found[name] = module
+        if matches(name, module, patterns):
+            found[name] = module
+            inside = name + "."
     return found
 
 
