@@ -130,6 +130,9 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         free = torch.cuda.mem_get_info(device)[0]
+    # issue 35: the plan's forecast of the GPU peak, made before the run on the same free memory
+    planned = layerwise.plan(folder, RECIPE, dataset=batches, num_calibration_samples=samples, max_seq_length=seq_len,
+                             device=device, gpu_memory=free)
     profiler = _profiler(device) if profile else contextlib.nullcontext()
     start = time.perf_counter()
     with profiler, warnings.catch_warnings(record=True) as caught:
@@ -145,6 +148,8 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
               "forward_flops": forward_flops(config, tokens, seq_len), "piece_gb": piece_gb(config, tokens),
               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
               "free_gpu_bytes": free, "placement": getattr(report, "placement", ""),
+              "planned_gpu_peak": planned.gpu_peak, "planned_gpu_parts": planned.gpu_peak_parts,
+              "planned_cache": planned.cache_bytes, "cache_peak": getattr(report, "cache_peak_bytes", 0),
               "warnings": sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})}
     if profile:
         result["profile"] = profile_summary(profiler, report.accounting)
@@ -308,6 +313,13 @@ def report(lw: dict, llmc: dict | None) -> list[str]:
     lines += ["", f"physical limit (every phase at the measured peak): {limit['total']:.2f} s (forwards "
                   f"{limit['forwards']:.2f}, Hessians {limit['Hessians']:.2f}, solves {limit['solves']:.2f}); "
                   f"this run: {lw['seconds']:.1f} s, {lw['seconds'] / max(limit['total'], 1e-9):.0f}x the limit"]
+    if lw.get("planned_gpu_peak") and lw.get("peak_gpu_gb"):
+        measured, (resident, cached, work) = lw["peak_gpu_gb"] * 1e9, lw["planned_gpu_parts"]
+        lines += ["", f"plan's GPU peak forecast: {lw['planned_gpu_peak'] / 2**30:.2f} GiB (weights {resident / 2**30:.2f} "
+                      f"+ cached activations {cached / 2**30:.2f} + a piece's work {work / 2**30:.2f}) against the "
+                      f"peak allocated {measured / 2**30:.2f} GiB: {lw['planned_gpu_peak'] / measured - 1:+.1%} "
+                      f"(target within 15 %); cache planned {lw['planned_cache'] / 2**30:.2f} GiB, held at most "
+                      f"{lw['cache_peak'] / 2**30:.2f} GiB"]
     piece = lw["piece_gb"]
     lines += ["", f"one piece at most: {sum(piece.values()):.2f} GB (layer weights {piece['layer_weights']:.2f}, "
                   f"cached activations {piece['cached_activations']:.2f}, largest Hessian {piece['largest_hessian']:.2f})"]

@@ -95,15 +95,21 @@ def forecasts(work: Path, calib: Path) -> list[dict]:
                     f"options=layerwise.CompressOptions.of(weights={weights!r}, offload='cpu')")
             planned = _python("import json, layerwise\n"
                               f"p = layerwise.plan({args})\n"
-                              "print(json.dumps({'peak': p.chosen.host_peak, 'floor': p.baseline_bytes}))")
+                              "print(json.dumps({'peak': p.chosen.host_peak, 'floor': p.baseline_bytes, "
+                              "'cache': p.cache_bytes, 'cut': p.cut}))")
             measured = _python("import json, layerwise\n"
                                f"m = layerwise.compress({args}, show_progress=False)\n"
-                               "print(json.dumps({'peak': m.layerwise_report.peak_rss_bytes}))")
+                               "r = m.layerwise_report\n"
+                               "print(json.dumps({'peak': r.peak_rss_bytes, 'cache': r.cache_peak_bytes, "
+                               "'pieces': r.pieces.split(':')[0]}))")
             error = planned["peak"] / measured["peak"] - 1
             rows.append({"model": name, "weights": weights, "samples": samples, "seq": length,
                          "planned_MiB": round(planned["peak"] / 2**20), "floor_MiB": round(planned["floor"] / 2**20),
                          "measured_MiB": round(measured["peak"] / 2**20), "error": round(error, 3),
-                         "within_target": abs(error) <= FORECAST_TARGET})
+                         "within_target": abs(error) <= FORECAST_TARGET,
+                         "cut_planned": planned["cut"], "cut_run": measured["pieces"],
+                         "cache_planned_MiB": round(planned["cache"] / 2**20),
+                         "cache_measured_MiB": round(measured["cache"] / 2**20)})
     return rows
 
 

@@ -33,6 +33,8 @@ class CompressionState:
     pieces: str = ""
     #: what rested on the execution device and why (:class:`layerwise.runtime.placement.Placement`'s reason)
     placement: str = ""
+    #: the most bytes of cached activations held in memory at once (both streams; 0: no cache)
+    cache_peak: int = 0
     #: seconds (and FLOPs where counted) per phase: pipelines' forwards, modifiers' own work
     accounting: Accounting = field(default_factory=Accounting)
     #: the calibration batches, for a modifier that needs a whole-model statistics pass first (OWL)

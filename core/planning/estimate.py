@@ -4,8 +4,10 @@ Every number is an estimate from shapes and the run's settings; the rules are wr
 once, each beside the constant it uses:
 
 * a piece's **weights** are its modules' parameters in the run's dtype;
-* **cached activations** at a cut are :func:`~layerwise.runtime.memory_policy.cache_bytes` of all
-  calibration tokens (the same rule ``offload="auto"`` uses); one sample's share is in flight;
+* **cached activations** are those of the widest cut, for all calibration tokens
+  (:func:`cut_cache_bytes`): the residual stream, beside it the widest input a modifier reads
+  when the cut is before the layers (an MLP's down projection: its intermediate width), the
+  rotary embedding's cos and sin, and the token ids / mask; one sample's share is in flight;
 * **statistics**: a float32 ``in x in`` Hessian per layer a Hessian modifier (GPTQ, SparseGPT)
   compresses (an upper bound: layers that read one input share one), AWQ's cached inputs of
   its searched layers;
@@ -30,6 +32,8 @@ from layerwise.runtime.placement import WORKING_SET_FACTOR
 
 #: float32 copies a GPTQ solve keeps of its weight (W, Q, errors) beside the inverse Hessian
 SOLVE_WEIGHT_COPIES = 3
+#: bytes per token a cut holds beside the activations: int64 token ids or positions, and the attention mask
+INDEX_BYTES_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class PieceEstimate:
     statistics: int = 0
     temporary: int = 0
     hessian_layers: list[Quantized] = field(default_factory=list)
+    #: does a calibration forward run it (the tail after the last target runs only when it holds a layer
+    #: a modifier compresses: its outputs feed nothing)
+    runs: bool = True
 
     @property
     def total(self) -> int:
@@ -78,6 +85,26 @@ def estimate_piece(label: str, modules: list[str], inside: list[Quantized], *, w
                  for layer in piece.hessian_layers), default=0)
     piece.temporary = max(working_set, solve)
     return piece
+
+
+def rotary_width(config: object) -> int:
+    """Values per token of a rotary embedding's cos and sin, which every cut of a decoder holds (0: none)."""
+    text = getattr(config, "text_config", None) or config
+    if not any(getattr(text, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")):
+        return 0
+    heads = getattr(text, "num_attention_heads", 0) or 1
+    head = getattr(text, "qk_rope_head_dim", None) or getattr(text, "head_dim", None) or \
+        getattr(text, "hidden_size", 0) // heads
+    return 2 * int(head or 0)
+
+
+def cut_cache_bytes(tokens: int, element: int, *, hidden: int, widest_read: int, rotary: int, cut: str) -> int:
+    """The activation cache at a run's widest cut, for ``tokens`` calibration tokens. At blocks a cut holds the
+    residual stream; before the layers (``cut="layers"``) also the input of the layer after it, at most
+    ``widest_read`` values (measured on tiny-llama-doc and MiniLM: the down projection's input beside the
+    residual is the widest). Both hold the rotary cos / sin and the index tensors."""
+    values = hidden + (widest_read if cut == "layers" else 0) + rotary
+    return tokens * (values * element + INDEX_BYTES_PER_TOKEN)
 
 
 # -- output size ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,11 @@ from layerwise.model_io.streaming.stream import IN_MEMORY_PEAK, should_stream
 from layerwise.planning.estimate import (
     PieceEstimate,
     Quantized,
+    cut_cache_bytes,
     estimate_piece,
     forward_flops,
     hessian_flops,
+    rotary_width,
     solve_flops,
     stored_weight_bytes,
 )
@@ -54,7 +56,7 @@ from layerwise.runtime.memory_policy import (
     hidden_size,
     offload_to_disk,
 )
-from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION
+from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION, WORKING_SET_FACTOR, plan_placement
 from layerwise.tracing.targets import check_entries, choose_targets, resolve_modules
 
 
@@ -106,6 +108,16 @@ class Plan:
     weight_bytes: int = 0
     output_bytes: int = 0
     cache_bytes: int = 0
+    #: where the sequential pipeline will cut (``layers`` / ``blocks``; ``""``: no data) and why
+    cut: str = ""
+    cut_reason: str = ""
+    #: the widest Linear's larger side (the runtime's working-set rule reads it)
+    widest_linear: int = 0
+    #: on a GPU: what the run will hold there at its peak, and its parts (resident weights, cached
+    #: activations kept there, the largest piece's work); ``None``: not a GPU run, or its memory unknown
+    gpu_peak: int | None = None
+    gpu_peak_parts: tuple[int, int, int] = (0, 0, 0)
+    gpu_placement: str = ""
     baseline_bytes: int = 0
     host_memory: int | None = None
     host_memory_source: str = ""
@@ -126,6 +138,9 @@ class Plan:
     model_free: Any = None
     #: the uncompressed model's second stream of activations (GPTAQ, AutoRound match: model): the cache twice
     reference_stream: bool = False
+    #: the calibration tokens, counted by tokenizing the data as the run will (``None``: not counted, every
+    #: sample taken at ``seq_length``: no tokenizer with the model, or ``compress``'s own checks)
+    tokens_counted: int | None = None
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -177,7 +192,8 @@ def make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike = "
     ``options`` is a :class:`~layerwise.verbs.options.CompressOptions` (everyday arguments folded in).
     ``gpu_memory`` / ``host_memory`` (bytes) plan for another machine; ``serve_on`` names the GPU the
     output will be served on (:data:`~layerwise.planning.hardware.GPUS`). ``measure=False`` leaves out
-    the matmul measurement (``compress`` checks without timing).
+    the matmul measurement and the count of the calibration tokens (``compress`` checks without them:
+    every sample is then counted at ``max_seq_length``, an upper bound).
 
     The garbage collector is paused meanwhile: a 671B MoE model on meta is ~60,000 modules, and the
     collections its building and walking trigger each traverse all of them (half the plan's time).
@@ -235,15 +251,27 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
     needs_data = any(m.requires_data for m in modifiers)
     plan.seq_length = calibration.max_seq_length or default_max_seq_length(model)
     plan.samples = calibration.num_calibration_samples if needs_data else 0
+    if needs_data and isinstance(dataset, (list, tuple)):  # samples given as such: the run takes at most these
+        plan.samples = min(plan.samples, len(dataset))
     tokens = plan.samples * plan.seq_length
+    counted = _count_tokens(plan, dataset, calibration, safety.trust_remote_code) if needs_data and measure else None
+    if counted is not None:
+        plan.samples, tokens = counted
+        plan.tokens_counted = tokens
     element = torch.empty((), dtype=plan.dtype).element_size()
     hidden = hidden_size(model.config) if hasattr(model, "config") else 0
     plan.reference_stream = any(getattr(m, "needs_reference_inputs", False) for m in modifiers)
-    plan.cache_bytes = cache_bytes(tokens, hidden, element) * (2 if plan.reference_stream else 1)
+    if needs_data:
+        plan.cut, plan.cut_reason = _cut(modifiers, plan.layers, calibration)
+    widest_read = max((layer.columns for layer in plan.layers.values()), default=hidden)
+    plan.cache_bytes = cut_cache_bytes(tokens, element, hidden=hidden, widest_read=widest_read, cut=plan.cut,
+                                       rotary=rotary_width(model.config) if hasattr(model, "config") else 0) \
+        * (2 if plan.reference_stream else 1)
     plan.targets_per_piece = calibration.targets_per_subgraph
     awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
-    plan.pieces = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers, dtype=plan.dtype,
-                          seq_length=plan.seq_length if needs_data else 0, hidden=hidden, awq_tokens=awq_tokens)
+    plan.pieces, plan.widest_linear = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers,
+                                              dtype=plan.dtype, seq_length=plan.seq_length if needs_data else 0,
+                                              hidden=hidden, awq_tokens=awq_tokens)
     plan.weight_bytes = sum(piece.weights for piece in plan.pieces)
     quantized = [layer for layer in plan.layers.values() if layer.weights is not None]
     plan.output_bytes = plan.weight_bytes + sum(stored_weight_bytes(layer, element) - layer.rows * layer.columns
@@ -291,15 +319,17 @@ def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers
 
 
 def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_piece: int, layers: dict[str, Quantized],
-            **sizes: Any) -> list[PieceEstimate]:
-    """One estimate per piece: ``per_piece`` consecutive targets, then the rest of the model. Parameters,
-    Linear widths and compressed layers go to their piece by their names' prefixes, in one pass each."""
+            **sizes: Any) -> tuple[list[PieceEstimate], int]:
+    """One estimate per piece: ``per_piece`` consecutive targets, then the rest of the model (run only when it
+    holds a compressed layer), and the widest Linear's larger side. Parameters, Linear widths and compressed
+    layers go to their piece by their names' prefixes, in one pass each."""
     names = list(targets)
     group_of = {name: position // per_piece for position, name in enumerate(names)}
     size = torch.empty((), dtype=sizes["dtype"]).element_size()
     weights: dict[int, int] = {}
     members: dict[int, list[str]] = {}
     widest: dict[int, int] = {}
+    widest_linear = 0
     module_group: dict[str, int] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():  # parents first: a module's piece is its own or its parent's
@@ -307,6 +337,7 @@ def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_pie
         module_group[name] = group
         if isinstance(module, torch.nn.Linear):
             widest[group] = max(widest.get(group, 0), int(module.weight.shape[0]))
+            widest_linear = max(widest_linear, *(int(d) for d in module.weight.shape[:2]))
         for param in module._parameters.values():  # a tied parameter once, as a checkpoint holds it
             if param is None or id(param) in seen:
                 continue
@@ -329,7 +360,8 @@ def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_pie
         pieces.append(estimate_piece("the rest (embeddings, head, ...)" if names else "the whole model",
                                      members.get(-1, [""]), held.get(-1, []), weights=weights.get(-1, 0),
                                      widest=widest.get(-1, 0), **sizes))
-    return pieces
+        pieces[-1].runs = not names or bool(held.get(-1))
+    return pieces, widest_linear
 
 
 def group_of_module(name: str, group_of: dict[str, int]) -> int:
@@ -354,7 +386,7 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
     on_gpu = gpu_memory is not None or (placement.device or "").startswith("cuda") or (
         placement.device is None and torch.cuda.is_available())
     plan.device = "cuda" if on_gpu else "cpu"
-    work = max((p.activations + p.statistics + p.temporary for p in plan.pieces), default=0)
+    work = max((p.activations + p.statistics + p.temporary for p in plan.pieces if p.runs), default=0)
     largest_piece = max((p.weights for p in plan.pieces), default=0)
     quantized_out = plan.output_bytes - plan.weight_bytes + sum(
         layer.rows * layer.columns * torch.empty((), dtype=plan.dtype).element_size()
@@ -386,7 +418,10 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
         weights = "memory"
     offload = placement.offload
     if offload == "auto":
-        offload = "disk" if offload_to_disk(plan.cache_bytes, plan.host_memory) else "cpu"
+        runtime_estimate = cache_bytes(plan.samples * plan.seq_length, hidden_size(getattr(model, "config", None)),
+                                       torch.empty((), dtype=plan.dtype).element_size())
+        offload = "disk" if offload_to_disk(runtime_estimate * (2 if plan.reference_stream else 1),
+                                            plan.host_memory) else "cpu"
         plan.auto_note += f"; offload auto -> {offload} (disk when the cache exceeds half the memory)"
     offload = offload if needs_data else "cpu"
     plan.chosen = next((c for c in plan.choices if c.weights == weights and c.offload == offload), None)
@@ -404,11 +439,67 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
             free = free_memory(torch.device(placement.device or "cuda"))
         if free is not None:
             plan.gpu_budget = int(free * DEVICE_MEMORY_FRACTION)
+            _gpu_peak(plan, free, largest_piece, work, streamed=weights == "stream")
             largest = max(plan.pieces, key=lambda p: p.total)
             if largest.total > plan.gpu_budget:
                 plan.error(f"piece {largest.label} needs ~{_gib(largest.total)} on the GPU, over "
                            f"{DEVICE_MEMORY_FRACTION:.0%} of {_gib(free)}: fewer targets per piece, a shorter "
                            f"max_seq_length, or a larger GPU", "memory")
+
+
+def _count_tokens(plan: Plan, dataset: Any, calibration: Any, trust_remote_code: bool) -> tuple[int, int] | None:
+    """The samples and tokens the run will calibrate on, read and tokenized as it reads them (seconds for
+    thousands of samples); ``None`` when that needs a tokenizer the model folder does not have."""
+    from layerwise.model_io.calibration_data import batches_from_records, load_records
+    from layerwise.model_io.loading import load_tokenizer
+
+    if dataset is None:
+        return None
+    with plan.checking():
+        records = load_records(dataset)
+        tokenizer = calibration.tokenizer
+        needs_tokenizer = bool(records) and not isinstance(records[0], Mapping)
+        if tokenizer is None and needs_tokenizer and os.path.isdir(os.path.expanduser(plan.model)):
+            tokenizer = load_tokenizer(plan.model, trust_remote_code)
+        if tokenizer is None and needs_tokenizer:
+            return None
+        batches = batches_from_records(records, tokenizer, calibration.num_calibration_samples, plan.seq_length,
+                                       calibration.packing, source=dataset, chat_template=calibration.chat_template)
+        return len(batches), sum(int(b["input_ids"].numel()) if "input_ids" in b else plan.seq_length
+                                 for b in batches)
+    return None
+
+
+def _gpu_peak(plan: Plan, free: int, largest_piece: int, work: int, *, streamed: bool) -> None:
+    """What the run will hold on the GPU at its peak: the runtime's own placement rule
+    (:func:`~layerwise.runtime.placement.plan_placement`) for the weights and the cached activations kept
+    there, and the largest piece's work beside them."""
+    working_set = WORKING_SET_FACTOR * plan.seq_length * max(plan.widest_linear, 1) * 4
+    device = torch.device("cuda")
+    placement = plan_placement(device, plan.weight_bytes, plan.weight_bytes, working_set, free_bytes=free,
+                               can_move=not streamed)
+    if not placement.weights_moved:
+        placement = plan_placement(device, plan.weight_bytes, largest_piece, working_set, free_bytes=free,
+                                   can_move=not streamed)
+    resident = plan.weight_bytes if placement.weights_moved else largest_piece
+    cached = min(plan.cache_bytes, placement.cache_budget)
+    plan.gpu_peak, plan.gpu_peak_parts, plan.gpu_placement = resident + cached + work, (resident, cached, work), \
+        placement.reason
+
+
+def _cut(modifiers: list, layers: dict[str, Quantized], calibration: Any) -> tuple[str, str]:
+    """Where ``sequential`` will cut, by the rule of its ``layers_read`` as far as the recipe tells (the layer cut
+    also needs the model to trace that finely and replay exactly, which only the run checks)."""
+    if calibration.pieces == "blocks":
+        return "blocks", "asked for (pieces='blocks')"
+    if not calibration.propagate_error or calibration.targets_per_subgraph > 1:
+        return "blocks", "propagate_error=False" if not calibration.propagate_error else "several targets per piece"
+    whole = [type(m).__name__ for m in modifiers if getattr(m, "needs_uncompressed_block", False)]
+    if whole:
+        return "blocks", f"{', '.join(whole)} needs whole blocks"
+    if not any(layer.hessian or (layer.inputs is not None and not layer.inputs.dynamic) for layer in layers.values()):
+        return "blocks", "no modifier reads layer inputs"
+    return "layers", "the modifiers read only layer inputs (blocks if the model does not trace that finely)"
 
 
 def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, output_dir: Any,
@@ -480,9 +571,7 @@ def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool,
     """FLOPs per phase and the rates to turn them into seconds."""
     hessian_layers = [layer for layer in plan.layers.values() if layer.hessian]
     if needs_data:
-        blocks = calibration.pieces == "blocks" or (
-            calibration.pieces == "auto" and any(getattr(m, "needs_uncompressed_block", False) for m in modifiers))
-        passes = 2 if blocks and calibration.propagate_error else 1
+        passes = 2 if plan.cut == "blocks" and calibration.propagate_error else 1
         layers = max(1, len(plan.pieces) - 1)
         plan.flops["forwards"] = passes * forward_flops(model, tokens, plan.seq_length, layers, hidden)
     if hessian_layers:
@@ -586,7 +675,8 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
     lines.append(f"patch:       {plan.patch or 'none'}")
     lines.append(f"targets:     {plan.targets_found or 'none'}")
     lines.append(f"ignore:      {', '.join(plan.ignore) or 'nothing'}")
-    lines.append(f"cut:         {len(plan.pieces)} pieces ({plan.targets_per_piece} target(s) each, then the rest)")
+    lines.append(f"cut:         {len(plan.pieces)} pieces ({plan.targets_per_piece} target(s) each, then the rest)"
+                 + (f"; the run cuts at {plan.cut}: {plan.cut_reason}" if plan.cut else ""))
     for owner, mappings in plan.mappings.items():
         lines.append(f"mappings:    {owner}: {len(mappings)} resolved, e.g. {mappings[0]}")
     if plan.layers:
@@ -595,8 +685,14 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
             key = describe_scheme(layer.weights, layer.inputs) if layer.weights is not None else "pruned"
             by_scheme[key] = by_scheme.get(key, 0) + 1
         lines.append("layers:      " + "; ".join(f"{count} x {key}" for key, count in by_scheme.items()))
-    lines.append(f"data:        {plan.samples} samples x {plan.seq_length} tokens" if plan.samples else
-                 "data:        none (a data-free recipe)")
+    if not plan.samples:
+        lines.append("data:        none (a data-free recipe)")
+    elif plan.tokens_counted is not None:
+        lines.append(f"data:        {plan.samples} samples, {plan.tokens_counted:,} tokens (tokenized now, at most "
+                     f"{plan.seq_length} each)")
+    else:
+        lines.append(f"data:        {plan.samples} samples x {plan.seq_length} tokens (each counted at its most: "
+                     f"no tokenizer to count them)")
     lines.append("memory per piece on the execution device (weights + activations in flight + statistics + "
                  "largest temporary):")
     shown = plan.pieces if len(plan.pieces) <= pieces_shown else [*plan.pieces[:pieces_shown - 1], plan.pieces[-1]]
@@ -607,6 +703,10 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
                      f"{_gib(piece.statistics)} + {_gib(piece.temporary)}")
     if plan.gpu_budget is not None:
         lines.append(f"GPU budget:  {_gib(plan.gpu_budget)} ({DEVICE_MEMORY_FRACTION:.0%} of its free memory)")
+    if plan.gpu_peak is not None:
+        resident, cached, work = plan.gpu_peak_parts
+        lines.append(f"GPU peak:    ~{_gib(plan.gpu_peak)} = weights {_gib(resident)} + cached activations "
+                     f"{_gib(cached)} + the largest piece's work {_gib(work)} ({plan.gpu_placement})")
     stream = " (two streams: the uncompressed model's beside the compressed one)" if plan.reference_stream else ""
     lines.append(f"cache:       {_gib(plan.cache_bytes)} of activations at a cut{stream}" if plan.samples else
                  "cache:       none")

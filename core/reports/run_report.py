@@ -48,6 +48,8 @@ class CompressionReport:
     peak_gpu_bytes: int | None = None
     #: what rested on the execution device and why (weights moved once, or onloaded piece by piece)
     placement: str = ""
+    #: the most bytes of cached activations held in memory at once (0: no cache, or a pipeline without one)
+    cache_peak_bytes: int = 0
     #: the calibration data: ``description`` and ``sha256`` (empty when not recorded)
     calibration_data: dict[str, Any] = field(default_factory=dict)
     #: the report card (:meth:`layerwise.reports.quality.QualityReport.to_dict`) once the model was evaluated

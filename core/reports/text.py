@@ -242,6 +242,8 @@ def memory_text(report: Any) -> str:
              f"peak RSS {report.peak_rss_bytes / 2**30:.2f} GiB"]
     if report.peak_gpu_bytes is not None:
         parts.append(f"peak GPU {report.peak_gpu_bytes / 2**30:.2f} GiB")
+    if getattr(report, "cache_peak_bytes", 0):
+        parts.append(f"cached activations at most {report.cache_peak_bytes / 2**30:.2f} GiB")
     return ", ".join(parts)
 
 

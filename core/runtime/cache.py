@@ -171,6 +171,8 @@ class IntermediatesCache:
         self._values: dict[int, dict[str, Any]] = {}
         self._freed = FreedBytes()  # freed values' memory goes back to the system, not only to the heap
         self._held = 0  # bytes of the values held in memory (for the trim's step)
+        #: the most bytes of values held in memory at once, host and execution device (what a plan forecasts)
+        self.peak_bytes = 0
         self._dir: str | None = None
         self._counter = 0
         if self.disk:
@@ -196,6 +198,7 @@ class IntermediatesCache:
                 all(t.device == self.execution_device for t in _tensors(value)):
             self._on_device += on_device  # it stays where it was computed
             self._values.setdefault(batch, {})[name] = value
+            self.peak_bytes = max(self.peak_bytes, self._held + self._on_device)
             return
         if on_device:
             self.spilled += 1
@@ -209,6 +212,7 @@ class IntermediatesCache:
         else:
             stored = _map_tensors(value, lambda t: _to_host(t, self.offload_device))
             self._held += tensor_bytes(stored, device_type="cpu")
+            self.peak_bytes = max(self.peak_bytes, self._held + self._on_device)
         self._values.setdefault(batch, {})[name] = stored
 
     def update(self, batch: int, values: Mapping[str, Any]) -> None:

@@ -266,6 +266,7 @@ def compress(
             model=source or type(model).__name__, recipe=recipe_to_yaml(modifiers), sequential_targets=targets,
             fallbacks=fallbacks, guards_retraced=list(state.guards_retraced), skipped_non_finite=skipped,
             pieces=state.pieces, accounting=state.accounting.as_dict(), placement=state.placement,
+            cache_peak_bytes=state.cache_peak,
             calibration_data=describe_data(dataset) if needs_data else {},
             weights=f"stream ({weights_note})" if stream is not None else "memory",
             activations=offload_note, options=options.as_dict(),

@@ -155,6 +155,8 @@ class SequentialPipeline(Pipeline):
                     run.layers() if at_layers else run.blocks()
                     run.leftovers()
             finally:
+                if hasattr(lifecycle.state, "cache_peak"):
+                    lifecycle.state.cache_peak = cache.peak_bytes + (reference.peak_bytes if reference else 0)
                 cache.close()
                 if reference is not None:
                     reference.close()

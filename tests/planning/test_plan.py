@@ -8,7 +8,8 @@ import torch
 import layerwise
 from layerwise.cli import main
 from layerwise.planning.estimate import forward_flops
-from layerwise.planning.plan import PlanError
+from layerwise.planning.plan import PlanError, plan_lines
+from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION, WORKING_SET_FACTOR
 
 GROUP32 = "{QuantizationModifier: {scheme: W4A16, group_size: 32}}"
 
@@ -142,8 +143,8 @@ def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir
 def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_expert_build(tmp_path):
     """A DeepSeek-V3-shaped config (one dense layer, then MoE layers of 16 routed experts and a shared one, MLA),
     config only: the experts unfused on meta without ``nn.Module.__init__`` (model_zoo.moe._built) and the piece
-    accounting's single pass give the per-piece memory, layer count, FLOPs and choices that b765e21 (before both)
-    reported for the same plan."""
+    accounting's single pass give the per-piece memory, layer count and FLOPs that b765e21 (before both)
+    reported for the same plan; the choices' cache is the layer cut's (residual + the dense MLP's input + rotary)."""
     import transformers
 
     config = transformers.DeepseekV3Config(
@@ -154,7 +155,7 @@ def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_ex
         architectures=["DeepseekV3ForCausalLM"])
     config.save_pretrained(tmp_path / "ds")
     plan = layerwise.plan(str(tmp_path / "ds"), "{GPTQModifier: {scheme: W4A16, group_size: 16}}",
-                          dataset=["a b c d"] * 4, gpu_memory=80 * 2**30,
+                          dataset=["a b c d"] * 512, gpu_memory=80 * 2**30,
                           host_memory=256 * 2**30, serve_on="H100")
     assert plan.ok and len(plan.layers) == 176 and list(plan.targets) == ["DeepseekV3DecoderLayer"]
     assert [[p.label, p.weights, p.activations, p.statistics, p.temporary] for p in plan.pieces] == [
@@ -164,7 +165,7 @@ def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_ex
     assert (plan.weight_bytes, plan.output_bytes) == (839168, 315392)
     assert plan.flops == {"forwards": 139854872576.0, "Hessians": 143881404416.0, "solves": 44018248.0}
     assert [[c.weights, c.offload, c.host_peak - plan.baseline_bytes, c.disk, c.fits] for c in plan.choices] == [
-        ["memory", "cpu", 51170816, 0, True], ["memory", "disk", 1081344, 50331648, True]]
+        ["memory", "cpu", 57462272, 0, True], ["memory", "disk", 1081344, 56623104, True]]
 
 
 def test_a_kv_cache_is_planned_with_its_serving_and_a_second_stream_doubles_the_cache(bf16_llama_dir, tmp_path,
@@ -212,3 +213,55 @@ def test_a_model_free_plan_builds_no_model_and_forecasts_the_run(tmp_path):
     # too little memory for the workers: the plan (and its exit status) says so before any work
     small = layerwise.plan(str(folder), G32, options=options, host_memory=plan.baseline_bytes // 2)
     assert not small.ok and "model-free run needs" in small.errors[0]
+
+
+@pytest.mark.parametrize("pieces", ["layers", "blocks"])
+def test_the_planned_cache_is_what_the_run_holds_at_its_widest_cut(pieces):
+    """At blocks a cut holds the residual stream (and rotary cos / sin, token ids); before the layers also the
+    down projection's input beside it, four times as wide here: the plan tells the two apart."""
+    from tests.conftest import build_tiny_llama
+
+    model = build_tiny_llama(intermediate_size=256)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 128, (1, 32), generator=generator)} for _ in range(16)]
+    recipe = "{GPTQModifier: {scheme: W4A16, group_size: 32}}"
+    options = layerwise.CompressOptions.of(pieces=pieces)
+    plan = layerwise.plan(model, recipe, dataset=data, max_seq_length=32, options=options)
+    report = layerwise.compress(model, recipe, dataset=data, max_seq_length=32, options=options,
+                                show_progress=False).layerwise_report
+    assert plan.cut == pieces and report.pieces.startswith(pieces)
+    assert report.cache_peak_bytes > 0
+    assert abs(plan.cache_bytes / report.cache_peak_bytes - 1) < 0.1, (plan.cache_bytes, report.cache_peak_bytes)
+
+
+def test_the_gpu_peak_follows_the_runtime_placement_rule(bf16_llama_dir):
+    """Room for everything: the weights move once and the cache stays on the GPU; a GPU too small for the cache
+    keeps only what the budget leaves (the rest spills to CPU memory), its peak under the budget."""
+    data = [{"input_ids": torch.randint(0, 100, (1, 64))} for _ in range(64)]
+    recipe = "{GPTQModifier: {scheme: W4A16, group_size: 32}}"
+    roomy = layerwise.plan(str(bf16_llama_dir), recipe, dataset=data, max_seq_length=64, gpu_memory=2**34)
+    resident, cached, work = roomy.gpu_peak_parts
+    assert roomy.cut == "layers" and resident == roomy.weight_bytes and cached == roomy.cache_bytes > 0
+    assert roomy.gpu_peak == resident + cached + work and work == max(
+        p.activations + p.statistics + p.temporary for p in roomy.pieces if p.runs)
+    working_set = WORKING_SET_FACTOR * 64 * roomy.widest_linear * 4  # the runtime's rule for a piece's temporaries
+    free = int((roomy.weight_bytes + roomy.cache_bytes // 2 + working_set) / DEVICE_MEMORY_FRACTION)
+    tight = layerwise.plan(str(bf16_llama_dir), recipe, dataset=data, max_seq_length=64, gpu_memory=free)
+    assert tight.gpu_peak_parts[0] == roomy.weight_bytes
+    assert abs(tight.gpu_peak_parts[1] - roomy.cache_bytes // 2) <= 8
+    assert roomy.gpu_peak is not None and layerwise.plan(str(bf16_llama_dir), recipe, dataset=data).gpu_peak is None
+
+
+def test_the_plan_counts_the_tokens_of_short_samples_as_the_run_reads_them(tiny_llama_dir, tmp_path):
+    """Chunks shorter than max_seq_length: the plan tokenizes the data with the folder's tokenizer, so its cache is
+    the run's, not every sample taken at its longest (which the plan falls back to without a tokenizer)."""
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 90}" for j in range(5 + 3 * i)) for i in range(16)))
+    recipe = "{GPTQModifier: {scheme: W4A16, group_size: 32}}"
+    plan = layerwise.plan(str(tiny_llama_dir), recipe, dataset=str(text), max_seq_length=64)
+    report = layerwise.compress(str(tiny_llama_dir), recipe, dataset=str(text), max_seq_length=64,
+                                show_progress=False).layerwise_report
+    assert plan.samples == report.calibration_samples > 1
+    assert plan.tokens_counted is not None and plan.tokens_counted < plan.samples * 64
+    assert abs(plan.cache_bytes / report.cache_peak_bytes - 1) < 0.1, (plan.cache_bytes, report.cache_peak_bytes)
+    assert "tokenized now" in "\n".join(plan_lines(plan))

@@ -80,6 +80,18 @@ def test_free_drops_consumed_values_and_size_falls(offload, tmp_path):
         assert torch.equal(cache.get(2, "b"), cache.get(2, "b"))
 
 
+def test_the_peak_is_the_most_held_at_once_not_the_sum_of_everything_stored():
+    """What a plan's cache forecast is checked against: a value freed before the next is stored does not add up."""
+    with IntermediatesCache() as cache:
+        for batch in range(4):
+            cache.put(batch, "wide", torch.zeros(16, 64))  # 4 KiB each
+        held = cache.memory_bytes()
+        cache.free(["wide"])
+        for batch in range(4):
+            cache.put(batch, "narrow", torch.zeros(16, 16))
+        assert cache.peak_bytes == held == 4 * 16 * 64 * 4
+
+
 def test_disk_cache_writes_files_loads_lazily_and_removes_them(tmp_path):
     cache = IntermediatesCache(offload="disk", offload_dir=tmp_path)
     folder = cache.directory
