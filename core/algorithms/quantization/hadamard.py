@@ -5,18 +5,27 @@ is ``(-1) ** popcount(i & j)``, the matrix is symmetric and ``H H^T = n I``. com
 ``hadamard`` transform type builds the same matrix (its ``deterministic_hadamard_matrix``), so a
 rotation saved under that type is regenerated on load from its size alone.
 
-:func:`fwht` multiplies by ``H / sqrt(n)`` in ``n log2 n`` additions instead of a ``n x n`` product:
-the online rotations run it on every token at inference. With ``block`` it applies the
+:func:`fwht` multiplies by ``H / sqrt(n)`` without the ``n x n`` product: Sylvester's matrix is the
+Kronecker product of smaller ones (``H_ab = H_a (x) H_b``, the index bits split between them), so
+``x H`` is ``x`` viewed as ``(a, b)`` times ``H_b`` on one side and ``H_a`` on the other: two small
+matrix products (``2 (a + b)`` operations per entry, 128 for ``n = 1024``) that run at the BLAS's
+speed, against ``n`` per entry for the full product and the ``log2 n`` passes over memory of the
+butterflies (3-4x slower than the two products at ``n = 1024`` on a CPU). The online rotations run it
+on every token at inference. With ``block`` it applies the
 block-diagonal matrix of ``H_block`` blocks (compressed-tensors' ``head_dim``), which is how a width
 that is not a power of two (Llama-2-7B's 11008 = 43 x 256) still gets an exact, orthogonal rotation.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
+
+#: the largest Sylvester matrix :func:`fwht` multiplies by at once (larger sizes use several factors)
+LARGEST_FACTOR = 64
 
 
 class HadamardSizeError(ValueError):
@@ -65,20 +74,22 @@ def fwht(x: Tensor, block: int | None = None) -> Tensor:
     """
     width = x.shape[-1]
     size = check_block(width, block)
-    source = x.reshape(-1, size).contiguous()
-    first = second = None
-    h = 1
-    while h < size:  # butterflies of entries h apart, written into a buffer (the input is never written)
-        if first is None:
-            first = target = torch.empty_like(source)
-        elif second is None:
-            second = target = torch.empty_like(source)
-        else:
-            target = second if source is first else first
-        pairs, into = source.view(-1, size // (2 * h), 2, h), target.view(-1, size // (2 * h), 2, h)
-        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
-        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
-        source = target
-        h *= 2
-    y = source
+    y = x.reshape(-1, size)
+    inner = 1  # the factors applied so far, the trailing index bits
+    for factor in kronecker_factors(size):
+        h = _sylvester(factor, y.dtype, y.device)
+        y = y.reshape(-1, factor) @ h if inner == 1 else torch.matmul(h, y.reshape(-1, factor, inner))
+        inner *= factor
     return (y.reshape(x.shape) / math.sqrt(size)).to(x.dtype)
+
+
+def kronecker_factors(size: int) -> list[int]:
+    """Powers of two multiplying to ``size``, as even as can be and none above :data:`LARGEST_FACTOR`."""
+    bits = size.bit_length() - 1
+    count = max(1, -(-bits // (LARGEST_FACTOR.bit_length() - 1)))
+    return [1 << (bits // count + (i < bits % count)) for i in range(count)]
+
+
+@functools.lru_cache(maxsize=64)
+def _sylvester(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return hadamard_matrix(n, dtype).to(device)
