@@ -64,6 +64,10 @@ class RotationLayout:
     #: ``(value pattern, output pattern)``: the attention's ``v_proj`` and the ``o_proj`` reading its heads, for
     #: a Hadamard per head folded into both (SpinQuant's R2; ``RotationModifier.heads``)
     heads: tuple[str, ...] = ()
+    #: ``(scale pattern, online pattern)``: the Linear whose output multiplies an online layer's input elementwise
+    #: (the MLP's ``up_proj``) and that layer, for random signs folded into both, which make the online Hadamard a
+    #: random one (``RotationModifier.online_signs``)
+    online_signs: tuple[str, ...] = ()
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
@@ -76,6 +80,7 @@ LLAMA_LIKE = RotationLayout(
     writers=("re:.*self_attn\\.o_proj$", "re:.*mlp\\.down_proj$"),
     online=("re:.*mlp\\.down_proj$",),
     heads=("re:.*self_attn\\.v_proj$", "re:.*self_attn\\.o_proj$"),
+    online_signs=("re:.*mlp\\.up_proj$", "re:.*mlp\\.down_proj$"),
 )
 
 
