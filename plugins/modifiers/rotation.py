@@ -14,10 +14,12 @@ untied (the final norm is folded into it, not into the embeddings), and the save
 (``down_proj``): folded into its weight, and run on its input at inference
 (:mod:`~layerwise.algorithms.quantization.online_rotation`), before the quantizers calibrate, so
 they see the rotated inputs. It is what 4-bit activations (W4A4) need; the saver writes it to
-config.json as compressed-tensors' ``transform_config``. With ``online_signs`` (the default) that Hadamard is
-a random one, as in QuaRot and SpinQuant: random signs folded into ``up_proj``'s rows and ``down_proj``'s
-columns first (the layout's ``online_signs``), nothing more to run at inference
-(:func:`~layerwise.algorithms.quantization.online_rotation.flip_online_signs`). ``heads: true`` also folds a Hadamard per
+config.json as compressed-tensors' ``transform_config``. ``online_signs: true`` makes that Hadamard a
+random one, as SpinQuant's ``random-hadamard`` R4 is: random signs folded into ``up_proj``'s rows and
+``down_proj``'s columns first (the layout's ``online_signs``), nothing more to run at inference
+(:func:`~layerwise.algorithms.quantization.online_rotation.flip_online_signs`). Off by default: on
+tiny-llama-doc at W4A4 it moved neither the perplexity nor the KL beyond the seed-to-seed spread
+(BENCHMARKS.md, "Rotation parity"). ``heads: true`` also folds a Hadamard per
 attention head into ``v_proj`` and ``o_proj`` (SpinQuant's R2: ``o_proj``'s inputs spread out, nothing
 online), where the layout declares ``heads``.
 """
@@ -53,7 +55,7 @@ class RotationModifier(Modifier):
     """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``;
     with ``heads``, also each attention head's values by a Hadamard folded into ``v_proj`` and ``o_proj``; with
     ``online``, the inputs of the layout's online layers by a Hadamard (of ``block_size``, default their width)
-    at run time, made random by signs folded into the layers feeding them (``online_signs``, drawn with ``seed``)."""
+    at run time, made random by ``online_signs`` folded into the layers feeding them (drawn with ``seed``)."""
 
     requires_data: ClassVar[bool] = False
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
@@ -67,7 +69,7 @@ class RotationModifier(Modifier):
     online: bool = False
     block_size: int | None = None
     heads: bool = False
-    online_signs: bool = True
+    online_signs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

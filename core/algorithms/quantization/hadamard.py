@@ -28,6 +28,10 @@ from torch import Tensor
 LARGEST_FACTOR = 64
 
 
+#: compressed-tensors' library of Hadamard matrices (N. J. A. Sloane's, orders 1 to 256 divisible by 4), a data file
+LIBRARY = ("compressed_tensors", "transform/utils/hadamards.safetensors")
+
+
 class HadamardSizeError(ValueError):
     """No Hadamard transform of the asked size is built here (only powers of two)."""
 
@@ -65,6 +69,46 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> Tensor:
         parity ^= bits & 1
         bits = bits >> 1
     return (1 - 2 * parity).to(dtype)
+
+
+def known_hadamard(n: int) -> Tensor:
+    """A Hadamard matrix of order ``n`` (float64, entries +-1): ``K^T (x) H_m``, ``K`` the largest matrix of
+    compressed-tensors' library whose order ``k`` leaves ``m = n / k`` a power of two, ``H_m`` Sylvester's. It is
+    the matrix compressed-tensors' ``random_hadamard_matrix`` multiplies its random signs by (tested), read from its
+    data file without importing compressed-tensors (0.3-0.5 s, inside the compress call on tiny-llama-doc)."""
+    for order in _library_orders():
+        if n % order == 0 and is_power_of_two(n // order):
+            return torch.kron(_library_matrix(order).t().contiguous(), hadamard_matrix(n // order))
+    raise HadamardSizeError(f"no Hadamard matrix of order {n} is known here (orders k * 2^j, k a multiple of 4 up to "
+                            f"256 or 1)")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_path() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(LIBRARY[0])  # finds the package without running its __init__
+    if spec is None or spec.origin is None:
+        raise HadamardSizeError(f"{LIBRARY[0]} is not installed: its library of Hadamard matrices builds the orders "
+                                f"that are not powers of two")
+    return str(Path(spec.origin).parent / LIBRARY[1])
+
+
+@functools.lru_cache(maxsize=1)
+def _library_orders() -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    with safe_open(_library_path(), framework="pt") as file:
+        return tuple(sorted((int(key) for key in file.keys()), reverse=True))  # noqa: SIM118 - not a dict
+
+
+@functools.lru_cache(maxsize=8)
+def _library_matrix(order: int) -> Tensor:
+    from safetensors import safe_open
+
+    with safe_open(_library_path(), framework="pt") as file:
+        return file.get_tensor(str(order)).to(torch.float64)
 
 
 def fwht(x: Tensor, block: int | None = None) -> Tensor:
