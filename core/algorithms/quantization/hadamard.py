@@ -14,6 +14,9 @@ butterflies (3-4x slower than the two products at ``n = 1024`` on a CPU). The on
 on every token at inference. With ``block`` it applies the
 block-diagonal matrix of ``H_block`` blocks (compressed-tensors' ``head_dim``), which is how a width
 that is not a power of two (Llama-2-7B's 11008 = 43 x 256) still gets an exact, orthogonal rotation.
+
+:func:`known_hadamard` builds the Hadamards of other orders (hidden 384 = 192 x 2, 3584 = 224 x 16) for the
+folded residual rotation, from the library of known matrices compressed-tensors ships.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from torch import Tensor
 LARGEST_FACTOR = 64
 
 
-#: compressed-tensors' library of Hadamard matrices (N. J. A. Sloane's, orders 1 to 256 divisible by 4), a data file
+#: compressed-tensors' library of Hadamard matrices (N. J. A. Sloane's; orders 1, 2 and the multiples of 4 up to 256),
+#: a data file in its package
 LIBRARY = ("compressed_tensors", "transform/utils/hadamards.safetensors")
 
 
 class HadamardSizeError(ValueError):
-    """No Hadamard transform of the asked size is built here (only powers of two)."""
+    """No Hadamard matrix or transform of the asked size is built here."""
 
 
 def is_power_of_two(n: int) -> bool:
