@@ -23,7 +23,8 @@ A random rotation's draw moves W4A4's perplexity by as much as the gaps between 
 ``--seeds 0,1,2,3,4`` runs every rotating configuration once per seed (layerwise's ``RotationModifier.seed``;
 llm-compressor's transforms draw from a ``torch.Generator`` it never seeds, so the same matrices every
 run, unless ``--seed-theirs`` seeds that generator with each seed too) and adds a row of means per
-method, then the ratios of the means of R1+R4 + GPTQ to SpinQuant R1+R4 + GPTQ's.
+method, then the ratios of the means of R1+R4 + GPTQ to SpinQuant R1+R4 + GPTQ's. ``--theirs`` picks which of
+llm-compressor's methods run (all by default).
 
     LLMCOMPRESSOR_PYTHON=/tmp/llmc/bin/python python bench/rotation_bench.py --samples 16 --eval 16 \
         --threads 1 --llmcompressor
@@ -183,8 +184,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--eval", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds of the random rotations (R1, R4's signs)")
+    parser.add_argument("--seed", type=int, default=0, help="the random rotations' seed (one run)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, a run per seed and their means")
     parser.add_argument("--seed-theirs", action="store_true",
                         help="seed llm-compressor's transforms with each seed too (else its fixed default draw)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated: " + ", ".join(SCHEMES))
@@ -198,7 +199,7 @@ def main() -> None:
         child = child_llmcompressor if args.child in THEIRS else child_layerwise
         print("RESULT " + json.dumps(child(args.child, args.scheme, args)))
         return
-    args.seed_list = [int(seed) for seed in args.seeds.split(",") if seed]
+    args.seed_list = [int(seed) for seed in args.seeds.split(",") if seed] if args.seeds else [args.seed]
     results = {("fp32", ""): [(0, run("fp32", "", 0, args))]}
     methods = [m for m in args.methods.split(",") if m] + ([m for m in args.theirs.split(",") if m] if args.llmcompressor else [])
     for scheme in [s for s in args.schemes.split(",") if s]:
