@@ -48,6 +48,7 @@ from layerwise.algorithms.quantization.mappings import (
 from layerwise.algorithms.quantization.observer import Observer
 from layerwise.algorithms.quantization.online_rotation import (
     OnlineRotationError,
+    flip_online_signs,
     online_hadamards,
     rotate_inputs_online,
     transform_config,
@@ -116,6 +117,7 @@ __all__ = [
     "expand_qparams",
     "fake_quantize",
     "find_attention_modules",
+    "flip_online_signs",
     "fp4_codes",
     "fused_groups",
     "fused_sets",

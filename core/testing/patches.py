@@ -9,7 +9,8 @@
    and, per modality, scaling every resolved mapping by random positive scales leaves the outputs
    unchanged (a reader of the smoothed output left out, or a norm that is not an input norm, shows);
    with a ``rotation_layout``, rotating the residual stream, the inputs of its ``online`` layers by an
-   online Hadamard and its attention ``heads``, leaves the outputs unchanged too;
+   online Hadamard (with the random signs of ``online_signs``) and its attention ``heads``, leaves the
+   outputs unchanged too;
 5. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
    forward calls, plus one, each target its own call; the replay equals the plain forward
    (<= 1e-5 relative), else a function needs ``opaque_functions`` or a module ``leaf_modules``;
@@ -228,9 +229,11 @@ def _check_mappings_exact(patch: ModelPatch, model: torch.nn.Module, modality: s
 
 def _check_rotation_exact(patch: ModelPatch, model: torch.nn.Module, modality: str, inputs: dict[str, Any]) -> None:
     """Rotating a copy's residual stream (norms folded, a random orthogonal matrix) and, where the layout
-    lists them, the inputs of its online layers and its attention heads (Hadamards) keeps its outputs."""
+    lists them, the inputs of its online layers (with their signs) and its attention heads (Hadamards) keeps its
+    outputs."""
     from layerwise.algorithms.quantization.online_rotation import (
         OnlineRotationError,
+        flip_online_signs,
         rotate_inputs_online,
     )
     from layerwise.algorithms.quantization.rotation import (
@@ -246,6 +249,8 @@ def _check_rotation_exact(patch: ModelPatch, model: torch.nn.Module, modality: s
     try:
         rotate_residual_stream(work, patch.rotation_layout, "orthogonal", seed=0, owner="check_model_patch")
         if patch.rotation_layout.online:
+            if patch.rotation_layout.online_signs:
+                flip_online_signs(work, patch.rotation_layout.online_signs, owner="check_model_patch")
             rotate_inputs_online(work, patch.rotation_layout.online, owner="check_model_patch")
         if patch.rotation_layout.heads:
             rotate_heads(work, patch.rotation_layout.heads, owner="check_model_patch")

@@ -14,7 +14,12 @@ untied (the final norm is folded into it, not into the embeddings), and the save
 (``down_proj``): folded into its weight, and run on its input at inference
 (:mod:`~layerwise.algorithms.quantization.online_rotation`), before the quantizers calibrate, so
 they see the rotated inputs. It is what 4-bit activations (W4A4) need; the saver writes it to
-config.json as compressed-tensors' ``transform_config``. ``heads: true`` also folds a Hadamard per
+config.json as compressed-tensors' ``transform_config``. ``online_signs: true`` makes that Hadamard a
+random one, as SpinQuant's ``random-hadamard`` R4 is: random signs folded into ``up_proj``'s rows and
+``down_proj``'s columns first (the layout's ``online_signs``), nothing more to run at inference
+(:func:`~layerwise.algorithms.quantization.online_rotation.flip_online_signs`). Off by default: on
+tiny-llama-doc at W4A4 it moved neither the perplexity nor the KL beyond the seed-to-seed spread
+(BENCHMARKS.md, "Rotation parity"). ``heads: true`` also folds a Hadamard per
 attention head into ``v_proj`` and ``o_proj`` (SpinQuant's R2: ``o_proj``'s inputs spread out, nothing
 online), where the layout declares ``heads``.
 """
@@ -29,6 +34,7 @@ from layerwise.plugin.quantization import (
     LLAMA_LIKE,
     OnlineRotationError,
     RotationError,
+    flip_online_signs,
     rotate_heads,
     rotate_inputs_online,
     rotate_residual_stream,
@@ -49,7 +55,7 @@ class RotationModifier(Modifier):
     """Rotate the residual stream by a random ``rotation`` (``hadamard`` or ``orthogonal``) drawn with ``seed``;
     with ``heads``, also each attention head's values by a Hadamard folded into ``v_proj`` and ``o_proj``; with
     ``online``, the inputs of the layout's online layers by a Hadamard (of ``block_size``, default their width)
-    at run time."""
+    at run time, made random by ``online_signs`` folded into the layers feeding them (drawn with ``seed``)."""
 
     requires_data: ClassVar[bool] = False
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
@@ -63,6 +69,7 @@ class RotationModifier(Modifier):
     online: bool = False
     block_size: int | None = None
     heads: bool = False
+    online_signs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,7 +79,7 @@ class RotationModifier(Modifier):
                               f"orthogonal")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise RecipeError(f"RotationModifier.seed must be an integer, got {self.seed!r}")
-        for flag in ("online", "heads"):
+        for flag in ("online", "heads", "online_signs"):
             if not isinstance(getattr(self, flag), bool):
                 raise RecipeError(f"RotationModifier.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
@@ -103,6 +110,9 @@ class RotationModifier(Modifier):
             self.rotated["heads"] = rotate_heads(state.model, layout.heads, owner)
         if self.online:
             try:
+                if self.online_signs and layout.online_signs:
+                    self.rotated["online_signs"] = flip_online_signs(state.model, layout.online_signs, self.seed,
+                                                                     owner)
                 self.rotated["online"] = rotate_inputs_online(state.model, layout.online, self.block_size, owner)
             except OnlineRotationError as exc:
                 raise RotationError(str(exc)) from None

@@ -79,7 +79,8 @@ def test_rotation_composes_before_rtn_and_autoround(tmp_path, quantizer):
 def test_recipe_fields_and_errors():
     (modifier,) = parse_recipe("RotationModifier:\n  rotation: orthogonal\n  seed: 7\n")
     assert modifier.to_dict() == {"RotationModifier": {"rotation": "orthogonal", "seed": 7, "online": False,
-                                                     "block_size": None, "heads": False}}
+                                                     "block_size": None, "heads": False,
+                                                     "online_signs": False}}
     with pytest.raises(RecipeError, match="did you mean 'hadamard'"):
         RotationModifier(rotation="hadamrd")
     (modifier,) = parse_recipe("RotationModifier:\n  online: true\n  block_size: 64\n")
@@ -90,6 +91,8 @@ def test_recipe_fields_and_errors():
         RotationModifier(block_size=64)
     with pytest.raises(RecipeError, match="heads must be true or false"):
         RotationModifier(heads="yes")
+    with pytest.raises(RecipeError, match="online_signs must be true or false"):
+        RotationModifier(online=True, online_signs=1)
 
 
 def _quarot_w4(tmp_path, recipe, name="quarot"):
@@ -110,6 +113,24 @@ def test_online_rotation_keeps_the_outputs_and_is_logged():
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
     assert modifier.rotated["online"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert modifier.rotated["heads"] == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    assert "online_signs" not in modifier.rotated  # Sylvester's Hadamard unless asked
+
+
+def test_online_signs_differ_only_by_the_signs_folded_into_up_and_down():
+    plain, signed = build_tiny_llama(), build_tiny_llama()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = _logits(plain, ids)
+    layerwise.compress(plain, RotationModifier(online=True), show_progress=False)
+    flipping = RotationModifier(online=True, online_signs=True)
+    layerwise.compress(signed, flipping, show_progress=False)
+    assert flipping.rotated["online_signs"] == flipping.rotated["online"]
+    torch.testing.assert_close(_logits(signed, ids), before, rtol=1e-4, atol=1e-4)
+    up, up_signed = plain.model.layers[0].mlp.up_proj.weight, signed.model.layers[0].mlp.up_proj.weight
+    signs = up_signed[:, 0] / up[:, 0]
+    assert set(signs.tolist()) == {-1.0, 1.0} and torch.equal(up_signed, up * signs.unsqueeze(1))
+    for name in ("gate_proj",):  # nothing else in the MLP moves
+        assert torch.equal(getattr(plain.model.layers[0].mlp, name).weight,
+                           getattr(signed.model.layers[0].mlp, name).weight)
 
 
 def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_it_exactly(tmp_path):
@@ -172,8 +193,8 @@ def test_calibration_hooks_see_the_rotated_inputs_of_down_proj():
     _logits(model, sample["input_ids"])
     handle.remove()
     recorder = RoundingModifier(grid=1e-30)
-    layerwise.compress(model, [RotationModifier(online=True), recorder], dataset=[sample], show_progress=False,
-                       device="cpu")  # compared with the CPU forward's inputs
+    layerwise.compress(model, [RotationModifier(online=True), recorder], dataset=[sample],
+                       show_progress=False, device="cpu")  # compared with the CPU forward's inputs
     seen = recorder.seen["model.layers.0.mlp.down_proj"][0]
     torch.testing.assert_close(seen, fwht(plain[0]), rtol=1e-4, atol=1e-5)
     assert (seen - plain[0]).abs().max() > 1e-2  # rotated, not the plain input

@@ -175,3 +175,7 @@ def test_a_rotation_layout_with_wrong_head_pairs_or_online_layers_is_caught():
         patch.rotation_layout, online=("re:.*\\.mlp$",)))
     with pytest.raises(PluginCheckError, match=r"rotation exact \(text\): .*nn.Linear layers only"):
         check_model_patch(not_linear, model, calibrate=False)
+    wrong_signs = dataclasses.replace(patch, rotation_layout=dataclasses.replace(  # signs through the activation
+        patch.rotation_layout, online_signs=("re:.*mlp\\.gate_proj$", "re:.*mlp\\.down_proj$")))
+    with pytest.raises(PluginCheckError, match=r"rotation exact \(text\): rotating the residual stream .* moves"):
+        check_model_patch(wrong_signs, model, calibrate=False)

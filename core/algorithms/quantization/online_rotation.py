@@ -14,11 +14,19 @@ Hessian hooks and the input quantizer read the rotated input. It is written to c
 compressed-tensors' ``transform_config`` (type ``hadamard``: Sylvester's matrix, which this module's
 :func:`~layerwise.algorithms.quantization.hadamard.fwht` multiplies by), the weight side marked as
 fused already; :func:`attach_from_transform_config` puts the online half back on load.
+
+A Hadamard alone is a fixed basis: an input whose large channels line up with its structure stays
+spiky after it. QuaRot and SpinQuant draw a *random* Hadamard, ``H D`` with ``D`` a diagonal of random
+signs, which no input can line up with. :func:`flip_online_signs` gets the same matrix for free: ``D``
+folds exactly into the Linear whose output scales the rotated input elementwise (``up_proj``:
+``act(gate) * (up D) = (act(gate) * up) D``) and into the online layer's columns, before the Hadamard is
+folded. The online half stays Sylvester's deterministic ``hadamard``, so the checkpoint and what
+vLLM runs are unchanged; only the weights differ (multiplying by +-1 is exact).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +38,8 @@ from layerwise.common.matching import find_modules
 
 #: the config group name of the online rotations in ``transform_config`` (QuaRot / SpinQuant's name)
 GROUP = "R4"
+#: added to the seed of :func:`flip_online_signs`: its draws apart from the residual rotation's, drawn from the seed
+SIGN_STREAM = 0x51645
 
 
 class OnlineRotationError(ValueError):
@@ -114,6 +124,42 @@ def rotate_inputs_online(model: nn.Module, patterns: Iterable[str], block: int |
         fold_input_hadamard(module, sizes[name])
         attach(module, sizes[name])
     return list(layers)
+
+
+@torch.no_grad()
+def flip_online_signs(model: nn.Module, patterns: Sequence[str], seed: int = 0,
+                      owner: str = "RotationModifier") -> list[str]:
+    """Random signs on the channels between each ``(scale pattern, online pattern)`` pair, paired by their parent
+    module: the scale layer's output rows (and bias) and the online layer's input columns times the same ``+-1``
+    (one draw per pair, from ``seed``). Exact, the model's function unchanged; call it before
+    :func:`rotate_inputs_online` so the online Hadamard becomes ``H D``. Returns the online layers."""
+    if len(patterns) != 2:
+        raise OnlineRotationError(f"{owner}: rotation_layout.online_signs must be (scale pattern, online pattern), "
+                                  f"got {tuple(patterns)}")
+    scales, onlines = (find_modules(model, [pattern]) for pattern in patterns)
+    by_parent = {name.rpartition(".")[0]: name for name in scales}
+    pairs = [(by_parent.get(name.rpartition(".")[0]), name) for name in onlines]
+    if not pairs or any(s is None for s, _ in pairs) or len(pairs) != len(scales):
+        raise OnlineRotationError(f"{owner}: rotation_layout.online_signs {tuple(patterns)} must match one scale and "
+                                  f"one online layer per module of {type(model).__name__}; found {sorted(scales)[:3]}"
+                                  f"... and {sorted(onlines)[:3]}...")
+    for scale, online in pairs:
+        up, down = model.get_submodule(scale), model.get_submodule(online)
+        if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear) or up.out_features != down.in_features:
+            raise OnlineRotationError(f"{owner}: {scale!r} ({type(up).__name__}) must be a Linear whose outputs are "
+                                      f"the inputs of the Linear {online!r} ({type(down).__name__})")
+        if online_hadamard(down) is not None:
+            raise OnlineRotationError(f"{owner}: {online!r} rotates its input online already; its signs must be "
+                                      f"flipped before the Hadamard is folded")
+    generator = torch.Generator().manual_seed(SIGN_STREAM + seed)
+    for scale, online in pairs:
+        up, down = model.get_submodule(scale), model.get_submodule(online)
+        signs = torch.randint(0, 2, (down.in_features,), generator=generator).mul_(2).sub_(1)
+        replace_data(up.weight, up.weight.detach() * signs.to(up.weight).unsqueeze(1))
+        if up.bias is not None:
+            replace_data(up.bias, up.bias.detach() * signs.to(up.bias))
+        replace_data(down.weight, down.weight.detach() * signs.to(down.weight))
+    return [online for _, online in pairs]
 
 
 # -- compressed-tensors' transform_config ---------------------------------------------------------

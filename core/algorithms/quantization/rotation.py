@@ -25,6 +25,7 @@ Only rotations that fold into weights are made here; the online Hadamard before 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ class RotationLayout:
     #: ``(value pattern, output pattern)``: the attention's ``v_proj`` and the ``o_proj`` reading its heads, for
     #: a Hadamard per head folded into both (SpinQuant's R2; ``RotationModifier.heads``)
     heads: tuple[str, ...] = ()
+    #: ``(scale pattern, online pattern)``: the Linear whose output multiplies an online layer's input elementwise
+    #: (the MLP's ``up_proj``) and that layer, for random signs folded into both, which make the online Hadamard a
+    #: random one (``RotationModifier.online_signs``)
+    online_signs: tuple[str, ...] = ()
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
@@ -76,6 +81,7 @@ LLAMA_LIKE = RotationLayout(
     writers=("re:.*self_attn\\.o_proj$", "re:.*mlp\\.down_proj$"),
     online=("re:.*mlp\\.down_proj$",),
     heads=("re:.*self_attn\\.v_proj$", "re:.*self_attn\\.o_proj$"),
+    online_signs=("re:.*mlp\\.up_proj$", "re:.*mlp\\.down_proj$"),
 )
 
 
@@ -94,17 +100,19 @@ class ResolvedLayout:
 
 def rotation_matrix(size: int, kind: str = "hadamard", seed: int = 0) -> Tensor:
     """A random ``size x size`` orthogonal matrix (float64): a Hadamard with random signs scaled by
-    ``1 / sqrt(size)``, or the ``Q`` of a Gaussian matrix's QR (signs fixed so it is uniform)."""
+    ``1 / sqrt(size)`` (compressed-tensors' ``random_hadamard_matrix`` for the same generator, bit for bit), or the
+    ``Q`` of a Gaussian matrix's QR (signs fixed so it is uniform)."""
     generator = torch.Generator().manual_seed(seed)
     if kind == "hadamard":
-        from compressed_tensors.transform.utils.hadamard import random_hadamard_matrix
+        from layerwise.algorithms.quantization.hadamard import HadamardSizeError, known_hadamard
 
+        signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
         try:
-            matrix = random_hadamard_matrix(size, torch.float64, torch.device("cpu"), generator)
-        except ValueError as exc:
+            matrix = known_hadamard(size)
+        except HadamardSizeError as exc:
             raise RotationError(f"no Hadamard matrix of size {size} is known ({exc}); use rotation: orthogonal") \
                 from None
-        return matrix / math.sqrt(size)
+        return signs.unsqueeze(1) * matrix / math.sqrt(size)
     if kind == "orthogonal":
         q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
         return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
@@ -139,7 +147,7 @@ def check_rms_norm(name: str, norm: torch.nn.Module, width: int) -> None:
                             f"rotation cannot pass through it")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, width, generator=generator, dtype=torch.float32).to(weight.device, weight.dtype) * 3 + 1
-    q = rotation_matrix(width, "orthogonal", seed=1).to(weight.device, torch.float32)
+    q = _probe_rotation(width).to(weight.device, torch.float32)
     kept = weight.detach().clone()
     try:
         scaled = norm(x).float()
@@ -155,6 +163,12 @@ def check_rms_norm(name: str, norm: torch.nn.Module, width: int) -> None:
     if not torch.allclose(rotated, plain @ q, atol=tolerance * 10, rtol=tolerance * 10):
         raise RotationError(f"{name!r} ({type(norm).__name__}) does not commute with rotations (a LayerNorm "
                             f"subtracts the mean); only RMSNorm-style norms can be rotated through")
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_rotation(width: int) -> Tensor:
+    """The rotation every norm of one width is probed with (a QR per norm cost 10 ms at width 384)."""
+    return rotation_matrix(width, "orthogonal", seed=1)
 
 
 def _weight(model: torch.nn.Module, name: str) -> Tensor:

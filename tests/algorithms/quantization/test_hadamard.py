@@ -12,6 +12,7 @@ from layerwise.algorithms.quantization.hadamard import (
     check_block,
     fwht,
     hadamard_matrix,
+    known_hadamard,
     largest_power_of_two_dividing,
 )
 
@@ -60,3 +61,27 @@ def test_sizes_without_a_sylvester_hadamard_are_named_with_a_block_that_works():
     with pytest.raises(HadamardSizeError, match="power-of-two order only"):
         hadamard_matrix(12)
     assert largest_power_of_two_dividing(11008) == 256 and check_block(11008, 256) == 256
+
+
+@pytest.mark.parametrize("n", [1, 4, 12, 96, 384, 768, 1024, 2560, 172 * 8])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_residual_hadamard_is_compressed_tensors_random_hadamard_bit_for_bit(n, seed):
+    from compressed_tensors.transform.utils.hadamard import random_hadamard_matrix
+
+    from layerwise.algorithms.quantization.rotation import rotation_matrix
+
+    expected = random_hadamard_matrix(n, torch.float64, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    assert torch.equal(rotation_matrix(n, "hadamard", seed), expected / math.sqrt(n))
+    h = known_hadamard(n)
+    assert torch.equal(h @ h.t(), n * torch.eye(n, dtype=torch.float64))
+
+
+def test_known_hadamards_are_read_without_importing_compressed_tensors():
+    import subprocess
+    import sys
+
+    code = ("import sys; from layerwise.algorithms.quantization.rotation import rotation_matrix; "
+            "rotation_matrix(384, 'hadamard', 0); assert 'compressed_tensors' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(HadamardSizeError, match="order 260"):
+        known_hadamard(260)

@@ -14,6 +14,7 @@ from layerwise.algorithms.quantization.online_rotation import (
     OnlineHadamard,
     OnlineRotationError,
     attach_from_transform_config,
+    flip_online_signs,
     online_hadamards,
     online_only,
     rotate_inputs_online,
@@ -92,6 +93,53 @@ def test_the_weight_gets_the_hadamard_and_the_input_is_rotated_first(block):
     plain.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, args: captured.append(args[0]))
     _logits(plain, ids)
     torch.testing.assert_close(seen[0].double(), captured[0].double() @ h, rtol=1e-5, atol=1e-5)
+
+
+def test_signs_make_the_online_hadamard_a_random_one_and_keep_the_function_exactly():
+    model = build_tiny_llama()
+    ids = _ids()
+    before = _logits(model, ids)
+    mlp = model.model.layers[0].mlp
+    up, down = mlp.up_proj.weight.detach().double().clone(), mlp.down_proj.weight.detach().double().clone()
+    plain = []
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, args: plain.append(args[0].double()))
+    _logits(model, ids)
+    assert flip_online_signs(model, LLAMA_LIKE.online_signs, seed=5) == ["model.layers.0.mlp.down_proj",
+                                                                          "model.layers.1.mlp.down_proj"]
+    signs = mlp.up_proj.weight.double()[:, 0] / up[:, 0]
+    assert set(signs.tolist()) == {-1.0, 1.0}
+    assert torch.equal(mlp.up_proj.weight.double(), up * signs.unsqueeze(1))  # rows of up_proj, columns of down
+    assert torch.equal(mlp.down_proj.weight.double(), down * signs)
+    assert torch.equal(_logits(model, ids), before)  # multiplying by +-1 is exact
+    seen = []
+    rotate_inputs_online(model, LLAMA_LIKE.online)
+    mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].double()))
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    width = mlp.down_proj.in_features
+    h = hadamard_matrix(width) / math.sqrt(width)
+    random_hadamard = torch.diag(signs) @ h  # the input x becomes x D H, the weight W D H
+    torch.testing.assert_close(seen[0], plain[0] @ random_hadamard, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp.down_proj.weight.double(), down @ random_hadamard, rtol=1e-6, atol=1e-6)
+    other = build_tiny_llama()
+    flip_online_signs(other, LLAMA_LIKE.online_signs, seed=6)
+    assert not torch.equal(other.model.layers[0].mlp.up_proj.weight.double(), up * signs.unsqueeze(1))
+
+
+def test_signs_errors_name_the_pairing():
+    model = build_tiny_llama()
+    with pytest.raises(OnlineRotationError, match="scale pattern, online pattern"):
+        flip_online_signs(model, ("re:.*up_proj$",))
+    with pytest.raises(OnlineRotationError, match="one scale and one online layer"):
+        flip_online_signs(model, ("re:.*up_proj$", "re:.*o_proj$"))
+    narrow = build_tiny_llama()
+    narrow.model.layers[1].mlp.up_proj = torch.nn.Linear(narrow.config.hidden_size, 8)
+    kept = narrow.model.layers[0].mlp.up_proj.weight.detach().clone()
+    with pytest.raises(OnlineRotationError, match="must be a Linear whose outputs"):
+        flip_online_signs(narrow, LLAMA_LIKE.online_signs)
+    assert torch.equal(narrow.model.layers[0].mlp.up_proj.weight, kept)  # checked before any change
+    rotate_inputs_online(model, LLAMA_LIKE.online)
+    with pytest.raises(OnlineRotationError, match="before the Hadamard is folded"):
+        flip_online_signs(model, LLAMA_LIKE.online_signs)
 
 
 def test_a_deep_copy_keeps_the_online_rotation():
