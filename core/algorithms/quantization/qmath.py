@@ -51,6 +51,8 @@ from torch import Tensor
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.float_formats import (
     FP4_MAX,
+    NVFP4_BLOCK,
+    fake_quantize_nvfp4,
     float8_grid,
     fp4_grid,
     mx_scale,
@@ -332,6 +334,8 @@ def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | 
     if args.dynamic:
         if args.strategy == "tensor_group" and global_scale is None:
             raise ValueError("NVFP4 input quantization needs the calibrated global input scale")
+        if args.float_format == "nvfp4" and args.group_size == NVFP4_BLOCK:  # the same values in fewer passes
+            return fake_quantize_nvfp4(values, global_scale).to(x.dtype)
         scale, zero_point = compute_qparams(*activation_min_max(values, args), args, global_scale)
     elif scale is None:
         raise ValueError("static activation quantization needs a calibrated scale")

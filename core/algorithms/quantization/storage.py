@@ -19,7 +19,8 @@ and the context drops those left when it ends.
 After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
 activations, ``input_scale`` / ``input_zero_point`` buffers), and its ``forward`` fake-quantizes its
 input first: the model computes as an inference server running the checkpoint will, and the
-layers after it are calibrated on those quantized activations. The forward is replaced on the
+layers after it are calibrated on those quantized activations (layers reading one tensor with equal input
+quantization share one fake quantization of it: :mod:`.shared_inputs`). The forward is replaced on the
 instance (not a hook): it survives ``copy.deepcopy`` and is no hook for anyone to remove.
 
 transformers' ``Conv1D`` (GPT-2) stores its weight as ``(in, out)``; everything here
@@ -41,10 +42,10 @@ from torch import Tensor, nn
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import (
-    fake_quantize_activation,
     fake_quantize_weight,
     fake_quantize_weight_with_codes,
 )
+from layerwise.algorithms.quantization.shared_inputs import quantized_input
 from layerwise.common.mapped_pages import release_mapped_pages
 
 QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_scale",
@@ -276,6 +277,6 @@ def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Ten
 
 
 def _input_quantized_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-    x = fake_quantize_activation(x, self.input_quantization_args, self._buffers.get("input_scale"),
-                                 self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
+    x = quantized_input(x, self.input_quantization_args, self._buffers.get("input_scale"),
+                        self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
     return type(self).forward(self, x, *args, **kwargs)
