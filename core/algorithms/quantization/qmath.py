@@ -316,7 +316,8 @@ def activation_min_max(x: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tenso
     if args.strategy == "group" or (args.strategy == "tensor_group" and args.dynamic):
         grouped = _activation_groups(x, args.group_size)
         return grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
-    return x.amin().reshape(1), x.amax().reshape(1)  # and NVFP4's global range, calibrated
+    low, high = torch.aminmax(x)  # one pass; and NVFP4's global range, calibrated
+    return low.reshape(1), high.reshape(1)
 
 
 def _activation_groups(x: Tensor, group_size: int) -> Tensor:
