@@ -235,6 +235,8 @@ def fake_quantize_nvfp4(x: Tensor, global_scale: Tensor) -> Tensor:
     rows = x.reshape(-1, channels)
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     global_scale = global_scale.to(device=x.device, dtype=torch.float32)
+    if not rows.numel():  # no tokens: nothing to scale (the max-pool refuses an empty input)
+        return out.reshape(x.shape)
     for part in row_slices(rows, INPUT_SLICE_ELEMENTS):
         _fake_quantize_nvfp4_rows(rows[part], out[part], global_scale)
     return out.reshape(x.shape)

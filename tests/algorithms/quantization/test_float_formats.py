@@ -191,6 +191,7 @@ def test_nvfp4_input_fake_quantization_is_the_general_path_bit_for_bit(slice_ele
     # any leading shape; a width the blocks do not divide and non-finite values are refused
     y = x.reshape(2, -1, 64)
     assert torch.equal(fake_quantize_nvfp4(y, torch.tensor([2.0])), fake_quantize_nvfp4(x, torch.tensor([2.0])).reshape(y.shape))
+    assert fake_quantize_nvfp4(torch.randn(0, 5, 64), torch.tensor([1.0])).shape == (0, 5, 64)  # no tokens
     with pytest.raises(ValueError, match="do not divide 40"):
         fake_quantize_nvfp4(torch.randn(3, 40), torch.tensor([1.0]))
     for bad in (float("nan"), float("inf"), -float("inf")):
