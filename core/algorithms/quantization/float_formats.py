@@ -222,12 +222,13 @@ def fake_quantize_nvfp4(x: Tensor, global_scale: Tensor) -> Tensor:
     ``x`` itself over ``global_scale``: a quantized layer's input at run time.
 
     The values of the general path (each block's range, :func:`nvfp4_scale`, :func:`fp4_grid` of ``x / scale``,
-    times the scale), bit for bit, in about a third of its time: each step runs in place on one buffer, in
-    cache-sized slices of rows, and every step is cheap. A block's largest magnitude is a max-pool of ``|x|``
-    (a reduction over 16 values per output costs four elementwise passes); ``|x| / scale`` (equal to
-    ``|x / scale|``) is rounded by adding and subtracting ``step * 2**23``, whose float32 unit in the last place
-    is the E2M1 step (its exponent is ``|x / scale|``'s, clamped: two integer passes); the sum rounds half to
-    even like ``round(|x / scale| / step) * step``, since ``2**23`` is even; the sign is copied back from ``x``.
+    times the scale), bit for bit, in about half its time (1.9 against 3.5 ms for a 512 x 1024 input, one
+    thread): each step runs in place on one buffer, in cache-sized slices of rows. A block's largest magnitude
+    is a max-pool of ``|x|`` (a reduction over 16 values per output cost as much as a dozen elementwise
+    passes); ``|x| / scale`` (equal to ``|x / scale|``) is rounded by adding and subtracting ``step * 2**23``,
+    whose float32 unit in the last place is the E2M1 step (its exponent is ``|x / scale|``'s, clamped: three
+    integer passes); the sum rounds half to even like ``round(|x / scale| / step) * step``, since ``2**23`` is
+    even; the sign is copied back from ``x``.
     """
     channels = x.shape[-1]
     if channels % NVFP4_BLOCK:

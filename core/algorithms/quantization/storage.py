@@ -150,8 +150,8 @@ def codes_dtype(args: QuantizationArgs) -> torch.dtype | None:
 
 def keeps_packed(args: QuantizationArgs) -> bool:
     """Are a weight's kept codes packed (:func:`~.int_packing.pack_to_int32`'s words)? For 4-bit integers: packed
-    slice by slice as they are computed, they are what ``pack-quantized`` stores, in a quarter of the bytes of
-    int8 codes, and no second pass over the weight packs them (:func:`take_weight_codes` unpacks them for other
+    slice by slice as they are computed, they are what ``pack-quantized`` stores, in half the bytes of int8
+    codes, and no second pass over the weight packs them (:func:`take_weight_codes` unpacks them for other
     layouts)."""
     return args.type == "int" and args.num_bits == 4
 
