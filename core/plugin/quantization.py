@@ -80,6 +80,7 @@ from layerwise.algorithms.quantization.storage import (
     replace_data,
     set_input_quantization,
     set_quantized_weight,
+    take_packed_weight_codes,
     take_weight_codes,
 )
 from layerwise.tracing.smoothing_layout import discover_mappings
@@ -153,6 +154,7 @@ __all__ = [
     "set_quantized_weight",
     "smoothquant_scales",
     "split_by_piece",
+    "take_packed_weight_codes",
     "take_weight_codes",
     "transform_config",
     "tune_block",

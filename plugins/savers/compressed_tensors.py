@@ -81,6 +81,7 @@ from layerwise.plugin.quantization import (
     quantize_weight,
     quantized_attention,
     quantized_modules,
+    take_packed_weight_codes,
     take_weight_codes,
     transform_config,
 )
@@ -358,12 +359,14 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
                 f"layer {name!r} has a reordered group index (GPTQ actorder='group'); compressed-tensors "
                 f"{_ct_version()} no longer stores weight_g_idx, so this cannot be loaded back. "
                 f"Use actorder='static' (same format, no g_idx) or actorder=None")
-    q = take_weight_codes(module)  # compress() kept them from its own quantization: no second one
-    if q is None:
-        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
-    q = q.to("cpu")
     input_args = getattr(module, "input_quantization_args", None)
     fmt = weight_format(args, input_args)
+    # compress() kept the codes from its own quantization (4-bit ones packed already): no second one
+    packed = take_packed_weight_codes(module) if fmt == FORMAT and args.float_format is None else None
+    q = take_weight_codes(module) if packed is None else None
+    if q is None and packed is None:
+        q = quantize_weight(weight, scale.to(torch.float32), zero_point.to(torch.float32), args)
+    q = None if q is None else q.to("cpu")
     if args.float_format is not None:  # symmetric: no zero point
         state = {f"{prefix}{key}": value for key, value in
                  float_format_tensors(q, scale, getattr(module, "weight_global_scale", None), args).items()}
@@ -374,7 +377,8 @@ def quantized_tensors(name: str, module: torch.nn.Module) -> dict[str, torch.Ten
     elif fmt == "int-quantized":
         state[f"{prefix}weight"] = q.to(torch.int8).contiguous()
     else:
-        state[f"{prefix}weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
+        state[f"{prefix}weight_packed"] = (packed.to("cpu") if packed is not None
+                                           else pack_to_int32(q.to(torch.int8), args.num_bits))
         state[f"{prefix}weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
     if not args.symmetric:
         zp = torch.round(zero_point).to(torch.int8)

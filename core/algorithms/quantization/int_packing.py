@@ -71,3 +71,12 @@ def pack_to_int32(values: Tensor, num_bits: int, packed_dim: int = 1) -> Tensor:
 
 def _pad_columns(values: Tensor, extra: int) -> Tensor:
     return torch.nn.functional.pad(values, (0, extra)) if extra > 0 else values
+
+
+def unpack_int4(words: Tensor, columns: int) -> Tensor:
+    """The int8 values of :func:`pack_to_int32`'s 4-bit words (packed along dimension 1), ``(rows, columns)``."""
+    if sys.byteorder != "little":  # pragma: no cover - every machine torch ships wheels for is little-endian
+        raise NotImplementedError("unpacking 4 bits needs a little-endian machine")
+    stream = words.contiguous().view(torch.uint8)
+    values = torch.stack((stream & 0x0F, stream >> 4), dim=-1).reshape(words.shape[0], -1)[:, :columns]
+    return values.to(torch.int8).sub_(8)

@@ -56,7 +56,8 @@ class Observer:
         """One batch's range (per tensor: static activations take one scale, NVFP4 inputs one global scale)."""
         values = x.detach().to(torch.float32)
         if self.args.strategy == "tensor_group":  # the block scales are dynamic; the global one is calibrated
-            return values.amin().reshape(1), values.amax().reshape(1)
+            low, high = torch.aminmax(values)  # one pass (without a dim the fused kernel is the faster one)
+            return low.reshape(1), high.reshape(1)
         return activation_min_max(values, self.args)
 
     @torch.no_grad()

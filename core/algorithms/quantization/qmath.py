@@ -42,6 +42,7 @@ computed from each input, static ones calibrated once.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -51,12 +52,15 @@ from torch import Tensor
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.float_formats import (
     FP4_MAX,
+    NVFP4_BLOCK,
+    fake_quantize_nvfp4,
     float8_grid,
     fp4_grid,
     mx_scale,
     nvfp4_global_scale,
     nvfp4_scale,
 )
+from layerwise.algorithms.quantization.int_packing import pack_to_int32
 from layerwise.algorithms.quantization.slices import by_row_slices
 
 Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
@@ -284,6 +288,28 @@ def fake_quantize_weight_with_codes(weight: Tensor, scale: Tensor, zero_point: T
                              zero_point, args, None)
 
 
+def fake_quantize_weight_with_packed_codes(weight: Tensor, scale: Tensor, zero_point: Tensor | None,
+                                           args: QuantizationArgs) -> tuple[Tensor, Tensor]:
+    """:func:`fake_quantize_weight_with_codes` of an integer weight with its int8 codes packed as
+    :func:`~.int_packing.pack_to_int32` packs them (int32 words, ``(out, words)``): each slice of rows packed while
+    its codes are in the cache, so no int8 tensor of the weight's size is written and read again (packing works
+    row by row: the same words as packing the whole weight). 4-bit codes in rows of whole words are packed from
+    their float32 values directly (a pair's byte is ``(a + 8) + 16 (b + 8)``), others through the int8 codes."""
+    columns = weight.shape[1]
+
+    def quantize_and_pack(x: Tensor, s: Tensor, z: Tensor | None, args: QuantizationArgs) -> tuple[Tensor, Tensor]:
+        q = quantize(x, s, z, args)
+        if args.num_bits == 4 and columns % 8 == 0 and sys.byteorder == "little":
+            # the packed byte of a pair of codes a, b is (a + 8) + 16 (b + 8), exact in float32; eight codes a word
+            pairs = q.reshape(-1, columns // 2, 2)
+            packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136).to(torch.uint8).view(torch.int32)
+        else:
+            packed = pack_to_int32(q.reshape(-1, columns).to(torch.int8), args.num_bits)
+        return _dequantize_in_place(q, s, z, args, x.dtype), packed
+
+    return _weight_operation(quantize_and_pack, weight, scale, zero_point, args, None)
+
+
 def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_point: Tensor | None,
                       args: QuantizationArgs, g_idx: Tensor | None) -> Any:
     """``operation(x, scale, zero_point, args)`` on a whole weight, its qparams broadcast to it: groups in order
@@ -296,8 +322,8 @@ def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_p
         blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
         zero_point = None if zero_point is None or args.symmetric else zero_point.unsqueeze(-1)
         result = by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1), zero_point)
-        if isinstance(result, tuple):
-            return tuple(r.reshape(rows, columns) for r in result)
+        if isinstance(result, tuple):  # the values and codes, or packed codes: each as rows
+            return tuple(r.reshape(rows, -1) for r in result)
         return result.reshape(rows, columns)
     if args.strategy in ("channel", "tensor"):
         return by_row_slices(lambda x, s, z: operation(x, s, z, args), weight, scale, zero_point)
@@ -314,7 +340,8 @@ def activation_min_max(x: Tensor, args: QuantizationArgs) -> tuple[Tensor, Tenso
     if args.strategy == "group" or (args.strategy == "tensor_group" and args.dynamic):
         grouped = _activation_groups(x, args.group_size)
         return grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
-    return x.amin().reshape(1), x.amax().reshape(1)  # and NVFP4's global range, calibrated
+    low, high = torch.aminmax(x)  # one pass; and NVFP4's global range, calibrated
+    return low.reshape(1), high.reshape(1)
 
 
 def _activation_groups(x: Tensor, group_size: int) -> Tensor:
@@ -332,6 +359,8 @@ def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | 
     if args.dynamic:
         if args.strategy == "tensor_group" and global_scale is None:
             raise ValueError("NVFP4 input quantization needs the calibrated global input scale")
+        if args.float_format == "nvfp4" and args.group_size == NVFP4_BLOCK:  # the same values in fewer passes
+            return fake_quantize_nvfp4(values, global_scale).to(x.dtype)
         scale, zero_point = compute_qparams(*activation_min_max(values, args), args, global_scale)
     elif scale is None:
         raise ValueError("static activation quantization needs a calibrated scale")

@@ -19,7 +19,8 @@ and the context drops those left when it ends.
 After :func:`set_input_quantization` it also carries ``input_quantization_args`` (and, for static
 activations, ``input_scale`` / ``input_zero_point`` buffers), and its ``forward`` fake-quantizes its
 input first: the model computes as an inference server running the checkpoint will, and the
-layers after it are calibrated on those quantized activations. The forward is replaced on the
+layers after it are calibrated on those quantized activations (layers reading one tensor with equal input
+quantization share one fake quantization of it: :mod:`.shared_inputs`). The forward is replaced on the
 instance (not a hook): it survives ``copy.deepcopy`` and is no hook for anyone to remove.
 
 transformers' ``Conv1D`` (GPT-2) stores its weight as ``(in, out)``; everything here
@@ -40,11 +41,13 @@ import torch
 from torch import Tensor, nn
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.algorithms.quantization.int_packing import unpack_int4
 from layerwise.algorithms.quantization.qmath import (
-    fake_quantize_activation,
     fake_quantize_weight,
     fake_quantize_weight_with_codes,
+    fake_quantize_weight_with_packed_codes,
 )
+from layerwise.algorithms.quantization.shared_inputs import quantized_input
 from layerwise.common.mapped_pages import release_mapped_pages
 
 QPARAM_NAMES = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_scale",
@@ -67,6 +70,7 @@ class _Codes:
     scale: Tensor
     zero_point: Tensor
     args: QuantizationArgs
+    packed: bool = False  # 4-bit codes as pack_to_int32's words
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -118,6 +122,9 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     codes = None
     if on_grid:
         fq = weight
+    elif dtype is not None and codes_survive_storage(target.dtype, args) and keeps_packed(args):
+        fq, codes = fake_quantize_weight_with_packed_codes(weight, scale.to(torch.float32),
+                                                           zero_point.to(torch.float32), args)
     elif dtype is not None and codes_survive_storage(target.dtype, args):
         fq, codes = fake_quantize_weight_with_codes(weight, scale.to(torch.float32), zero_point.to(torch.float32),
                                                     args, dtype)
@@ -127,7 +134,7 @@ def set_quantized_weight(module: nn.Module, weight_dequantized: Tensor, scale: T
     set_weight_qparams(module, scale, zero_point, args, g_idx, global_scale)
     if codes is not None and kept is not None:
         module.__dict__[_CODES] = _Codes(codes, target.data_ptr(), target._version, module._buffers["weight_scale"],
-                                         module._buffers["weight_zero_point"], args)
+                                         module._buffers["weight_zero_point"], args, keeps_packed(args))
         kept.append(module)
 
 
@@ -139,6 +146,14 @@ def codes_dtype(args: QuantizationArgs) -> torch.dtype | None:
     if args.type == "float" and args.num_bits == 8:
         return torch.float8_e4m3fn
     return None
+
+
+def keeps_packed(args: QuantizationArgs) -> bool:
+    """Are a weight's kept codes packed (:func:`~.int_packing.pack_to_int32`'s words)? For 4-bit integers: packed
+    slice by slice as they are computed, they are what ``pack-quantized`` stores, in half the bytes of int8
+    codes, and no second pass over the weight packs them (:func:`take_weight_codes` unpacks them for other
+    layouts)."""
+    return args.type == "int" and args.num_bits == 4
 
 
 @contextlib.contextmanager
@@ -159,6 +174,25 @@ def take_weight_codes(module: nn.Module) -> Tensor | None:
     """The codes :func:`set_quantized_weight` kept for ``module``'s weight (in :func:`codes_dtype`), while its
     weight, qparams and args are still the ones they came from; else ``None`` (quantize the weight). The module
     forgets them: an encoder takes them once, and their byte a weight is freed as it goes."""
+    codes = _take_codes(module)
+    if codes is None:
+        return None
+    return unpack_int4(codes.values, linear_weight(module).shape[1]) if codes.packed else codes.values
+
+
+def take_packed_weight_codes(module: nn.Module) -> Tensor | None:
+    """The kept codes of ``module``'s weight as :func:`~.int_packing.pack_to_int32`'s words (4-bit integers,
+    :func:`keeps_packed`), taken as :func:`take_weight_codes` takes them; ``None`` (and the codes kept) when
+    they were kept unpacked."""
+    codes: _Codes | None = module.__dict__.get(_CODES)
+    if codes is None or not codes.packed:
+        return None
+    codes = _take_codes(module)
+    return None if codes is None else codes.values
+
+
+def _take_codes(module: nn.Module) -> _Codes | None:
+    """The module's kept codes, forgotten by it, if its weight, qparams and args are still theirs."""
     codes: _Codes | None = module.__dict__.pop(_CODES, None)
     if codes is None:
         return None
@@ -167,7 +201,7 @@ def take_weight_codes(module: nn.Module) -> Tensor | None:
             and module._buffers.get("weight_scale") is codes.scale
             and module._buffers.get("weight_zero_point") is codes.zero_point
             and getattr(module, "quantization_args", None) is codes.args and "weight_g_idx" not in module._buffers)
-    return codes.values if same else None
+    return codes if same else None
 
 
 def codes_survive_storage(dtype: torch.dtype, args: QuantizationArgs) -> bool:
@@ -276,6 +310,6 @@ def set_input_quantization(module: nn.Module, args: QuantizationArgs, scale: Ten
 
 
 def _input_quantized_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-    x = fake_quantize_activation(x, self.input_quantization_args, self._buffers.get("input_scale"),
-                                 self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
+    x = quantized_input(x, self.input_quantization_args, self._buffers.get("input_scale"),
+                        self._buffers.get("input_zero_point"), self._buffers.get("input_global_scale"))
     return type(self).forward(self, x, *args, **kwargs)

@@ -15,6 +15,7 @@ from layerwise.algorithms.quantization.float_formats import (
     FP8_TINY,
     e8m0_codes,
     e8m0_values,
+    fake_quantize_nvfp4,
     fp4_codes,
     fp4_grid,
     mx_scale,
@@ -25,7 +26,12 @@ from layerwise.algorithms.quantization.float_formats import (
 )
 from layerwise.algorithms.quantization.global_scales import fused_groups, global_scales
 from layerwise.algorithms.quantization.presets import PRESETS
-from layerwise.algorithms.quantization.qmath import fake_quantize_weight, weight_qparams
+from layerwise.algorithms.quantization.qmath import (
+    compute_qparams,
+    fake_quantize,
+    fake_quantize_weight,
+    weight_qparams,
+)
 from layerwise.errors import RecipeError
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -133,6 +139,66 @@ def test_nvfp4_scales_follow_the_definition(slice_elements, monkeypatch):
     expected = torch.tensor([reference_fp4(v) for v in (weight / expanded).reshape(-1).tolist()]).reshape(8, 64)
     assert torch.equal(fq, expected * expanded)
     assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0
+
+
+def _nvfp4_inputs_by_the_general_path(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Each block's range, compute_qparams' block scales, fake_quantize: the path fake_quantize_nvfp4 replaces."""
+    args = PRESETS["NVFP4"].input_activations
+    blocks = x.reshape(*x.shape[:-1], -1, 16)
+    scale, zero = compute_qparams(blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True), args,
+                                  global_scale)
+    return fake_quantize(blocks, scale, zero, args).reshape(x.shape)
+
+
+def _awkward_nvfp4_inputs() -> torch.Tensor:
+    """The first rows: blocks whose scale is exactly 1 or 1/2 (a 6 or 3 in them, global scale 1) holding every E2M1 midpoint,
+    a float32 step either side of it, and every grid value, with both signs; all-zero, -0.0, underflowing,
+    subnormal and huge blocks; and random ones over twelve orders of magnitude."""
+    midpoints = [(a + b) / 2 for a, b in itertools.pairwise(MAGNITUDES)]
+    near = [torch.nextafter(torch.tensor(m), torch.tensor(d)).item() for m in midpoints for d in (0.0, 10.0)]
+    values = torch.tensor([*midpoints, *near, *MAGNITUDES, 0.1, 0.26, 5.9999995])
+    values = torch.cat([values, -values])
+    values = torch.cat([values, values.new_zeros(-len(values) % 60)]).reshape(-1, 15)  # 4 blocks a row
+    top = torch.where(torch.arange(len(values)) % 2 == 0, 6.0, -6.0).reshape(-1, 1)
+    exact = torch.cat([torch.cat([values, top], dim=1), torch.cat([values / 2, top / 2], dim=1)])
+    gen = torch.Generator().manual_seed(6)
+    random = torch.randn(40, 16, generator=gen) * torch.logspace(-6, 6, 40).reshape(-1, 1)
+    special = torch.zeros(8, 16)
+    special[1] = -0.0
+    special[2, :3] = torch.tensor([-1e-30, 1e-30, -0.0])  # underflows to the smallest FP8 scale
+    special[3] = torch.finfo(torch.float32).tiny / 4  # subnormal
+    special[4, 0], special[4, 1:] = 3e38, -1e-3
+    special[5] = torch.linspace(-6.5, 6.5, 16)
+    special[6] = torch.linspace(-1.0, 1.0, 16) * 1e-8
+    special[7] = torch.linspace(-7.0, 7.0, 16)
+    return torch.cat([exact, random, special]).reshape(-1, 64)
+
+
+@pytest.mark.parametrize("slice_elements", [1 << 18, 64])  # one slice, or several
+def test_nvfp4_input_fake_quantization_is_the_general_path_bit_for_bit(slice_elements, monkeypatch):
+    monkeypatch.setattr("layerwise.algorithms.quantization.float_formats.INPUT_SLICE_ELEMENTS", slice_elements)
+    x = _awkward_nvfp4_inputs()
+    exact = x[:4].reshape(-1, 16)  # 120 values, 16 blocks
+    for global_scale in (torch.tensor([1.0]), nvfp4_global_scale(exact.abs().amax()), torch.tensor([37.5])):
+        got = fake_quantize_nvfp4(x, global_scale)
+        expected = _nvfp4_inputs_by_the_general_path(x, global_scale)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # the signs of zeros too
+    # with global scale 1 the first blocks' scales are 1 and 1/2: their values straight from the definition
+    scale = exact.abs().amax(dim=-1, keepdim=True) / 6
+    assert scale.unique().tolist() == [0.5, 1.0]
+    reference = torch.tensor([reference_fp4(v) for v in (exact / scale).reshape(-1).tolist()]).reshape(exact.shape)
+    assert torch.equal(fake_quantize_nvfp4(x[:4], torch.tensor([1.0])).reshape(exact.shape), reference * scale)
+    # any leading shape; a width the blocks do not divide and non-finite values are refused
+    y = x.reshape(2, -1, 64)
+    assert torch.equal(fake_quantize_nvfp4(y, torch.tensor([2.0])), fake_quantize_nvfp4(x, torch.tensor([2.0])).reshape(y.shape))
+    assert fake_quantize_nvfp4(torch.randn(0, 5, 64), torch.tensor([1.0])).shape == (0, 5, 64)  # no tokens
+    with pytest.raises(ValueError, match="do not divide 40"):
+        fake_quantize_nvfp4(torch.randn(3, 40), torch.tensor([1.0]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = x.clone()
+        broken[7, 33] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            fake_quantize_nvfp4(broken, torch.tensor([1.0]))
 
 
 @pytest.mark.parametrize("slice_elements", [1 << 16, 64])  # whole, or the CPU's slices of rows

@@ -6,7 +6,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 as reference
 
-from layerwise.algorithms.quantization.int_packing import pack_to_int32, packed_words
+from layerwise.algorithms.quantization.int_packing import pack_to_int32, packed_words, unpack_int4
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -28,3 +28,10 @@ def test_wrong_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 to 8 bits, got 9"):
         pack_to_int32(torch.zeros(2, 8, dtype=torch.int8), 9)
 
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (5, 37), (1, 1), (4, 8)])
+def test_int4_words_unpack_to_their_values(shape):
+    values = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(shape[1]), dtype=torch.int8)
+    values[0, 0] = -8
+    assert torch.equal(unpack_int4(pack_to_int32(values, 4), shape[1]), values)

@@ -13,6 +13,7 @@ from layerwise.algorithms.quantization.qmath import (
     fake_quantize,
     fake_quantize_weight,
     fake_quantize_weight_with_codes,
+    fake_quantize_weight_with_packed_codes,
     qrange,
     quantize,
     quantize_weight,
@@ -253,3 +254,28 @@ def test_float8_codes_kept_with_the_fake_quantized_values():
     assert torch.equal(values, fake_quantize_weight(weight, scale, zero_point, args))
     assert torch.equal(codes.view(torch.uint8),
                        quantize_weight(weight, scale, zero_point, args).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("slice_elements", [1 << 16, 64, 150])  # whole, a row a slice, slices ending mid-way
+@pytest.mark.parametrize("args", [QuantizationArgs(4, True, "group", 32), QuantizationArgs(4, False, "group", 32),
+                                  QuantizationArgs(4, True, "channel"), QuantizationArgs(4, False, "tensor")],
+                         ids=["sym-group", "asym-group", "sym-channel", "asym-tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_codes_packed_slice_by_slice_are_the_whole_weights_packing(args, dtype, slice_elements, monkeypatch):
+    from layerwise.algorithms.quantization.int_packing import pack_to_int32
+
+    monkeypatch.setattr(slices, "SLICE_ELEMENTS", slice_elements)
+    torch.manual_seed(1)
+    weight = (torch.randn(37, 96) * torch.randn(37, 96).exp()).to(dtype)
+    scale, zero_point = weight_qparams(weight.float(), args)
+    values, packed = fake_quantize_weight_with_packed_codes(weight, scale, zero_point, args)
+    expected_values, codes = fake_quantize_weight_with_codes(weight, scale, zero_point, args, torch.int8)
+    assert torch.equal(values, expected_values) and values.dtype == dtype
+    assert packed.dtype == torch.int32 and torch.equal(packed, pack_to_int32(codes, 4))
+    assert codes.min() == -8 and codes.max() == 7  # both ends of the range were packed
+    if args.strategy != "group":  # a width of whole bytes but not whole words: the general packer's padding
+        narrow = weight[:, :36].contiguous()
+        scale, zero_point = weight_qparams(narrow.float(), args)
+        values, packed = fake_quantize_weight_with_packed_codes(narrow, scale, zero_point, args)
+        expected_values, codes = fake_quantize_weight_with_codes(narrow, scale, zero_point, args, torch.int8)
+        assert torch.equal(values, expected_values) and torch.equal(packed, pack_to_int32(codes, 4))

@@ -17,6 +17,7 @@ from layerwise.algorithms.quantization.storage import (
     replace_data,
     set_quantized_weight,
     set_weight_qparams,
+    take_packed_weight_codes,
     take_weight_codes,
 )
 
@@ -103,6 +104,25 @@ def test_kept_codes_are_the_codes_of_the_stored_weight(preset, dtype):
                                 args)  # what the saver computes without them
         assert torch.equal(codes.to(torch.float32), again)
         assert take_weight_codes(layer) is None  # taken once
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM"])
+def test_int4_codes_are_kept_packed_as_the_saver_stores_them(preset):
+    from layerwise.algorithms.quantization.int_packing import pack_to_int32
+
+    layer, args = _weights_of(preset, torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    with keeping_codes():
+        set_quantized_weight(layer, weight, *weight_qparams(weight.float(), args), args)
+        packed = take_packed_weight_codes(layer)
+        again = quantize_weight(layer.weight.detach(), layer.weight_scale.float(), layer.weight_zero_point.float(),
+                                args)
+        assert torch.equal(packed, pack_to_int32(again.to(torch.int8), 4))
+        assert take_packed_weight_codes(layer) is None and take_weight_codes(layer) is None  # taken once
+        fp8, fp8_args = _weights_of("FP8_DYNAMIC", torch.bfloat16)
+        set_quantized_weight(fp8, fp8.weight.detach(), *weight_qparams(fp8.weight.detach().float(), fp8_args),
+                             fp8_args)
+        assert take_packed_weight_codes(fp8) is None and take_weight_codes(fp8) is not None  # not packed: kept
 
 
 def test_codes_not_taken_are_dropped_with_the_context():
