@@ -159,6 +159,54 @@ def test_the_start_is_round_to_nearest():
         torch.testing.assert_close(fake_quantize_learned(weight, args, Rounding.start(weight, args)), rtn.weight)
 
 
+def _plain_fake_quant(w, v, alpha, beta, bits, sym, columns):
+    """The learned fake quantization as plain differentiable ops, every group at once; autograd takes
+    the gradients through the straight-through rounds and the clamps."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    g = w.reshape(w.shape[0], -1, columns)
+    lo = torch.clamp(g.amin(-1, keepdim=True) * beta.reshape(*g.shape[:2], 1), max=0.0)
+    hi = torch.clamp(g.amax(-1, keepdim=True) * alpha.reshape(*g.shape[:2], 1), min=0.0)
+    if sym:
+        s = torch.clamp(torch.maximum(lo.abs(), hi.abs()) / ((qmax - qmin) / 2), min=torch.finfo(torch.float32).eps)
+        z = torch.zeros_like(s)
+    else:
+        s = torch.clamp((hi - lo) / (qmax - qmin), min=torch.finfo(torch.float32).eps)
+        raw = torch.clamp(qmin - lo / s, qmin, qmax)
+        z = raw + (torch.round(raw) - raw).detach()
+    x = g / s + v.reshape(g.shape)
+    q = torch.clamp(x + (torch.round(x) - x).detach() + z, qmin, qmax)
+    return ((q - z) * s).reshape(w.shape)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+def test_fused_gradients_are_autograds_of_the_plain_formula(bits, sym, strategy):
+    """The fused fake quantization's values and its gradients in the offsets and both clipping factors
+    against autograd through the formula written out, with offsets and factors spread over their ranges
+    so that the clamps bite (many weights at W2) and some do not."""
+    torch.manual_seed(bits * 10 + sym)
+    weight = torch.randn(24, 64)
+    args = QuantizationArgs(num_bits=bits, symmetric=sym, strategy=strategy, group_size=16 if strategy == "group" else None)
+    columns = 16 if strategy == "group" else 64
+    start = Rounding.start(weight, args)
+    rounding = Rounding(torch.rand_like(start.offset) - 0.5, 0.5 + 0.5 * torch.rand_like(start.max_scale),
+                        0.5 + 0.5 * torch.rand_like(start.min_scale))
+    upstream = torch.randn(weight.shape)
+    fused = Rounding(*(t.clone().requires_grad_(True) for t in rounding.tensors()))
+    plain = Rounding(*(t.clone().requires_grad_(True) for t in rounding.tensors()))
+    got = fake_quantize_learned(weight, args, fused)
+    want = _plain_fake_quant(weight, plain.offset, plain.max_scale, plain.min_scale, bits, sym, columns)
+    assert torch.equal(got, want)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    clamped = plain.offset.grad == 0
+    assert clamped.any() and not clamped.all()  # both sides of the clamp are exercised
+    for name, a, b in zip(("offset", "max_scale", "min_scale"), fused.tensors(), plain.tensors()):
+        assert b.grad is not None and b.grad.abs().sum() > 0, name  # the comparison compares something
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * float(b.grad.abs().max()), msg=name)
+
+
 def test_zero_iterations_keep_round_to_nearest_and_bad_input_is_refused():
     block, samples = _block_and_samples(count=2)
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=8)
