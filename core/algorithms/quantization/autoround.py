@@ -33,6 +33,7 @@ from torch import Tensor
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import integer_qparams, qrange, weight_min_max
+from layerwise.algorithms.quantization.stacked_calls import same_outputs, signature, stack_calls
 
 #: the ranges the parameters are kept in (the paper's)
 OFFSET_RANGE = (-0.5, 0.5)
@@ -228,11 +229,59 @@ def _loss(block: torch.nn.Module, replaced: dict[str, Tensor], sample: BlockSamp
     return torch.nn.functional.mse_loss(output.to(torch.float32), sample.target.to(torch.float32))
 
 
+def _rows(sample: BlockSample) -> int:
+    return sample.target.shape[0] if sample.target.ndim else 1
+
+
+class _Batches:
+    """Runs a step's samples, those of one :func:`~.stacked_calls.signature` as one stacked call (one
+    weight-gradient matmul per Linear instead of one per sample and their sum) where stacking keeps the
+    block's outputs: checked once per signature, on the first group met, with the block's own weights."""
+
+    def __init__(self, block: torch.nn.Module, samples: Sequence[BlockSample]) -> None:
+        self.block, self.samples = block, samples
+        self.keys = [(signature(s.args, s.kwargs, _rows(s)), tuple(s.target.shape[1:]), s.target.dtype)
+                     for s in samples]
+        self.stacks: dict[Any, bool] = {}
+
+    def loss(self, replaced: dict[str, Tensor], indices: Sequence[int]) -> Tensor:
+        """The mean over ``indices`` of each sample's mean squared error."""
+        groups: dict[Any, list[BlockSample]] = {}
+        for index in indices:
+            groups.setdefault(self.keys[index], []).append(self.samples[index])
+        total: Tensor | float = 0.0
+        for key, group in groups.items():
+            stacked = self._stacked(key, group) if len(group) > 1 else None
+            if stacked is None:
+                total = total + sum(_loss(self.block, replaced, s) for s in group)
+            else:
+                total = total + _loss(self.block, replaced, stacked) * len(group)
+        return total / len(indices)
+
+    def _stacked(self, key: Any, group: list[BlockSample]) -> BlockSample | None:
+        if self.stacks.get(key) is False:
+            return None
+        call = stack_calls([(s.args, s.kwargs, _rows(s)) for s in group])
+        stacked = None if call is None else BlockSample(*call, torch.cat([s.target for s in group]))
+        if key not in self.stacks:
+            self.stacks[key] = stacked is not None and self._keeps_outputs(stacked, group)
+        return stacked if self.stacks[key] else None
+
+    @torch.no_grad()
+    def _keeps_outputs(self, stacked: BlockSample, group: list[BlockSample]) -> bool:
+        try:
+            together = block_output(self.block(*stacked.args, **stacked.kwargs))
+        except Exception:  # noqa: BLE001 - a block that cannot take them stacked runs them one by one
+            return False
+        return same_outputs(together, [block_output(self.block(*s.args, **s.kwargs)) for s in group])
+
+
 @torch.no_grad()
-def _total_loss(block: torch.nn.Module, layers: _Layers, roundings: dict[str, Rounding],
-                samples: Sequence[BlockSample]) -> float:
+def _total_loss(batches: _Batches, layers: _Layers, roundings: dict[str, Rounding], batch_size: int) -> float:
     replaced = layers.replaced(roundings)
-    return sum(float(_loss(block, replaced, s)) for s in samples) / len(samples)
+    count = len(batches.samples)
+    chunks = [range(i, min(i + batch_size, count)) for i in range(0, count, batch_size)]
+    return sum(float(batches.loss(replaced, chunk)) * len(chunk) for chunk in chunks) / count
 
 
 def sample_order(count: int, batch_size: int, iters: int, seed: int) -> list[list[int]]:
@@ -272,28 +321,27 @@ def tune_block(block: torch.nn.Module, layers: dict[str, tuple[Tensor, Quantizat
     lr = 1.0 / iters if lr is None and iters else (lr or 0.0)
     minmax_lr = lr if minmax_lr is None else minmax_lr
     roundings = {name: Rounding.start(weight, args) for name, (weight, args, _) in layers.items()}
-    prepared = _Layers(layers)
+    prepared, batches = _Layers(layers), _Batches(block, samples)
     initial = {name: r.clone() for name, r in roundings.items()}
     best = {name: r.clone() for name, r in roundings.items()}
     frozen = [p for p in block.parameters() if p.requires_grad]  # only the rounding learns
     for p in frozen:
         p.requires_grad_(False)
     try:
-        best, _, best_step = _descend(block, prepared, samples, roundings, best, iters, lr, minmax_lr,
-                                              batch_size, seed, progress)
+        best, _, best_step = _descend(batches, prepared, roundings, best, iters, lr, minmax_lr, batch_size,
+                                      seed, progress)
+        rtn_loss = _total_loss(batches, prepared, initial, batch_size)
+        loss = _total_loss(batches, prepared, best, batch_size) if best_step >= 0 else rtn_loss
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    rtn_loss = _total_loss(block, prepared, initial, samples)
-    loss = _total_loss(block, prepared, best, samples) if best_step >= 0 else rtn_loss
     if loss > rtn_loss:
         best, loss, best_step = initial, rtn_loss, -1
     return TuneResult(best, loss, rtn_loss, best_step, time.perf_counter() - start)
 
 
-def _descend(block: torch.nn.Module, layers: _Layers,
-             samples: Sequence[BlockSample], roundings: dict[str, Rounding], best: dict[str, Rounding], iters: int,
-             lr: float, minmax_lr: float, batch_size: int, seed: int,
+def _descend(batches: _Batches, layers: _Layers, roundings: dict[str, Rounding], best: dict[str, Rounding],
+             iters: int, lr: float, minmax_lr: float, batch_size: int, seed: int,
              progress: Callable[[int, float], None] | None) -> tuple[dict[str, Rounding], float, int]:
     """The signed-gradient steps; returns the parameters with the lowest step loss, that loss and its step."""
     best_loss, best_step = float("inf"), -1
@@ -301,9 +349,9 @@ def _descend(block: torch.nn.Module, layers: _Layers,
         for r in roundings.values():
             for t in r.tensors():
                 t.requires_grad_(True)
-        for step, batch in enumerate(sample_order(len(samples), batch_size, iters, seed)):
+        for step, batch in enumerate(sample_order(len(batches.samples), batch_size, iters, seed)):
             replaced = layers.replaced(roundings)  # once per step: every sample of the batch reads it
-            loss = sum(_loss(block, replaced, samples[index]) for index in batch) / len(batch)
+            loss = batches.loss(replaced, batch)
             loss.backward()
             total = float(loss.detach())
             del replaced, loss

@@ -8,6 +8,8 @@ from layerwise.algorithms.quantization.autoround import (
     AutoRoundError,
     BlockSample,
     Rounding,
+    _Batches,
+    _loss,
     fake_quantize_learned,
     quantize_learned,
     sample_order,
@@ -225,3 +227,26 @@ def test_sample_order_reads_every_sample_once_per_pass():
     assert len(steps) == 10 and all(len(s) == 2 for s in steps)
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
     assert steps == sample_order(5, 2, 10, seed=1) and steps != sample_order(5, 2, 10, seed=2)
+
+
+class GainBlock(TinyBlock):
+    """Takes a per-sample gain of shape ``(1,)``: it looks batched (first dimension = the rows), but stacked
+    the block adds the gains up, a different output without an error, so stacking must be refused."""
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x))) * gain.sum()
+
+
+def test_a_step_runs_its_samples_stacked_only_where_the_block_gives_the_same_outputs():
+    block, samples = _block_and_samples(count=6)
+    torch.manual_seed(1)
+    gain_block = GainBlock()
+    with torch.no_grad():
+        gained = [BlockSample((s.args[0],), {"gain": torch.rand(1)}, s.target) for s in samples]
+    for runner, stacks in ((block, True), (gain_block, False)):
+        used = samples if runner is block else gained
+        batches = _Batches(runner, used)
+        got = batches.loss({}, [4, 0, 2])
+        want = sum(_loss(runner, {}, used[i]) for i in (4, 0, 2)) / 3
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        assert list(batches.stacks.values()) == [stacks]
