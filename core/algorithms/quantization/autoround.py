@@ -17,6 +17,11 @@ The parameters of the step with the lowest loss are kept; at the end the kept on
 round-to-nearest start (``v = 0``, ``alpha = beta = 1``) are scored on every sample and the better
 is used, so the block is never further from its outputs than round-to-nearest leaves it.
 
+Speed: a step is the block's forward and backward on its samples plus the fake quantization of its
+weights. The samples of a step run as one stacked call where the block gives the same outputs that
+way (:mod:`~layerwise.algorithms.quantization.stacked_calls`), and the fake quantization's gradients
+come from one fused backward (:class:`_RoundedGrid`), so what is left is mostly the matmuls.
+
 The functions here take a block, its layers' args and the samples; they change nothing until
 :func:`quantize_learned` is called per layer by the caller (the modifier stores the result).
 """
