@@ -8,6 +8,8 @@ from layerwise.algorithms.quantization.autoround import (
     AutoRoundError,
     BlockSample,
     Rounding,
+    _Batches,
+    _loss,
     fake_quantize_learned,
     quantize_learned,
     sample_order,
@@ -159,6 +161,54 @@ def test_the_start_is_round_to_nearest():
         torch.testing.assert_close(fake_quantize_learned(weight, args, Rounding.start(weight, args)), rtn.weight)
 
 
+def _plain_fake_quant(w, v, alpha, beta, bits, sym, columns):
+    """The learned fake quantization as plain differentiable ops, every group at once; autograd takes
+    the gradients through the straight-through rounds and the clamps."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    g = w.reshape(w.shape[0], -1, columns)
+    lo = torch.clamp(g.amin(-1, keepdim=True) * beta.reshape(*g.shape[:2], 1), max=0.0)
+    hi = torch.clamp(g.amax(-1, keepdim=True) * alpha.reshape(*g.shape[:2], 1), min=0.0)
+    if sym:
+        s = torch.clamp(torch.maximum(lo.abs(), hi.abs()) / ((qmax - qmin) / 2), min=torch.finfo(torch.float32).eps)
+        z = torch.zeros_like(s)
+    else:
+        s = torch.clamp((hi - lo) / (qmax - qmin), min=torch.finfo(torch.float32).eps)
+        raw = torch.clamp(qmin - lo / s, qmin, qmax)
+        z = raw + (torch.round(raw) - raw).detach()
+    x = g / s + v.reshape(g.shape)
+    q = torch.clamp(x + (torch.round(x) - x).detach() + z, qmin, qmax)
+    return ((q - z) * s).reshape(w.shape)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+def test_fused_gradients_are_autograds_of_the_plain_formula(bits, sym, strategy):
+    """The fused fake quantization's values and its gradients in the offsets and both clipping factors
+    against autograd through the formula written out, with offsets and factors spread over their ranges
+    so that the clamps bite (many weights at W2) and some do not."""
+    torch.manual_seed(bits * 10 + sym)
+    weight = torch.randn(24, 64)
+    args = QuantizationArgs(num_bits=bits, symmetric=sym, strategy=strategy, group_size=16 if strategy == "group" else None)
+    columns = 16 if strategy == "group" else 64
+    start = Rounding.start(weight, args)
+    rounding = Rounding(torch.rand_like(start.offset) - 0.5, 0.5 + 0.5 * torch.rand_like(start.max_scale),
+                        0.5 + 0.5 * torch.rand_like(start.min_scale))
+    upstream = torch.randn(weight.shape)
+    fused = Rounding(*(t.clone().requires_grad_(True) for t in rounding.tensors()))
+    plain = Rounding(*(t.clone().requires_grad_(True) for t in rounding.tensors()))
+    got = fake_quantize_learned(weight, args, fused)
+    want = _plain_fake_quant(weight, plain.offset, plain.max_scale, plain.min_scale, bits, sym, columns)
+    assert torch.equal(got, want)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    clamped = plain.offset.grad == 0
+    assert clamped.any() and not clamped.all()  # both sides of the clamp are exercised
+    for name, a, b in zip(("offset", "max_scale", "min_scale"), fused.tensors(), plain.tensors()):
+        assert b.grad is not None and b.grad.abs().sum() > 0, name  # the comparison compares something
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * float(b.grad.abs().max()), msg=name)
+
+
 def test_zero_iterations_keep_round_to_nearest_and_bad_input_is_refused():
     block, samples = _block_and_samples(count=2)
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=8)
@@ -177,3 +227,26 @@ def test_sample_order_reads_every_sample_once_per_pass():
     assert len(steps) == 10 and all(len(s) == 2 for s in steps)
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
     assert steps == sample_order(5, 2, 10, seed=1) and steps != sample_order(5, 2, 10, seed=2)
+
+
+class GainBlock(TinyBlock):
+    """Takes a per-sample gain of shape ``(1,)``: it looks batched (first dimension = the rows), but stacked
+    the block adds the gains up, a different output without an error, so stacking must be refused."""
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x))) * gain.sum()
+
+
+def test_a_step_runs_its_samples_stacked_only_where_the_block_gives_the_same_outputs():
+    block, samples = _block_and_samples(count=6)
+    torch.manual_seed(1)
+    gain_block = GainBlock()
+    with torch.no_grad():
+        gained = [BlockSample((s.args[0],), {"gain": torch.rand(1)}, s.target) for s in samples]
+    for runner, stacks in ((block, True), (gain_block, False)):
+        used = samples if runner is block else gained
+        batches = _Batches(runner, used)
+        got = batches.loss({}, [4, 0, 2])
+        want = sum(_loss(runner, {}, used[i]) for i in (4, 0, 2)) / 3
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        assert list(batches.stacks.values()) == [stacks]
