@@ -54,3 +54,14 @@ def unmatched(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
     named = list(model.named_modules())
     return [p for p in patterns
             if not any(matches(n, m, [p]) or (p == "Linear" and _is_linear_like(m)) for n, m in named)]
+
+
+def paired_by_parent(model: torch.nn.Module, first: str, second: str) -> tuple[list[tuple[str, str]] | None,
+                                                                              list[str], list[str]]:
+    """Each module matching ``second`` with the one matching ``first`` beside it (the same parent module): the
+    pairs, or ``None`` when some has no partner or a ``first`` is left over; and what each pattern matched."""
+    firsts, seconds = find_modules(model, [first]), find_modules(model, [second])
+    by_parent = {name.rpartition(".")[0]: name for name in firsts}
+    pairs = [(by_parent.get(name.rpartition(".")[0]), name) for name in seconds]
+    complete = bool(pairs) and all(a is not None for a, _ in pairs) and len(pairs) == len(firsts)
+    return ([(a, b) for a, b in pairs if a is not None] if complete else None), sorted(firsts), sorted(seconds)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from layerwise.algorithms.quantization.hadamard import HadamardSizeError, check_block, fwht
 from layerwise.algorithms.quantization.storage import replace_data
-from layerwise.common.matching import find_modules
+from layerwise.common.matching import find_modules, paired_by_parent
 
 #: the config group name of the online rotations in ``transform_config`` (QuaRot / SpinQuant's name)
 GROUP = "R4"
@@ -136,13 +136,11 @@ def flip_online_signs(model: nn.Module, patterns: Sequence[str], seed: int = 0,
     if len(patterns) != 2:
         raise OnlineRotationError(f"{owner}: rotation_layout.online_signs must be (scale pattern, online pattern), "
                                   f"got {tuple(patterns)}")
-    scales, onlines = (find_modules(model, [pattern]) for pattern in patterns)
-    by_parent = {name.rpartition(".")[0]: name for name in scales}
-    pairs = [(by_parent.get(name.rpartition(".")[0]), name) for name in onlines]
-    if not pairs or any(s is None for s, _ in pairs) or len(pairs) != len(scales):
+    pairs, scales, onlines = paired_by_parent(model, *patterns)
+    if pairs is None:
         raise OnlineRotationError(f"{owner}: rotation_layout.online_signs {tuple(patterns)} must match one scale and "
-                                  f"one online layer per module of {type(model).__name__}; found {sorted(scales)[:3]}"
-                                  f"... and {sorted(onlines)[:3]}...")
+                                  f"one online layer per module of {type(model).__name__}; found {scales[:3]}"
+                                  f"... and {onlines[:3]}...")
     for scale, online in pairs:
         up, down = model.get_submodule(scale), model.get_submodule(online)
         if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear) or up.out_features != down.in_features:

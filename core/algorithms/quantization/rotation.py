@@ -40,7 +40,7 @@ from layerwise.algorithms.quantization.mappings import (
     resolve_mappings,
 )
 from layerwise.algorithms.quantization.storage import replace_data
-from layerwise.common.matching import find_modules, unmatched
+from layerwise.common.matching import find_modules, paired_by_parent, unmatched
 
 KINDS = ("hadamard", "orthogonal")
 
@@ -283,13 +283,11 @@ def rotate_heads(model: torch.nn.Module, patterns: Sequence[str], owner: str = "
     if len(patterns) != 2:
         raise RotationError(f"{owner}: rotation_layout.heads must be (value pattern, output pattern), got "
                             f"{tuple(patterns)}")
-    values, outputs = (find_modules(model, [pattern]) for pattern in patterns)
-    by_parent = {name.rpartition(".")[0]: name for name in values}
-    pairs = [(by_parent.get(name.rpartition(".")[0]), name) for name in outputs]
-    if not pairs or any(v is None for v, _ in pairs) or len(pairs) != len(values):
+    pairs, values, outputs = paired_by_parent(model, *patterns)
+    if pairs is None:
         raise RotationError(f"{owner}: rotation_layout.heads {tuple(patterns)} must match one value and one output "
                             f"projection per attention module of {type(model).__name__}; found values "
-                            f"{sorted(values)[:3]}... and outputs {sorted(outputs)[:3]}...")
+                            f"{values[:3]}... and outputs {outputs[:3]}...")
     width = head_dim(model)
     for v, o in pairs:
         for name, size in ((v, _weight(model, v).shape[0]), (o, _weight(model, o).shape[1])):
