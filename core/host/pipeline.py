@@ -55,6 +55,21 @@ def check_pieces(pieces: str) -> None:
     check_choice(pieces, PIECES, "pieces", "--pieces")
 
 
+def blocks_reason(pieces: str, propagate_error: bool, targets_per_subgraph: int, modifiers: Sequence[Any]) -> str:
+    """Why ``sequential`` cuts at blocks whatever the model traces, from the options and the recipe alone (``""``:
+    the layer cut may be tried). The run's cut and the plan's forecast of it both read this rule."""
+    from layerwise.host.modifier import Modifier
+
+    if pieces == "blocks":
+        return "asked for (pieces='blocks')"
+    if not propagate_error:
+        return "propagate_error=False: each block runs once, on the uncompressed model's activations"
+    if targets_per_subgraph > 1:
+        return f"targets_per_subgraph={targets_per_subgraph} groups blocks"
+    return "; ".join(f"{type(m).__name__} {getattr(m, 'block_reason', Modifier.block_reason)}"
+                     for m in modifiers if getattr(m, "needs_uncompressed_block", False))
+
+
 class Pipeline(ABC):
     """Runs calibration data through a model, firing lifecycle events."""
 

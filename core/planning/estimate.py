@@ -28,7 +28,7 @@ from layerwise.algorithms.hessian import GRAM_STRIP
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.runtime.accounting import gptq_solve_flops, gram_flops
 from layerwise.runtime.memory_policy import cache_bytes
-from layerwise.runtime.placement import WORKING_SET_FACTOR
+from layerwise.runtime.placement import working_set_bytes
 
 #: float32 copies a GPTQ solve keeps of its weight (W, Q, errors) beside the inverse Hessian
 SOLVE_WEIGHT_COPIES = 3
@@ -80,7 +80,7 @@ def estimate_piece(label: str, modules: list[str], inside: list[Quantized], *, w
     piece.statistics = sum(4 * layer.columns ** 2 for layer in piece.hessian_layers)
     piece.statistics += sum(4 * min(awq_tokens, seq_length) * layer.columns for layer in inside
                             if awq_tokens and layer.weights is not None)
-    working_set = WORKING_SET_FACTOR * seq_length * max(widest, hidden) * 4
+    working_set = working_set_bytes(seq_length, max(widest, hidden))
     solve = max((4 * (SOLVE_WEIGHT_COPIES * layer.rows * layer.columns + layer.columns ** 2)
                  for layer in piece.hessian_layers), default=0)
     piece.temporary = max(working_set, solve)

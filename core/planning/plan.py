@@ -22,6 +22,7 @@ import torch
 
 from layerwise.errors import LayerwiseError
 from layerwise.host.patch_selection import use_patch
+from layerwise.host.pipeline import blocks_reason
 from layerwise.host.recipe import RecipeLike, parse_recipe
 from layerwise.host.state import CompressionState
 from layerwise.model_io.calibration_data import default_max_seq_length
@@ -56,7 +57,7 @@ from layerwise.runtime.memory_policy import (
     hidden_size,
     offload_to_disk,
 )
-from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION, WORKING_SET_FACTOR, plan_placement
+from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION, plan_placement, working_set_bytes
 from layerwise.tracing.targets import check_entries, choose_targets, resolve_modules
 
 
@@ -474,7 +475,7 @@ def _gpu_peak(plan: Plan, free: int, largest_piece: int, work: int, *, streamed:
     """What the run will hold on the GPU at its peak: the runtime's own placement rule
     (:func:`~layerwise.runtime.placement.plan_placement`) for the weights and the cached activations kept
     there, and the largest piece's work beside them."""
-    working_set = WORKING_SET_FACTOR * plan.seq_length * max(plan.widest_linear, 1) * 4
+    working_set = working_set_bytes(plan.seq_length, max(plan.widest_linear, 1))
     device = torch.device("cuda")
     placement = plan_placement(device, plan.weight_bytes, plan.weight_bytes, working_set, free_bytes=free,
                                can_move=not streamed)
@@ -490,13 +491,10 @@ def _gpu_peak(plan: Plan, free: int, largest_piece: int, work: int, *, streamed:
 def _cut(modifiers: list, layers: dict[str, Quantized], calibration: Any) -> tuple[str, str]:
     """Where ``sequential`` will cut, by the rule of its ``layers_read`` as far as the recipe tells (the layer cut
     also needs the model to trace that finely and replay exactly, which only the run checks)."""
-    if calibration.pieces == "blocks":
-        return "blocks", "asked for (pieces='blocks')"
-    if not calibration.propagate_error or calibration.targets_per_subgraph > 1:
-        return "blocks", "propagate_error=False" if not calibration.propagate_error else "several targets per piece"
-    whole = [type(m).__name__ for m in modifiers if getattr(m, "needs_uncompressed_block", False)]
-    if whole:
-        return "blocks", f"{', '.join(whole)} needs whole blocks"
+    why_not = blocks_reason(calibration.pieces, calibration.propagate_error, calibration.targets_per_subgraph,
+                            modifiers)
+    if why_not:
+        return "blocks", why_not
     if not any(layer.hessian or (layer.inputs is not None and not layer.inputs.dynamic) for layer in layers.values()):
         return "blocks", "no modifier reads layer inputs"
     return "layers", "the modifiers read only layer inputs (blocks if the model does not trace that finely)"

@@ -4,6 +4,7 @@ from layerwise.host.pipeline import (
     Pipeline,
     PipelineFailed,
     PipelineOptions,
+    blocks_reason,
     inputs_are_held,
     inputs_held_unchanged,
 )
@@ -17,7 +18,12 @@ from layerwise.runtime.devices import (
 )
 from layerwise.runtime.heap import keep_temporaries_in_heap
 from layerwise.runtime.offload import ModuleOffloader
-from layerwise.runtime.placement import WORKING_SET_FACTOR, Placement, plan_placement
+from layerwise.runtime.placement import (
+    WORKING_SET_FACTOR,
+    Placement,
+    plan_placement,
+    working_set_bytes,
+)
 from layerwise.tracing import trace
 from layerwise.tracing.result import output_difference
 from layerwise.tracing.retrace import TracesByGuards
@@ -25,6 +31,6 @@ from layerwise.tracing.targets import TargetError, default_targets
 
 __all__ = [
     "WORKING_SET_FACTOR", "DeviceErrorWarning", "IntermediatesCache", "ModuleOffloader", "Pipeline", "PipelineAborted", "PipelineFailed", "PipelineOptions", "Placement",
-    "TargetError", "TracesByGuards", "canonical", "default_targets", "device_error_note", "inputs_are_held", "inputs_held_unchanged",
-    "is_device_error", "keep_temporaries_in_heap", "move_to", "output_difference", "plan_placement", "run_pipeline", "trace",
+    "TargetError", "TracesByGuards", "blocks_reason", "canonical", "default_targets", "device_error_note", "inputs_are_held", "inputs_held_unchanged",
+    "is_device_error", "keep_temporaries_in_heap", "move_to", "output_difference", "plan_placement", "run_pipeline", "trace", "working_set_bytes",
 ]

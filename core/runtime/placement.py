@@ -25,12 +25,18 @@ import torch
 
 from layerwise.runtime.devices import free_memory
 
-__all__ = ["DEVICE_MEMORY_FRACTION", "WORKING_SET_FACTOR", "Placement", "plan_placement"]
+__all__ = ["DEVICE_MEMORY_FRACTION", "WORKING_SET_FACTOR", "Placement", "plan_placement", "working_set_bytes"]
 
 #: the share of the device's free memory a run plans to use (the rest: the allocator's slack, other processes)
 DEVICE_MEMORY_FRACTION = 0.8
 #: a piece's temporaries, as a multiple of its widest activation (see the module docstring)
 WORKING_SET_FACTOR = 16
+
+
+def working_set_bytes(tokens: int, widest: int) -> int:
+    """A piece's temporaries: :data:`WORKING_SET_FACTOR` times its widest activation (``tokens`` x ``widest``
+    values, float32), the rule the run places by and the plan forecasts with."""
+    return WORKING_SET_FACTOR * tokens * widest * 4
 
 
 @dataclass(frozen=True)

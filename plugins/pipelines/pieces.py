@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from layerwise.plugin import InvalidArgumentError, Lifecycle, Modifier, warn_user
+from layerwise.plugin import InvalidArgumentError, Lifecycle, warn_user
 from layerwise.plugin.pipelines import (
     DeviceErrorWarning,
     ModuleOffloader,
     PipelineFailed,
     PipelineOptions,
     TracesByGuards,
+    blocks_reason,
     device_error_note,
     is_device_error,
     move_to,
@@ -88,16 +89,10 @@ def _warn_skipped(traces: TracesByGuards, kind: str) -> None:
 
 def layers_read(model: torch.nn.Module, lifecycle: Lifecycle, options: PipelineOptions) -> tuple[list[str], str]:
     """The modules to cut before (model order) and ``""``, or ``[]`` and why the cut stays at blocks."""
-    if options.pieces == "blocks":
-        return [], "asked for (pieces='blocks')"
-    if not options.propagate_error:
-        return [], "propagate_error=False: each block runs once, on the uncompressed model's activations"
-    if options.targets_per_subgraph > 1:
-        return [], f"targets_per_subgraph={options.targets_per_subgraph} groups blocks"
-    block_wise = [f"{type(m).__name__} {getattr(m, 'block_reason', Modifier.block_reason)}"
-                  for m in lifecycle.modifiers if getattr(m, "needs_uncompressed_block", False)]
-    if block_wise:
-        return [], "; ".join(block_wise)
+    why_not = blocks_reason(options.pieces, options.propagate_error, options.targets_per_subgraph,
+                            lifecycle.modifiers)
+    if why_not:
+        return [], why_not
     names = all_module_names(model)
     read = lifecycle.calibration_inputs(names)
     if read is None:  # ask each modifier again only to name the ones that need whole forwards

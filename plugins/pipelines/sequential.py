@@ -389,12 +389,12 @@ class _Runner:
 def _working_set(model: torch.nn.Module, batches: Sequence[dict[str, Any]]) -> int:
     """A piece's temporaries, estimated (:data:`layerwise.runtime.placement.WORKING_SET_FACTOR` times the widest
     activation of the largest batch, float32)."""
-    from layerwise.plugin.pipelines import WORKING_SET_FACTOR
+    from layerwise.plugin.pipelines import working_set_bytes
 
     widths = [max(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     tokens = max((v.numel() for b in batches for v in b.values()
                   if isinstance(v, torch.Tensor) and not v.is_floating_point()), default=1)
-    return WORKING_SET_FACTOR * tokens * max(widths, default=1) * 4
+    return working_set_bytes(tokens, max(widths, default=1))
 
 
 def _token_wise(model: torch.nn.Module, traces: Any, assignment: list[int], batches: Sequence[dict[str, Any]],
