@@ -336,6 +336,19 @@ def child_result(cmd: list[str], label: str, threads: int | None) -> dict:
     return {"error": " | ".join(tail) or f"exit status {proc.returncode}"}
 
 
+def _ran(results: dict, scheme: str, configs, lines: list[str]):
+    """Each of ``configs`` that ran on ``scheme``, with its result; a failed one becomes its table row in ``lines``
+    (seven columns, the error in the last) instead."""
+    for config in configs:
+        r = results.get((config, scheme))
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {scheme} | {config} | failed | | | | {r['error'][:300]} |")
+            continue
+        yield config, r
+
+
 def report_minilm(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> list[str]:
     """MiniLM's table: cosine and NN agreement to fp32, and the issue's targets judged against this run."""
     fp = results[("fp32", "")]
@@ -350,13 +363,7 @@ def report_minilm(results: dict[tuple[str, str], dict], args: argparse.Namespace
              "|---|---|---|---|---|---|---|"]
     for scheme in SCHEMES:
         gptq = results.get(("GPTQ", scheme), {}).get("cosine")
-        for config in (*METHODS, LLMC, AUTO_ROUND):
-            r = results.get((config, scheme))
-            if r is None:
-                continue
-            if "error" in r:
-                lines.append(f"| {scheme} | {config} | failed | | | | {r['error'][:300]} |")
-                continue
+        for config, r in _ran(results, scheme, (*METHODS, LLMC, AUTO_ROUND), lines):
             versus = f"{r['cosine'] - gptq:+.4f}" if gptq is not None else ""
             note = (f"{r['blocks_better_than_rtn']}/{r['blocks']} blocks below RTN's loss"
                     if "blocks_better_than_rtn" in r else "")
@@ -397,13 +404,7 @@ def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> li
              "|---|---|---|---|---|---|---|"]
     for scheme in (*SCHEMES, W4A8):
         gptq = results.get(("GPTQ", scheme), {}).get("kl")
-        for config in dict.fromkeys((*METHODS, LLMC, *W4A8_METHODS)):  # GPTQ is in both lists
-            r = results.get((config, scheme))
-            if r is None:
-                continue
-            if "error" in r:
-                lines.append(f"| {scheme} | {config} | failed | | | {r['error'][:300]} |")
-                continue
+        for config, r in _ran(results, scheme, dict.fromkeys((*METHODS, LLMC, *W4A8_METHODS)), lines):  # GPTQ twice
             versus = f"{r['kl'] / gptq:.3f}x" if gptq else ""
             note = (f"{r['blocks_better_than_rtn']}/6 blocks below RTN's loss"
                     if "blocks_better_than_rtn" in r else "")
