@@ -1,8 +1,6 @@
 """``python -m layerwise ...``: the ``layerwise`` command, also what ``torchrun -m layerwise`` starts."""
 
-import sys
-
-from layerwise.cli import main
+from layerwise.cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

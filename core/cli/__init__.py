@@ -4,6 +4,6 @@ Owns argument parsing and printing only; every decision is made by the modules i
 May import anything in layerwise; nothing imports it (but ``__main__``).
 """
 
-from layerwise.cli.app import build_parser, main
+from layerwise.cli.app import build_parser, console, main
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "console", "main"]

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from layerwise.common.module_walk import walk_modules
+
 
 def matches(name: str, module: torch.nn.Module, patterns: Iterable[str]) -> bool:
     """Does ``module`` (called ``name`` in its model) match any of ``patterns``?"""
@@ -42,7 +44,7 @@ def find_modules(model: torch.nn.Module, targets: Iterable[str], ignore: Iterabl
     """
     targets, ignore = list(targets), list(ignore)
     found = {}
-    for name, module in model.named_modules():
+    for name, module in walk_modules(model):
         hit = matches(name, module, targets) or ("Linear" in targets and _is_linear_like(module))
         if hit and not matches(name, module, ignore):
             found[name] = module
@@ -51,7 +53,7 @@ def find_modules(model: torch.nn.Module, targets: Iterable[str], ignore: Iterabl
 
 def unmatched(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
     """Patterns that select nothing in ``model`` (a likely typo in a recipe)."""
-    named = list(model.named_modules())
+    named = walk_modules(model)
     return [p for p in patterns
             if not any(matches(n, m, [p]) or (p == "Linear" and _is_linear_like(m)) for n, m in named)]
 

@@ -26,6 +26,7 @@ import torch
 
 from layerwise.algorithms.hessian import GRAM_STRIP
 from layerwise.algorithms.quantization.args import QuantizationArgs
+from layerwise.common.module_walk import all_parameters, walk_modules
 from layerwise.runtime.accounting import gptq_solve_flops, gram_flops
 from layerwise.runtime.memory_policy import cache_bytes
 from layerwise.runtime.placement import working_set_bytes
@@ -141,8 +142,8 @@ def _scale_count(args: QuantizationArgs, rows: int, columns: int) -> int:
 def forward_flops(model: torch.nn.Module, tokens: int, seq_length: int, layers: int, hidden: int) -> float:
     """One calibration forward over ``tokens``: 2 FLOPs per weight (matrices, embeddings left out) per token,
     and attention's two products (``4 x seq x hidden`` per token and layer)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    matrix = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    embeddings = {id(m.weight) for _, m in walk_modules(model) if isinstance(m, torch.nn.Embedding)}
+    matrix = sum(p.numel() for p in all_parameters(model) if p.dim() >= 2 and id(p) not in embeddings)
     return 2.0 * matrix * tokens + 4.0 * seq_length * hidden * layers * tokens
 
 

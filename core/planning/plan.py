@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from layerwise.common.module_walk import walk_modules, walks_cached
 from layerwise.errors import LayerwiseError
 from layerwise.host.patch_selection import use_patch
 from layerwise.host.pipeline import blocks_reason
@@ -228,60 +229,61 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
         model, info = meta_model(model, calibration.patch, safety.trust_remote_code)
     plan.checkpoint = info
     patch = use_patch(model, calibration.patch)
-    plan.architecture, plan.patch = type(model).__name__, patch.name if patch is not None else None
-    plan.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if output_dir is not None:
+    with walks_cached(model):  # the model is fixed from here: ~10 walks of it become one
+        plan.architecture, plan.patch = type(model).__name__, patch.name if patch is not None else None
+        plan.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        if output_dir is not None:
+            with plan.checking():
+                check_not_an_input(output_dir, run_inputs(plan.model if info is not None else model, dataset, recipe))
+                check_output_dir(output_dir, output.overwrite)
+
+        given = list(calibration.sequential_targets) if calibration.sequential_targets is not None else None
+        targets: dict[str, torch.nn.Module] = {}
         with plan.checking():
-            check_not_an_input(output_dir, run_inputs(plan.model if info is not None else model, dataset, recipe))
-            check_output_dir(output_dir, output.overwrite)
+            choice = choose_targets(model, given, patch)
+            plan.targets, plan.targets_found = choice.targets, choice.describe(model)
+            targets = resolve_modules(model, list(choice.targets)) if choice.targets else {}
+        with plan.checking():
+            if calibration.ignore is not None:
+                check_entries(model, list(calibration.ignore), "ignore entry")
+        plan.ignore = list(calibration.ignore) if calibration.ignore is not None else list(patch.ignore if patch else [])
+        state = CompressionState(model=model, modifiers=modifiers, patch=patch, sequential_targets=list(plan.targets),
+                                 ignore=list(plan.ignore))
+        _resolve_modifiers(plan, model, patch, modifiers, state)
 
-    given = list(calibration.sequential_targets) if calibration.sequential_targets is not None else None
-    targets: dict[str, torch.nn.Module] = {}
-    with plan.checking():
-        choice = choose_targets(model, given, patch)
-        plan.targets, plan.targets_found = choice.targets, choice.describe(model)
-        targets = resolve_modules(model, list(choice.targets)) if choice.targets else {}
-    with plan.checking():
-        if calibration.ignore is not None:
-            check_entries(model, list(calibration.ignore), "ignore entry")
-    plan.ignore = list(calibration.ignore) if calibration.ignore is not None else list(patch.ignore if patch else [])
-    state = CompressionState(model=model, modifiers=modifiers, patch=patch, sequential_targets=list(plan.targets),
-                             ignore=list(plan.ignore))
-    _resolve_modifiers(plan, model, patch, modifiers, state)
-
-    needs_data = any(m.requires_data for m in modifiers)
-    plan.seq_length = calibration.max_seq_length or default_max_seq_length(model)
-    plan.samples = calibration.num_calibration_samples if needs_data else 0
-    if needs_data and isinstance(dataset, (list, tuple)):  # samples given as such: the run takes at most these
-        plan.samples = min(plan.samples, len(dataset))
-    tokens = plan.samples * plan.seq_length
-    counted = _count_tokens(plan, dataset, calibration, safety.trust_remote_code) if needs_data and measure else None
-    if counted is not None:
-        plan.samples, tokens = counted
-        plan.tokens_counted = tokens
-    element = torch.empty((), dtype=plan.dtype).element_size()
-    hidden = hidden_size(model.config) if hasattr(model, "config") else 0
-    plan.reference_stream = any(getattr(m, "needs_reference_inputs", False) for m in modifiers)
-    if needs_data:
-        plan.cut, plan.cut_reason = _cut(modifiers, plan.layers, calibration)
-    widest_read = max((layer.columns for layer in plan.layers.values()), default=hidden)
-    plan.cache_bytes = cut_cache_bytes(tokens, element, hidden=hidden, widest_read=widest_read, cut=plan.cut,
-                                       rotary=rotary_width(model.config) if hasattr(model, "config") else 0) \
-        * (2 if plan.reference_stream else 1)
-    plan.targets_per_piece = calibration.targets_per_subgraph
-    awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
-    plan.pieces, plan.widest_linear = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers,
-                                              dtype=plan.dtype, seq_length=plan.seq_length if needs_data else 0,
-                                              hidden=hidden, awq_tokens=awq_tokens)
-    plan.weight_bytes = sum(piece.weights for piece in plan.pieces)
-    quantized = [layer for layer in plan.layers.values() if layer.weights is not None]
-    plan.output_bytes = plan.weight_bytes + sum(stored_weight_bytes(layer, element) - layer.rows * layer.columns
-                                                * element for layer in quantized)
-    _memory(plan, model, info, placement, output_dir, needs_data, gpu_memory, host_memory)
-    _time(plan, model, modifiers, needs_data, tokens, hidden, placement, calibration, gpu_memory, measure)
-    _serving(plan, placement)
-    _kv_cache(plan, modifiers)
-    return plan
+        needs_data = any(m.requires_data for m in modifiers)
+        plan.seq_length = calibration.max_seq_length or default_max_seq_length(model)
+        plan.samples = calibration.num_calibration_samples if needs_data else 0
+        if needs_data and isinstance(dataset, (list, tuple)):  # samples given as such: the run takes at most these
+            plan.samples = min(plan.samples, len(dataset))
+        tokens = plan.samples * plan.seq_length
+        counted = _count_tokens(plan, dataset, calibration, safety.trust_remote_code) if needs_data and measure else None
+        if counted is not None:
+            plan.samples, tokens = counted
+            plan.tokens_counted = tokens
+        element = torch.empty((), dtype=plan.dtype).element_size()
+        hidden = hidden_size(model.config) if hasattr(model, "config") else 0
+        plan.reference_stream = any(getattr(m, "needs_reference_inputs", False) for m in modifiers)
+        if needs_data:
+            plan.cut, plan.cut_reason = _cut(modifiers, plan.layers, calibration)
+        widest_read = max((layer.columns for layer in plan.layers.values()), default=hidden)
+        plan.cache_bytes = cut_cache_bytes(tokens, element, hidden=hidden, widest_read=widest_read, cut=plan.cut,
+                                           rotary=rotary_width(model.config) if hasattr(model, "config") else 0) \
+            * (2 if plan.reference_stream else 1)
+        plan.targets_per_piece = calibration.targets_per_subgraph
+        awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)
+        plan.pieces, plan.widest_linear = _pieces(model, targets, calibration.targets_per_subgraph, plan.layers,
+                                                  dtype=plan.dtype, seq_length=plan.seq_length if needs_data else 0,
+                                                  hidden=hidden, awq_tokens=awq_tokens)
+        plan.weight_bytes = sum(piece.weights for piece in plan.pieces)
+        quantized = [layer for layer in plan.layers.values() if layer.weights is not None]
+        plan.output_bytes = plan.weight_bytes + sum(stored_weight_bytes(layer, element) - layer.rows * layer.columns
+                                                    * element for layer in quantized)
+        _memory(plan, model, info, placement, output_dir, needs_data, gpu_memory, host_memory)
+        _time(plan, model, modifiers, needs_data, tokens, hidden, placement, calibration, gpu_memory, measure)
+        _serving(plan, placement)
+        _kv_cache(plan, modifiers)
+        return plan
 
 
 def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers: list, state: CompressionState) -> None:
@@ -333,7 +335,7 @@ def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_pie
     widest_linear = 0
     module_group: dict[str, int] = {}
     seen: set[int] = set()
-    for name, module in model.named_modules():  # parents first: a module's piece is its own or its parent's
+    for name, module in walk_modules(model):  # parents first: a module's piece is its own or its parent's
         group = group_of.get(name, module_group.get(name.rpartition(".")[0], -1) if name else -1)
         module_group[name] = group
         if isinstance(module, torch.nn.Linear):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from layerwise.common.matching import matches, unmatched
+from layerwise.common.module_walk import walk_modules
 from layerwise.common.user_warnings import warn_user
 
 from ..errors import LayerwiseError
@@ -130,8 +131,9 @@ def check_entries(model: torch.nn.Module, entries: Iterable[str], kind: str) -> 
     missing = unmatched(model, entries)
     if not missing:
         return
-    classes = sorted({type(m).__name__ for _, m in model.named_modules()})
-    names = [n for n, _ in model.named_modules() if n]
+    named = walk_modules(model)
+    classes = sorted({type(m).__name__ for _, m in named})
+    names = [n for n, _ in named if n]
     suggestions = {entry: _closest(entry, classes, names) for entry in missing}
     lines = []
     for entry in missing:
@@ -176,8 +178,8 @@ def resolve_modules(model: torch.nn.Module, patterns: Sequence[str], *, outermos
     sub-blocks are calibrated with it).
     """
     found: dict[str, torch.nn.Module] = {}
-    inside = None  # the prefix of the last match kept: named_modules walks a subtree right after its root
-    for name, module in model.named_modules():
+    inside = None  # the prefix of the last match kept: the walk lists a subtree right after its root
+    for name, module in walk_modules(model):
         if not name or (outermost and inside is not None and name.startswith(inside)):
             continue
         if matches(name, module, patterns):

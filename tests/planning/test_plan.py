@@ -265,3 +265,19 @@ def test_the_plan_counts_the_tokens_of_short_samples_as_the_run_reads_them(tiny_
     assert plan.tokens_counted is not None and plan.tokens_counted < plan.samples * 64
     assert abs(plan.cache_bytes / report.cache_peak_bytes - 1) < 0.1, (plan.cache_bytes, report.cache_peak_bytes)
     assert "tokenized now" in "\n".join(plan_lines(plan))
+
+
+def test_the_executable_plans_and_a_caller_in_process_keeps_its_garbage_collector(bf16_llama_dir, capsys):
+    """``layerwise plan`` leaves its meta model to the process exit (the collector off, then frozen); ``main``
+    called in a process that goes on must not switch the caller's collector off."""
+    import gc
+    import subprocess
+    import sys
+
+    assert main(["plan", "--model", str(bf16_llama_dir), "--recipe", "W8A16"]) == 0
+    assert gc.isenabled()
+    capsys.readouterr()
+    done = subprocess.run([sys.executable, "-m", "layerwise", "plan", "--model", str(bf16_llama_dir), "--recipe",
+                           "W8A16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "verdict: runs as asked" in done.stdout
