@@ -293,6 +293,10 @@ def report(lw: dict, llmc: dict | None) -> list[str]:
             lines.append(f"| {r['tool']} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {gpu} | {r['peak_rss_gb']:.1f} |")
     if llmc is not None:
         lines += ["", f"time ratio layerwise / llm-compressor: {lw['seconds'] / llmc['seconds']:.2f}x (target <= 0.5x)"]
+        load = acc.get("load", {}).get("seconds", 0.0)
+        if load:  # like with like: llm-compressor's timer starts after its from_pretrained
+            lines.append(f"the same without layerwise's checkpoint read ({load:.1f} s; llm-compressor loads before its "
+                         f"timer starts): {(lw['seconds'] - load) / llmc['seconds']:.2f}x")
     forward = acc.get("forward", {}).get("seconds", 0.0)
     hessian = acc.get("GPTQ Hessians", {})
     lines += ["", "| phase | seconds | TFLOP | TFLOP/s | of peak |", "|---|---:|---:|---:|---:|"]
@@ -309,6 +313,12 @@ def report(lw: dict, llmc: dict | None) -> list[str]:
         rate = (solve.get("flops") or 0.0) / solve["seconds"] / 1e12
         lines.append(f"| solves (fp32) | {solve['seconds']:.1f} | {(solve.get('flops') or 0.0) / 1e12:.2f} | "
                      f"{rate:.2f} | {rate / peaks['fp32']:.0%} of fp32 |")
+    others = {phase: work["seconds"] for phase, work in acc.items()
+              if phase not in ("forward", "GPTQ Hessians", "GPTQ solves") and work.get("seconds")}
+    for phase, seconds in others.items():  # the checkpoint read, ...: no FLOPs to rate
+        lines.append(f"| {phase} | {seconds:.1f} | - | - | - |")
+    lines.append(f"| outside the phases above | {max(lw['seconds'] - sum(w.get('seconds') or 0 for w in acc.values()), 0):.1f}"
+                 f" | - | - | - |")
     limit = physical_limit(lw)
     lines += ["", f"physical limit (every phase at the measured peak): {limit['total']:.2f} s (forwards "
                   f"{limit['forwards']:.2f}, Hessians {limit['Hessians']:.2f}, solves {limit['solves']:.2f}); "

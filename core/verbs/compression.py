@@ -177,7 +177,7 @@ def compress(
         preflight(model, recipe, dataset, options, None)
     # the saver encodes the codes quantizing computed (kept only while there is an output to write)
     with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed, keeping_codes(writes):
-        source, stream = None, None
+        source, stream, load_seconds = None, None, 0.0
         tokenizer = calibration.tokenizer
         if not isinstance(model, torch.nn.Module):
             source = str(model)
@@ -189,7 +189,9 @@ def compress(
                 # every rank encodes what it finishes (the sizes are reported), rank 0 alone writes
                 stream.write_to(claimed if writes else None, saver.encode_module if output_dir is not None else None)
             else:
+                started = time.perf_counter()
                 model = load_model(source, patch=calibration.patch, trust_remote_code=safety.trust_remote_code)
+                load_seconds = time.perf_counter() - started
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, safety.trust_remote_code)
         chosen_patch = use_patch(model, calibration.patch)
         warn_if_untested(chosen_patch)
@@ -224,6 +226,8 @@ def compress(
         state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
                                  execution_device=execution_device, batches=batches)
+        if load_seconds:  # reading the checkpoint is part of the job when compress() is given a folder
+            state.accounting.add("load", load_seconds)
         fingerprint = {**options.fingerprint(), "targets": targets, "ignore": ignore, "max_seq_length": seq_length}
         pipeline_options = PipelineOptions(
             sequential_targets=targets, ignore=ignore, propagate_error=calibration.propagate_error,
