@@ -16,6 +16,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
 
 from . import _inputs, _tiny
+from ._names import LM_HEAD
 
 
 def sample_inputs(config: Any, modality: str = "text", batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
@@ -75,7 +76,7 @@ GEMMA3 = ModelPatch(
     # layers are compressed (SigLIP's _init_weights reads their `.weight`, which compressed-tensors
     # replaced by packed weights); it is a small share of the model. Its layers (not their Linears)
     # are still targets, so the text decoder calibrates on real image features.
-    ignore=("lm_head", "re:.*multi_modal_projector.*", "re:.*vision_tower\\..*_proj", "re:.*vision_tower\\..*\\.fc[12]"),
+    ignore=(LM_HEAD, "re:.*multi_modal_projector.*", "re:.*vision_tower\\..*_proj", "re:.*vision_tower\\..*\\.fc[12]"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_gemma3, tiny_gemma3_text),
     # text decoder only (the SigLIP Linear layers stay dense). Gemma norms the attention *output* with

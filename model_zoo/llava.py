@@ -23,6 +23,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
 
 from . import _inputs, _tiny
+from ._names import LM_HEAD
 
 #: every transformer layer of the vision tower (CLIP/SigLIP ``encoder.layers``, Pixtral ``transformer.layers``)
 VISION_LAYERS = "re:(.*\\.)?vision_tower\\..*layers\\.\\d+"
@@ -101,7 +102,7 @@ def tiny_mistral3() -> torch.nn.Module:
 
 
 _TARGETS = (VISION_LAYERS, TEXT_LAYERS)
-_IGNORE = ("lm_head", "re:.*multi_modal_projector.*")
+_IGNORE = (LM_HEAD, "re:.*multi_modal_projector.*")
 
 _VISION = "re:.*vision_tower\\..*"
 #: the decoder's norms and projections; in the vision tower, one pattern covers both layouts the patch

@@ -19,6 +19,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS, LazyFunctions
 
 from . import _inputs, _tiny
+from ._names import LM_HEAD
 
 
 def _tiles_for(config: Any) -> tuple[int, list[int]]:
@@ -92,7 +93,7 @@ MLLAMA = ModelPatch(
     sequential_targets=("MllamaVisionEncoderLayer", "MllamaSelfAttentionDecoderLayer",
                         "MllamaCrossAttentionDecoderLayer"),
     # the projector maps vision features into the text width; the cross-attention gates are scalars
-    ignore=("lm_head", "re:.*multi_modal_projector.*"),
+    ignore=(LM_HEAD, "re:.*multi_modal_projector.*"),
     opaque_functions=LazyFunctions(_opaque_functions),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_mllama,),

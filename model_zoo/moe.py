@@ -57,9 +57,9 @@ __all__ = [
 ]
 
 #: routers: in transformers 5 they are ``*TopKRouter`` modules named ``mlp.gate`` (plain weight, no Linear);
-#: (the ``block_sparse_moe.gate`` of transformers 4's Mixtral exists in no supported release: the plugin
-#: kit's ignore check found that entry matching nothing)
-MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
+#: Mixtral's checkpoints name them ``block_sparse_moe.gate`` (transformers renames them on load and back on
+#: save), which is what a model-free run, reading the checkpoint's names, sees
+MOE_IGNORE = ("lm_head", "re:.*(mlp|block_sparse_moe)\\.gate$")
 
 
 #: the per-expert layer names of most original checkpoints (Qwen-MoE, DeepSeek): gate, up, down

@@ -514,7 +514,7 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
         if output_dir is not None:
             check_not_an_input(output_dir, [("model", str(folder))])
             check_output_dir(output_dir, options.output.overwrite)
-        plan.model_free = forecast_model_free(folder, recipe, ignore=list(options.calibration.ignore or []),
+        plan.model_free = forecast_model_free(folder, recipe, ignore=options.calibration.ignore,
                                               workers=options.placement.workers, patch=options.calibration.patch)
     forecast = plan.model_free
     if forecast is None:

@@ -296,7 +296,7 @@ def _model_free(model: Any, recipe: RecipeLike, output_dir: Any, options: Compre
     if isinstance(model, torch.nn.Module) or output_dir is None:
         raise InvalidArgumentError("weights='model-free' reads a model folder's safetensors and writes an output "
                                    "folder: pass the folder and output_dir= (CLI: --model FOLDER --output-dir OUT)")
-    return compress_model_free(model, recipe, output_dir, ignore=list(options.calibration.ignore or []),
+    return compress_model_free(model, recipe, output_dir, ignore=options.calibration.ignore,
                                overwrite=options.output.overwrite, workers=options.placement.workers,
                                save_format=options.output.save_format, patch=options.calibration.patch)
 

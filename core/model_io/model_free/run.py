@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,12 +81,13 @@ class ModelFreeError(LayerwiseError, ValueError):
 
 
 def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir: str | os.PathLike, *,
-                        ignore: list[str] | None = None, overwrite: Overwrite = False, workers: int | None = None,
+                        ignore: Sequence[str] | None = None, overwrite: Overwrite = False, workers: int | None = None,
                         save_format: str = "compressed-tensors", patch: ModelPatch | str | bool | None = None) -> Any:
     """Quantize the safetensors folder ``model`` with the data-free ``recipe`` into ``output_dir``, shard by
     shard, without a model class; returns the run's :class:`~layerwise.reports.run_report.CompressionReport`.
 
-    ``ignore`` adds module-name entries to every modifier's; ``workers`` (default: as many as there are
+    ``ignore`` adds module-name entries to every modifier's (default: the model patch's, as ``compress`` in
+    memory: ``lm_head``, MoE routers, vision towers); ``workers`` (default: as many as there are
     shards, cores and memory for) is the number of shards quantized at once; ``patch`` is the model patch whose
     ``fused_projections`` NVFP4 shares global scales over and whose ``expert_projections`` split fused MoE
     experts (:func:`model_free_patch`; default: the one matching ``config.json``).
@@ -105,6 +107,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
                              f"module on its own, or has no quantization_config); use save_format="
                              f"'compressed-tensors'")
     modifiers = parse_recipe(recipe)
+    ignore = run_ignore(ignore, chosen)
     selection = _Selection.of(folder, modifiers, ignore, _expert_projections(chosen))
     shards, tensors, all_layers, plan, by_file = (selection.shards, selection.tensors, selection.layers,
                                                   selection.jobs, selection.by_file)
@@ -138,13 +141,13 @@ class ModelFreeForecast:
     dense_experts: tuple[str, ...] = ()
 
 
-def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore: list[str] | None = None,
+def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore: Sequence[str] | None = None,
                         workers: int | None = None, patch: ModelPatch | str | bool | None = None) -> ModelFreeForecast:
     """The shards, layers, workers and memory a model-free run of ``model`` with ``recipe`` will have; the same
     selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
     folder = _folder(model)
     chosen = model_free_patch(folder, patch)
-    selection = _Selection.of(folder, parse_recipe(recipe), ignore, _expert_projections(chosen))
+    selection = _Selection.of(folder, parse_recipe(recipe), run_ignore(ignore, chosen), _expert_projections(chosen))
     sizes = {file: (folder / file).stat().st_size for file in selection.shards}
     shaped = tuple((job, selection.layers[job.module].rows, selection.layers[job.module].columns,
                     selection.layers[job.module].stored.nbytes) for job in selection.jobs.values())
@@ -162,6 +165,14 @@ def dense_experts_notes(names: list[str] | tuple[str, ...]) -> list[str]:
     return [f"fused MoE experts stay dense: {shown} are 3-D tensors, and no model patch matched from config.json "
             f"declares how they split (ModelPatch.expert_projections); register a patch that does (or pass "
             f"patch=) to quantize them per expert"]
+
+
+def run_ignore(ignore: Sequence[str] | None, patch: ModelPatch | None) -> list[str]:
+    """``ignore`` as given, else the patch's ignore list: what ``compress`` in memory leaves out by default (a
+    router quantized by a model-free run and not by vLLM's loader would make a checkpoint that does not load)."""
+    if ignore is not None:
+        return list(ignore)
+    return list(patch.ignore) if patch is not None else []
 
 
 def _expert_projections(patch: ModelPatch | None) -> tuple[str, ...]:

@@ -91,3 +91,19 @@ def test_nvfp4_of_fused_experts_is_bit_identical_and_each_experts_gate_and_up_sh
         assert torch.equal(gate, up) and torch.allclose(gate, 448 * 6 / source[e].abs().amax().float())
     q, k, v = (free[f"model.layers.1.self_attn.{p}_proj.weight_global_scale"] for p in "qkv")
     assert torch.equal(q, k) and torch.equal(q, v)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_by_default_model_free_leaves_out_what_the_in_memory_run_leaves_out(arch, tmp_path):
+    """No ignore given: the model patch matched from config.json supplies its ignore list (routers, heads, vision
+    towers), as compress() in memory takes it; a MoE router quantized by model-free alone would not load in vLLM."""
+    torch.manual_seed(0)
+    ARCHS[arch].build().save_pretrained(tmp_path / "model")
+    layerwise.compress(str(tmp_path / "model"), "W8A16", output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    quantized = {name.removesuffix(".weight_scale") for name in _tensors(tmp_path / "memory")
+                 if name.endswith(".weight_scale")}
+    report = compress_model_free(tmp_path / "model", "W8A16", tmp_path / "free", workers=1)
+    assert set(report.compressed_modules) == quantized
+    if arch in MOE:
+        assert not any(name.endswith("mlp.gate") for name in report.compressed_modules)
