@@ -30,6 +30,7 @@ from layerwise.plugin.calibration import (
     Accounting,
     NonFiniteSampleWarning,
     add_gram,
+    gram_dtype,
     gram_flops,
     gram_to_hessian,
     is_finite,
@@ -128,14 +129,14 @@ class HessianBank:
         if gram is not None and gram.alone_and_idle() and x.numel() >= FLUSH_ROWS * x.shape[-1]:
             # a layer with its own matrix and a long input: fold it right away, no copy kept
             self.last = None
-            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
+            gram.fold_now(name, x.detach().reshape(-1, x.shape[-1]).to(gram_dtype(x)))
             return
         if self._read_last(x):
             flat = last[2]  # the same tensor as the previous layer read (q/k/v, gate/up)
         else:
             # a copy, unless the pipeline holds ``x`` unchanged until the Hessian is taken: the model may
             # write into its activations in place after this hook, before the input is folded
-            flat = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=not inputs_are_held())
+            flat = x.detach().to(gram_dtype(x), memory_format=torch.contiguous_format, copy=not inputs_are_held())
             flat = flat.reshape(-1, flat.shape[-1])
         if gram is None and last is not None and last[2] is flat and last[3].joinable(flat):
             gram = last[3]  # first input, and the same one another layer just started with: share

@@ -153,6 +153,41 @@ def test_layers_reading_the_same_input_share_one_gram_matrix(lengths):
     lifecycle.calibration_end()
 
 
+@pytest.mark.parametrize("lengths", [(7, 9, 5), (300, 270)])
+def test_half_precision_inputs_kept_as_a_gpu_keeps_them_give_the_float32_hessians(lengths, monkeypatch):
+    """On a GPU the bank keeps bfloat16 inputs as they are (half the memory) and takes their Gram with float32
+    sums (:func:`layerwise.algorithms.hessian.gram_dtype`). Forced here on the CPU: waiting, shared (q/k/v) and
+    folded at once, every Hessian is the float32 copies' one."""
+    from layerwise.plugins.modifiers import hessians
+
+    monkeypatch.setattr(hessians, "gram_dtype", lambda x: x.dtype)
+    model = build_tiny_llama().to(torch.bfloat16)
+    modifier = gptq(scheme="W4A16", strategy="channel")
+    lifecycle = make_lifecycle(model, modifier)
+    inputs: dict[str, list[torch.Tensor]] = {}
+    layer = model.model.layers[0]
+    names = {"q_proj": layer.self_attn.q_proj, "o_proj": layer.self_attn.o_proj, "down_proj": layer.mlp.down_proj}
+    record = [module.register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, []).append(a[0].detach().clone()))
+              for n, module in names.items()]
+    lifecycle.calibration_start()
+    with torch.no_grad():
+        for batch in make_batches(lengths=lengths):
+            model(**batch)
+    for handle in record:
+        handle.remove()
+    waiting = [x for gram in modifier._grams.values() for x in gram.pending]
+    assert all(x.dtype == torch.bfloat16 for x in waiting)
+    for name, module in names.items():
+        qualified = next(q for q, m in model.named_modules() if m is module)
+        expected, count = None, 0
+        for x in inputs[name]:
+            expected, count = accumulate_hessian(expected, count, x)  # float32 copies
+        hessian, samples = modifier._hessian(qualified)
+        assert hessian.dtype == torch.float32 and samples == count == sum(lengths)
+        torch.testing.assert_close(hessian, expected, rtol=1e-5, atol=1e-5)
+    lifecycle.calibration_end()
+
+
 def test_a_member_whose_inputs_diverge_keeps_its_own_exact_history():
     class Fork(torch.nn.Module):
         def __init__(self):

@@ -283,3 +283,17 @@ def test_a_device_the_trace_read_as_a_value_follows_the_inputs_when_replayed_on_
         model.to("cpu")
     assert torch.equal(got.to("cpu"), expected)
     assert torch.equal(result.replay(sample), expected)  # and back on the CPU
+
+
+@needs_cuda
+def test_on_the_gpu_a_bfloat16_gram_is_taken_as_it_is_with_float32_sums():
+    """The Hessians' inputs stay bfloat16 on a GPU, their products on the tensor cores with float32 output: the
+    Gram is the float64 one of the same values to float32's precision."""
+    from layerwise.algorithms.hessian import add_gram, gram_dtype
+
+    x = (torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3).bfloat16()
+    assert gram_dtype(x) == torch.bfloat16
+    gram = add_gram(torch.zeros(1024, 1024, device="cuda"), x)
+    exact = x.double().t() @ x.double()
+    upper = torch.ones(1024, 1024, dtype=torch.bool, device="cuda").triu()
+    assert ((gram.double() - exact).abs()[upper] <= 1e-5 * exact.abs().max()).all()

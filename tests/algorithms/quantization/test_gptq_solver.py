@@ -312,6 +312,20 @@ def test_running_hessian_equals_the_batch_formula():
     torch.testing.assert_close(gram_to_hessian(gram, 21), h, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_gram_is_the_float32_copys_and_only_a_gpu_keeps_the_half_precision(dtype):
+    """Products of two bfloat16 / float16 values are exact in float32: the Gram of the inputs as they are (a GPU's
+    tensor cores, float32 sums) is the float32 copy's up to the order of the sums. The CPU copies to float32."""
+    from layerwise.algorithms.hessian import gram_dtype
+
+    x = (torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    half = add_gram(torch.zeros(200, 200), x)
+    exact = add_gram(torch.zeros(200, 200, dtype=torch.float64), x.to(torch.float64))
+    upper = torch.ones(200, 200, dtype=torch.bool).triu()
+    assert ((half.double() - exact).abs()[upper] <= 1e-6 * exact.abs().max()).all()
+    assert gram_dtype(x) == torch.float32 and gram_dtype(x.float()) == torch.float32
+
+
 @pytest.mark.parametrize("columns", [16, 100, 1000])
 def test_gram_strips_cover_the_whole_upper_triangle(columns):
     x = torch.randn(37, columns, dtype=torch.float64)
