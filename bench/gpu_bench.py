@@ -121,6 +121,7 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
     from transformers import AutoConfig
 
     import layerwise
+    from layerwise.algorithms.hessian import gram_dtype
 
     config = AutoConfig.from_pretrained(folder)
     rows = token_rows(config.vocab_size, samples, seq_len)
@@ -148,6 +149,7 @@ def child_layerwise(folder: str, device: str, samples: int, seq_len: int, profil
               "forward_flops": forward_flops(config, tokens, seq_len), "piece_gb": piece_gb(config, tokens),
               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
               "free_gpu_bytes": free, "placement": getattr(report, "placement", ""),
+              "hessian_dtype": str(gram_dtype(torch.zeros(1, device=device, dtype=torch.bfloat16))),
               "planned_gpu_peak": planned.gpu_peak, "planned_gpu_parts": planned.gpu_peak_parts,
               "planned_cache": planned.cache_bytes, "cache_peak": getattr(report, "cache_peak_bytes", 0),
               "warnings": sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})}
@@ -269,12 +271,14 @@ def run(cmd: list[str], what: str, time_limit: float | None = None) -> dict | No
 
 def physical_limit(lw: dict) -> dict[str, float]:
     """Seconds each phase would take at the matmul peak measured in the run: the forwards' FLOPs at bf16, the
-    Hessians' and the solves' at fp32 (TF32 off); their sum is the run's physical limit."""
+    Hessians' at bf16 when the run took them from bfloat16 inputs (``hessian_dtype``, a GPU) else at fp32, the
+    solves' at fp32 (TF32 off); their sum is the run's physical limit."""
     acc, peaks = lw["accounting"], lw["matmul_peak_tflops"]
     limit = {"forwards": lw["forward_flops"] / (peaks["bf16"] * 1e12)}
-    for phase, name in (("GPTQ Hessians", "Hessians"), ("GPTQ solves", "solves")):
+    hessian_peak = peaks["bf16"] if lw.get("hessian_dtype") == "torch.bfloat16" else peaks["fp32"]
+    for phase, name, peak in (("GPTQ Hessians", "Hessians", hessian_peak), ("GPTQ solves", "solves", peaks["fp32"])):
         flops = acc.get(phase, {}).get("flops") or 0.0
-        limit[name] = flops / (peaks["fp32"] * 1e12)
+        limit[name] = flops / (peak * 1e12)
     limit["total"] = sum(limit.values())
     return limit
 
@@ -306,8 +310,9 @@ def report(lw: dict, llmc: dict | None) -> list[str]:
                      f"{rate / peaks['bf16']:.0%} of bf16 |")
     if hessian.get("seconds"):
         rate = hessian["flops"] / hessian["seconds"] / 1e12
-        lines.append(f"| Hessians (fp32) | {hessian['seconds']:.1f} | {hessian['flops'] / 1e12:.1f} | {rate:.1f} | "
-                     f"{rate / peaks['fp32']:.0%} of fp32 |")
+        kind = "bf16 in, fp32 sums" if lw.get("hessian_dtype") == "torch.bfloat16" else "fp32"
+        lines.append(f"| Hessians ({kind}) | {hessian['seconds']:.1f} | {hessian['flops'] / 1e12:.1f} | {rate:.1f} | "
+                     f"{rate / peaks['fp32']:.0%} of fp32, {rate / peaks['bf16']:.0%} of bf16 |")
     solve = acc.get("GPTQ solves", {})
     if solve.get("seconds"):
         rate = (solve.get("flops") or 0.0) / solve["seconds"] / 1e12

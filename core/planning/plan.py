@@ -157,8 +157,11 @@ class Plan:
     def seconds(self) -> float | None:
         if self.rates is None:
             return None
+        # a GPU takes a half-precision model's Hessians on its tensor cores, at the model's rate (gram_dtype)
+        tensor_cores = self.device == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
         return (self.flops.get("forwards", 0.0) / self.rates.model_dtype
-                + (self.flops.get("Hessians", 0.0) + self.flops.get("solves", 0.0)) / self.rates.fp32)
+                + self.flops.get("Hessians", 0.0) / (self.rates.model_dtype if tensor_cores else self.rates.fp32)
+                + self.flops.get("solves", 0.0) / self.rates.fp32)
 
     def verdict(self) -> str:
         if not self.ok:
