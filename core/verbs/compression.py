@@ -57,6 +57,7 @@ from layerwise.model_io.saving import (
 from layerwise.model_io.streaming.stream import StreamingError, choose_streaming
 from layerwise.reports.run_report import CompressionReport
 from layerwise.runtime import distributed
+from layerwise.runtime.accounting import Accounting
 from layerwise.runtime.devices import out_of_memory_error, resolve_device
 from layerwise.runtime.finite import check_weights
 from layerwise.runtime.memory_policy import choose_offload
@@ -171,13 +172,15 @@ def compress(
                              f"disk (its saver does not stream); use save_format='compressed-tensors' or "
                              f"weights='memory'")
     writes = output_dir is not None and distributed.is_main()
+    before = Accounting()  # the phases before the run's state exists, added to its accounting then
     if distributed.is_main():  # what `layerwise plan` says will fail never starts (the folder is checked above)
         from layerwise.verbs.plan import preflight
 
-        preflight(model, recipe, dataset, options, None)
+        with before.timed("plan checks"):
+            preflight(model, recipe, dataset, options, None)
     # the saver encodes the codes quantizing computed (kept only while there is an output to write)
     with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed, keeping_codes(writes):
-        source, stream, load_seconds = None, None, 0.0
+        source, stream = None, None
         tokenizer = calibration.tokenizer
         if not isinstance(model, torch.nn.Module):
             source = str(model)
@@ -189,15 +192,15 @@ def compress(
                 # every rank encodes what it finishes (the sizes are reported), rank 0 alone writes
                 stream.write_to(claimed if writes else None, saver.encode_module if output_dir is not None else None)
             else:
-                started = time.perf_counter()
-                model = load_model(source, patch=calibration.patch, trust_remote_code=safety.trust_remote_code)
-                load_seconds = time.perf_counter() - started
+                with before.timed("load"):
+                    model = load_model(source, patch=calibration.patch, trust_remote_code=safety.trust_remote_code)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, safety.trust_remote_code)
         chosen_patch = use_patch(model, calibration.patch)
         warn_if_untested(chosen_patch)
         model.eval()
         # a NaN weight fails in seconds, not after calibration (streamed: read one tensor at a time)
-        skipped = check_weights(model, safety.non_finite, bad=stream.non_finite() if stream is not None else None)
+        with before.timed("weight check"):
+            skipped = check_weights(model, safety.non_finite, bad=stream.non_finite() if stream is not None else None)
         if stream is not None:
             stream.exempt = tuple(f"{name}." for name in skipped)
 
@@ -226,8 +229,7 @@ def compress(
         state = CompressionState(model=model, modifiers=modifiers, patch=chosen_patch,
                                  sequential_targets=targets, ignore=[*ignore, *skipped],
                                  execution_device=execution_device, batches=batches)
-        if load_seconds:  # reading the checkpoint is part of the job when compress() is given a folder
-            state.accounting.add("load", load_seconds)
+        state.accounting.update(before)
         fingerprint = {**options.fingerprint(), "targets": targets, "ignore": ignore, "max_seq_length": seq_length}
         pipeline_options = PipelineOptions(
             sequential_targets=targets, ignore=ignore, propagate_error=calibration.propagate_error,
@@ -255,7 +257,8 @@ def compress(
                 raise out_of_memory_error(exc, execution_device, offload, calibration.targets_per_subgraph,
                                           stream is not None) from exc
             raise
-        lifecycle.finalize()
+        with state.accounting.timed("finalize"):
+            lifecycle.finalize()
 
         from layerwise.algorithms.quantization.storage import quantized_modules
         from layerwise.algorithms.sparsity.storage import sparse_modules

@@ -114,13 +114,16 @@ class SequentialPipeline(Pipeline):
         if not batches:
             raise PipelineFailed("sequential needs at least one calibration batch")
         device = execution_device(model, lifecycle, options)
+        accounting = getattr(lifecycle.state, "accounting", None)
+        accounting = accounting if accounting is not None else Accounting()
         whole = ModuleOffloader(model, device)
         weights, working_set = whole.nbytes([""]), _working_set(model, batches)
         # the weights move once when they fit (then the layer cut is checked against the model itself)
         placement = plan_placement(device, weights, weights, working_set, can_move=options.stream is None)
-        with calibration_mode(model, lifecycle), \
-                whole.onloaded([""]) if placement.weights_moved else contextlib.nullcontext():
-            traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
+        moved = whole.onloaded([""]) if placement.weights_moved else contextlib.nullcontext()
+        with calibration_mode(model, lifecycle), _entered_timed(accounting, "weights to the device", moved):
+            with accounting.timed("tracing and the cut's check"):
+                traces, assignment, at_layers = choose_pieces(model, batches, options, lifecycle, device)
             pieces = [Piece(k, [t.subgraphs[k] for t in traces.traces], assignment)
                       for k in range(len(traces.traces[0].subgraphs))]
             offloader = ModuleOffloader(model, device, protected=[t for p in pieces for t in p.target_names],
@@ -140,9 +143,7 @@ class SequentialPipeline(Pipeline):
             reference = new_cache() if _reads_reference(lifecycle) else None
             if reference is not None and at_layers:
                 raise PipelineFailed("a modifier reading the uncompressed model's inputs needs the blocks cut")
-            accounting = getattr(lifecycle.state, "accounting", None)
-            run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches),
-                          accounting if accounting is not None else Accounting(),
+            run = _Runner(pieces, offloader, cache, lifecycle, options, len(batches), accounting,
                           batcher=TokenBatcher(_token_wise(model, traces, assignment, batches, options, device)
                                                if at_layers else set()), reference=reference)
             try:
@@ -160,6 +161,15 @@ class SequentialPipeline(Pipeline):
                 cache.close()
                 if reference is not None:
                     reference.close()
+
+
+@contextlib.contextmanager
+def _entered_timed(accounting: Accounting, phase: str, manager: Any) -> Iterator[None]:
+    """``with manager:`` whose entering alone (moving the weights) is timed into ``phase``."""
+    with contextlib.ExitStack() as stack:
+        with accounting.timed(phase):
+            stack.enter_context(manager)
+        yield
 
 
 def _reads_reference(lifecycle: Lifecycle) -> bool:

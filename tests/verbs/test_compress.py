@@ -129,3 +129,18 @@ def test_sizes_count_a_tied_embedding_once_as_the_saved_folder_does(tmp_path):
     assert report.bytes_before == untied_bytes - embedding.numel() * embedding.element_size()
     on_disk = sum(path.stat().st_size for path in out.glob("*.safetensors"))
     assert abs(report.bytes_after - on_disk) <= 8 * 1024  # headers and shape tensors only
+
+
+def test_the_report_times_each_phase_of_a_run_from_a_folder_within_the_runs_seconds(tiny_llama_dir):
+    """Where a run's time goes, phase by phase (the GPU bench reads this): the checks before it, the checkpoint
+    read, the weights' finite check, tracing and the cut's check, the forwards and the modifier's own work."""
+    texts = [f"sample {i} " + "word " * 40 for i in range(4)]
+    recipe = "{GPTQModifier: {scheme: W4A16, strategy: channel, ignore: [lm_head]}}"
+    model = layerwise.compress(str(tiny_llama_dir), recipe, dataset=texts, num_calibration_samples=4,
+                               show_progress=False)
+    report = model.layerwise_report
+    phases = {phase: work["seconds"] for phase, work in report.accounting.items()}
+    assert {"plan checks", "load", "weight check", "weights to the device", "tracing and the cut's check",
+            "forward", "GPTQ Hessians", "GPTQ solves", "finalize"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= report.seconds
