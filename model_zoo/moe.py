@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import types
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerwise.plugin import TESTED_TRANSFORMERS, ModelPatch
+from layerwise.plugin import TESTED_TRANSFORMERS, ModelPatch, applied_patch
 
 from . import _inputs, _tiny
 
@@ -48,11 +47,11 @@ __all__ = [
     "ExpertMLP",
     "LinearExperts",
     "calibrate_all_experts",
-    "experts_unfuser",
     "find_experts",
     "is_fused_experts",
     "moe_smoothing_mappings",
     "text_moe_patch",
+    "unfuse_declared_experts",
     "unfuse_experts",
 ]
 
@@ -344,12 +343,14 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         smoothing_mappings=smoothing_mappings,
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )
-    return dataclasses.replace(patch, apply=experts_unfuser(patch))
+    return dataclasses.replace(patch, apply=unfuse_declared_experts)
 
 
-def experts_unfuser(patch: ModelPatch) -> Any:
-    """``patch``'s ``apply``: :func:`unfuse_experts` with the names its ``expert_projections`` declares, the one
-    declaration model-free splits fused checkpoints by too, so that both runs name the experts' layers alike."""
-    if tuple(patch.expert_projections) == EXPERT_NAMES:
-        return unfuse_experts
-    return functools.partial(unfuse_experts, names=tuple(patch.expert_projections))
+def unfuse_declared_experts(model: nn.Module) -> None:
+    """The MoE patches' ``apply``: :func:`unfuse_experts` with the names the ``expert_projections`` of the patch
+    being applied declare (read from the model, so a copy made with ``dataclasses.replace(patch,
+    expert_projections=...)`` unfuses by its own names): the one declaration model-free splits fused checkpoints
+    by too, so that both runs name the experts' layers alike."""
+    patch = applied_patch(model)
+    names = tuple(patch.expert_projections) if patch is not None and patch.expert_projections else EXPERT_NAMES
+    unfuse_experts(model, names=names)  # type: ignore[arg-type]

@@ -59,13 +59,27 @@ def chosen_patch(patch: ModelPatch | str | bool | None, automatic: Callable[[], 
 
 
 def apply_patch(model: torch.nn.Module, patch: ModelPatch | None) -> torch.nn.Module:
-    """Apply ``patch`` to ``model`` once and remember it on the model."""
+    """Apply ``patch`` to ``model`` once and remember it on the model.
+
+    The patch is on the model (:func:`applied_patch`) while its ``apply`` runs, so that an ``apply`` reading the
+    patch's own fields (the zoo's expert unfusing reads ``expert_projections``) reads those of the patch being
+    applied, also of one copied with ``dataclasses.replace``; a failed ``apply`` leaves the model unmarked."""
     if patch is None or getattr(model, "_layerwise_patch", None) is patch:
         return model
-    if patch.apply is not None:
-        patch.apply(model)
+    before = getattr(model, "_layerwise_patch", None)
     model._layerwise_patch = patch  # type: ignore[attr-defined]
+    if patch.apply is not None:
+        try:
+            patch.apply(model)
+        except BaseException:
+            model._layerwise_patch = before  # type: ignore[attr-defined]
+            raise
     return model
+
+
+def applied_patch(model: torch.nn.Module) -> ModelPatch | None:
+    """The patch applied to ``model`` (or being applied: see :func:`apply_patch`)."""
+    return getattr(model, "_layerwise_patch", None)
 
 
 def use_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:

@@ -34,7 +34,7 @@ from layerwise.host.hookspecs import hookimpl
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.model_patch import ModelPatch
 from layerwise.host.modifier import SESSION_FIELDS, ForeignField, Modifier
-from layerwise.host.patch_selection import apply_patch, find_patch
+from layerwise.host.patch_selection import applied_patch, apply_patch, find_patch
 from layerwise.host.pipeline import Pipeline, PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
 from layerwise.host.state import CompressionState
@@ -45,6 +45,6 @@ __all__ = [
     "SESSION_FIELDS", "TESTED_TRANSFORMERS", "AlgorithmFallbackWarning", "CompressionState", "DatasetError", "ForeignField",
     "InvalidArgumentError", "LayerwiseError", "LazyFunctions", "Lifecycle",
     "ModelPatch", "Modifier", "NonFiniteError", "Pipeline", "PipelineFailed", "PipelineOptions", "RecipeError",
-    "UnknownNameError", "apply_patch", "check_choice", "did_you_mean", "find_modules", "find_patch", "get_host", "hookimpl",
+    "UnknownNameError", "applied_patch", "apply_patch", "check_choice", "did_you_mean", "find_modules", "find_patch", "get_host", "hookimpl",
     "matches", "opaque", "registry", "unmatched", "warn_user",
 ]

@@ -66,6 +66,28 @@ def test_the_zoo_moe_patches_unfuse_by_their_declaration():
     assert {f"model.layers.0.mlp.experts.0.{leaf}" for leaf in MIXTRAL.expert_projections} <= names
 
 
+def test_a_patch_copied_with_other_expert_names_unfuses_by_its_own_and_a_failed_apply_leaves_no_mark():
+    import dataclasses
+
+    from layerwise.host.patch_selection import applied_patch, apply_patch
+    from layerwise.model_zoo.mixtral import MIXTRAL
+
+    renamed = dataclasses.replace(MIXTRAL, name="mixtral-renamed", expert_projections=("wg", "wu", "wd"))
+    model = apply_patch(ARCHS["mixtral"].build(), renamed)
+    names = {name for name, _ in model.named_modules()}
+    assert {f"model.layers.0.mlp.experts.0.{leaf}" for leaf in ("wg", "wu", "wd")} <= names
+    assert not any(name.endswith(".w1") for name in names) and applied_patch(model) is renamed
+
+    def failing(model):
+        raise RuntimeError("apply failed")
+
+    broken = dataclasses.replace(MIXTRAL, name="broken", apply=failing)
+    fresh = ARCHS["mixtral"].build()
+    with pytest.raises(RuntimeError, match="apply failed"):
+        apply_patch(fresh, broken)
+    assert applied_patch(fresh) is None
+
+
 def test_without_a_declaration_fused_experts_stay_dense_and_the_forecast_and_report_say_so(tmp_path):
     from layerwise.planning.plan import plan_lines
     from layerwise.reports.text import summary_text
