@@ -32,4 +32,4 @@ def test_builtins_register_through_the_entry_point_group():
 
 def test_console_script_is_declared():
     scripts = [ep for ep in distribution("layerwise").entry_points if ep.group == "console_scripts"]
-    assert [ep.value for ep in scripts] == ["layerwise.cli:main"]
+    assert [ep.value for ep in scripts] == ["layerwise.cli:console"]
