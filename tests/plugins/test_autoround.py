@@ -104,7 +104,7 @@ def test_autoround_recipe_fields_and_errors():
 def test_llm_compressor_autoround_recipes_read_with_notes():
     recipe = ("AutoRoundModifier:\n  targets: [Linear]\n  scheme: W4A16\n  ignore: [lm_head]\n  iters: 10\n"
               "  enable_torch_compile: false\n")
-    with pytest.warns(UserWarning, match="does not compile"):
+    with pytest.warns(UserWarning, match="compile: true"):
         (modifier,) = parse_recipe(recipe)
     assert modifier.iters == 10
     with pytest.raises(RecipeError, match="execution device"):
