@@ -84,7 +84,7 @@ class AutoRoundModifier(QuantizationModifier):
       model's inputs (the pipeline's second stream, one more set of activations in its cache), so a
       block also corrects what earlier blocks' quantization moved; ``"block"``: the unquantized block
       on the inputs the quantized model gives it;
-    * ``compile``: run each step through ``torch.compile`` (False): about a fifth less time per step on
+    * ``compile``: run each step through ``torch.compile`` (False): about a sixth less time per step on
       CPU, for a compilation of tens of seconds per block class (a C++ compiler is needed on CPU; where
       compiling fails the steps run uncompiled, with a warning). The compiled sums round differently,
       so results move at float-rounding level.

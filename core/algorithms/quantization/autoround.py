@@ -23,7 +23,7 @@ way (:mod:`~layerwise.algorithms.quantization.stacked_calls`), and the fake quan
 come from one fused backward (:class:`_RoundedGrid`), so what is left is mostly the matmuls. With
 ``compile=True`` a step's fake quantization, block forward and loss (and their backward) go through
 ``torch.compile``, which fuses the elementwise work between the matmuls (the block's norms, rotary
-embedding, gated activation, the fake quantization): about a fifth of a step on a small Llama block,
+embedding, gated activation, the fake quantization): about a sixth of a step on a small Llama block,
 for one compilation per block class and shape (tens of seconds cold; a C++ compiler is needed on CPU).
 
 The functions here take a block, its layers' args and the samples; they change nothing until
