@@ -32,6 +32,7 @@ The functions here take a block, its layers' args and the samples; they change n
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -252,15 +253,11 @@ def _quantized_loss(block: torch.nn.Module, layers: _Layers, roundings: dict[str
     return _loss(block, layers.replaced(roundings), sample)
 
 
-_COMPILED: list[Callable[..., Tensor]] = []
-
-
+@functools.cache
 def _compiled_loss() -> Callable[..., Tensor]:
     """:func:`_quantized_loss` through ``torch.compile``, made once per process: blocks of one class and
     one stacked shape reuse its graphs (their weights are inputs, not constants), so a model compiles once."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_quantized_loss, dynamic=False))
-    return _COMPILED[0]
+    return torch.compile(_quantized_loss, dynamic=False)
 
 
 def _rows(sample: BlockSample) -> int:
