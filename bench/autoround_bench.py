@@ -29,7 +29,7 @@ Configurations (each in a fresh process, the same calibration data for every one
   time, fake-quantized in the evaluation) alone, and after ``RotationModifier`` (random Hadamard, seed 0);
 * with ``--llmcompressor`` and ``LLMCOMPRESSOR_PYTHON`` pointing at a Python with llm-compressor and
   auto-round: llm-compressor 0.14's ``AutoRoundModifier`` (the auto-round package inside) with the same
-  scheme, iters, batch size and samples (``enable_torch_compile=False``: no compiler on this machine;
+  scheme, iters, batch size and samples (``enable_torch_compile=False`` unless ``--compile``;
   sequential targets ``LlamaDecoderLayer`` / ``BertLayer``), its saved checkpoint loaded back with
   compressed-tensors (dequantized) for the evaluation.
 
@@ -132,7 +132,8 @@ def layerwise_recipe(method: str, scheme: str, args: argparse.Namespace):
         return QuantizationModifier(**weights)
     if method == "GPTQ":
         return GPTQModifier(**weights)
-    return AutoRoundModifier(**weights, iters=args.iters, batch_size=args.batch_size, nsamples=args.samples)
+    return AutoRoundModifier(**weights, iters=args.iters, batch_size=args.batch_size, nsamples=args.samples,
+                             compile=getattr(args, "compile", False))
 
 
 def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
@@ -234,7 +235,7 @@ def llmcompressor_minilm(scheme: str, args: argparse.Namespace) -> dict:
     rows = minilm_rows(tokenizer, args)
     recipe = AutoRoundModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": _weights(*SCHEMES[scheme])}},
                                ignore=CASES["minilm"]["ignore"], iters=args.iters, batch_size=args.batch_size,
-                               enable_torch_compile=False)
+                               enable_torch_compile=args.compile)
     start = time.perf_counter()
     oneshot(model=model, dataset=Dataset.from_list(rows), recipe=recipe, max_seq_length=128,
             num_calibration_samples=len(rows), sequential_targets=CASES["minilm"]["blocks"])
@@ -266,7 +267,7 @@ def child_auto_round(scheme: str, args: argparse.Namespace) -> dict:
     tuner = AutoRound(model, tokenizer, scheme={"bits": bits, "group_size": group, "sym": False, "data_type": "int"},
                       dataset=[{key: torch.tensor([value]) for key, value in row.items()} for row in rows],
                       seqlen=128, nsamples=len(rows), iters=args.iters, batch_size=args.batch_size, seed=42,
-                      device_map="cpu", enable_torch_compile=False, to_quant_block_names="encoder.layer",
+                      device_map="cpu", enable_torch_compile=args.compile, to_quant_block_names="encoder.layer",
                       ignore_layers="pooler")
     start = time.perf_counter()
     tuner.quantize()
@@ -294,7 +295,7 @@ def child_llmcompressor(scheme: str, args: argparse.Namespace) -> dict:
     rows = [{"input_ids": w[0].tolist(), "attention_mask": [1] * w.shape[1]} for w in windows]
     recipe = AutoRoundModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": _weights(*SCHEMES[scheme])}},
                                ignore=["lm_head"], iters=args.iters, batch_size=args.batch_size,
-                               enable_torch_compile=False)
+                               enable_torch_compile=args.compile)
     start = time.perf_counter()
     oneshot(model=model, dataset=Dataset.from_list(rows), recipe=recipe, max_seq_length=512,
             num_calibration_samples=len(rows), sequential_targets=["LlamaDecoderLayer"])
@@ -318,14 +319,19 @@ def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
         from gptq_bench import case_model_path
 
         cmd += ["--model-path", case_model_path("minilm")]
-    return child_result(cmd, f"{config} / {scheme}", args.threads)
+    if not args.compile:
+        return child_result(cmd, f"{config} / {scheme}", args.threads)
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:  # cold: each run pays its own compilation
+        return child_result([*cmd, "--compile"], f"{config} / {scheme}", args.threads,
+                            {"TORCHINDUCTOR_CACHE_DIR": cache})
 
 
-def child_result(cmd: list[str], label: str, threads: int | None) -> dict:
+def child_result(cmd: list[str], label: str, threads: int | None, env: dict[str, str] | None = None) -> dict:
     """Run one configuration's child process (offline, ``--threads`` passed on) and read its RESULT line."""
     if threads:
         cmd = [*cmd, "--threads", str(threads)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           **(env or {})}
     print(f"running {label} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in proc.stdout.splitlines():
@@ -439,6 +445,9 @@ def main() -> None:
     parser.add_argument("--auto-round", action="store_true",
                         help="MiniLM: also the auto-round package's AutoRound (LLMCOMPRESSOR_PYTHON), with "
                              "--minilm-data windows")
+    parser.add_argument("--compile", action="store_true",
+                        help="AutoRound's steps through torch.compile, every tool (layerwise's compile: true, "
+                             "llm-compressor's and auto-round's enable_torch_compile), each run with a cold cache")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scheme", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)

@@ -83,7 +83,11 @@ class AutoRoundModifier(QuantizationModifier):
       unquantized model's activations there, i.e. the unquantized block run on the unquantized
       model's inputs (the pipeline's second stream, one more set of activations in its cache), so a
       block also corrects what earlier blocks' quantization moved; ``"block"``: the unquantized block
-      on the inputs the quantized model gives it.
+      on the inputs the quantized model gives it;
+    * ``compile``: run each step through ``torch.compile`` (False): about a sixth less time per step on
+      CPU, for a compilation of tens of seconds per block class (a C++ compiler is needed on CPU; where
+      compiling fails the steps run uncompiled, with a warning). The compiled sums round differently,
+      so results move at float-rounding level.
     """
 
     requires_data: ClassVar[bool] = True
@@ -101,6 +105,7 @@ class AutoRoundModifier(QuantizationModifier):
     nsamples: int = 128
     seed: int = 42
     match: str = "model"
+    compile: bool = False
 
     @property
     def needs_reference_inputs(self) -> bool:  # type: ignore[override]
@@ -116,6 +121,8 @@ class AutoRoundModifier(QuantizationModifier):
             low = 0 if name in ("iters", "seed") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise RecipeError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.compile, bool):
+            raise RecipeError(f"{owner}.compile must be true or false, got {self.compile!r}")
         for name in ("lr", "minmax_lr"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -135,6 +142,8 @@ class AutoRoundModifier(QuantizationModifier):
         self.summary: list[dict[str, Any]] = []
         self._blocks: dict[str, torch.nn.Module] = {}
         self._samples: dict[str, list[BlockSample]] = {}
+        #: each block's capture hook, removed before the block is tuned (the steps need no capture)
+        self._captures: dict[str, torch.utils.hooks.RemovableHandle] = {}
         #: match: model: each block's output in the uncompressed stream for the batch being observed
         self._reference: dict[str, torch.Tensor] = {}
 
@@ -146,13 +155,14 @@ class AutoRoundModifier(QuantizationModifier):
         self._blocks = {name: block for name, block in blocks.items()
                         if any(_in_piece(layer, [name]) for layer in self._modules)}
         self._samples = {}
+        self._captures = {}
         self._reference = {}
 
     def on_calibration_start(self, state: CompressionState) -> None:
         super().on_calibration_start(state)
         for name, block in self._blocks.items():
             self._samples[name] = []
-            self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
+            self._captures[name] = self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
 
     def reference_hooks(self, modules: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
         """``match: model``: the blocks of ``modules`` still to tune keep their output in the uncompressed model
@@ -191,6 +201,7 @@ class AutoRoundModifier(QuantizationModifier):
     def remove_hooks(self) -> None:
         """Remove the capture hooks and free every sample still held (also after an error)."""
         super().remove_hooks()
+        self._captures.clear()
         self._samples.clear()
         self._reference.clear()
 
@@ -213,12 +224,15 @@ class AutoRoundModifier(QuantizationModifier):
 
     def _tune(self, name: str) -> TuneResult | None:
         samples = self._samples.pop(name, [])
+        if name in self._captures:  # a compiled step would trace it, and recompile for each block's own hook
+            self._captures.pop(name).remove()
         layers = self._layers(name)
         if not samples or not layers:
             return None
         inputs = {rel: (linear_weight(m).detach(), self.args, is_transposed(m)) for rel, m in layers.items()}
         return tune_block(self._blocks[name], inputs, samples, iters=self.iters, lr=self.lr,
-                          minmax_lr=self.minmax_lr, batch_size=self.batch_size, seed=self.seed)
+                          minmax_lr=self.minmax_lr, batch_size=self.batch_size, seed=self.seed,
+                          compile=self.compile)
 
     @torch.no_grad()
     def _store(self, name: str, result: TuneResult | None, state: CompressionState) -> None:

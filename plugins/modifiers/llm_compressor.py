@@ -32,7 +32,9 @@ AWQ = {**QUANTIZATION, "sequential_targets": _SEQUENTIAL_TARGETS, "offload_devic
 AUTOROUND = {
     **QUANTIZATION,
     "sequential_targets": _SEQUENTIAL_TARGETS,
-    "enable_torch_compile": ForeignField("layerwise does not compile the tuned block; the steps are the same"),
+    "enable_torch_compile": ForeignField(
+        "layerwise compiles AutoRound's steps with its own field compile: true (off by default); the steps "
+        "compute the same either way"),
     "device_ids": ForeignField(
         "layerwise tunes each block on the run's execution device (compress(..., device=...), CLI --device); "
         "several GPUs are several ranks (torchrun), each block tuned on one", ignored=False),

@@ -99,12 +99,14 @@ def test_autoround_recipe_fields_and_errors():
         AutoRoundModifier(scheme="W8A8")
     with pytest.raises(RecipeError, match="match must be one of model, block"):
         AutoRoundModifier(match="layer")
+    with pytest.raises(RecipeError, match="compile must be true or false"):
+        AutoRoundModifier(compile="yes")
 
 
 def test_llm_compressor_autoround_recipes_read_with_notes():
     recipe = ("AutoRoundModifier:\n  targets: [Linear]\n  scheme: W4A16\n  ignore: [lm_head]\n  iters: 10\n"
               "  enable_torch_compile: false\n")
-    with pytest.warns(UserWarning, match="does not compile"):
+    with pytest.warns(UserWarning, match="compile: true"):
         (modifier,) = parse_recipe(recipe)
     assert modifier.iters == 10
     with pytest.raises(RecipeError, match="execution device"):
@@ -119,6 +121,25 @@ def test_nsamples_caps_the_samples_a_block_is_tuned_on():
     modifier._tune = lambda name: (seen.append(len(modifier._samples[name])), original(name))[1]
     layerwise.compress(model, modifier, dataset=_samples(count=8), show_progress=False)
     assert seen == [5, 5]
+
+
+def test_a_block_is_tuned_without_its_capture_hook(monkeypatch):
+    """The capture hook is removed before its block is tuned (the steps call the block 200 times; a compiled
+    step would also trace the hook and recompile for every block's own), and only that block's."""
+    from layerwise.plugins.modifiers import autoround
+
+    model = build_tiny_llama()
+    counts = []
+
+    def tune_block(block, *args, **kwargs):
+        counts.append([len(layer._forward_hooks) for layer in model.model.layers])
+        return original(block, *args, **kwargs)
+
+    original = autoround.tune_block
+    monkeypatch.setattr(autoround, "tune_block", tune_block)
+    layerwise.compress(model, AutoRoundModifier(scheme="W4A16", group_size=32, iters=1), dataset=_samples(count=4),
+                       show_progress=False)
+    assert counts == [[0, 1], [0, 0]]  # block 0 tuned without its hook, block 1's still there; then block 1
 
 
 def test_autoround_preset():

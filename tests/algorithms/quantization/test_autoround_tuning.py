@@ -250,3 +250,58 @@ def test_a_step_runs_its_samples_stacked_only_where_the_block_gives_the_same_out
         want = sum(_loss(runner, {}, used[i]) for i in (4, 0, 2)) / 3
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
         assert list(batches.stacks.values()) == [stacks]
+
+
+def _has_cpp_compiler() -> bool:
+    import shutil
+
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_cpp_compiler(), reason="torch.compile on CPU needs a C++ compiler")
+def test_a_compiled_step_gives_the_uncompiled_loss_and_gradients():
+    """The compiled step (fake quantization, block, loss in one compiled function) against the same step
+    uncompiled: equal up to float rounding, with offsets and factors spread so that the clamps bite."""
+    from layerwise.algorithms.quantization.autoround import _Layers
+
+    block, samples = _block_and_samples(count=4)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    args = QuantizationArgs(num_bits=3, symmetric=False, strategy="group", group_size=8)
+    layers = _Layers(_layers(block, args))
+    torch.manual_seed(5)
+    start = {n: Rounding.start(w, args) for n, (w, _, _) in layers.layers.items()}
+    spread = {n: Rounding(torch.rand_like(r.offset) - 0.5, 0.5 + 0.5 * torch.rand_like(r.max_scale),
+                          0.5 + 0.5 * torch.rand_like(r.min_scale)) for n, r in start.items()}
+    results = []
+    for compile in (False, True):
+        batches = _Batches(block, samples, compile=compile)
+        roundings = {n: Rounding(*(t.clone().requires_grad_(True) for t in r.tensors())) for n, r in spread.items()}
+        loss = batches.step_loss(layers, roundings, [0, 2, 3])
+        loss.backward()
+        results.append((loss.detach(), [t.grad for r in roundings.values() for t in r.tensors()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert eager_loss > 0
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=0)
+    for got, want in zip(compiled_grads, eager_grads):
+        assert want.abs().sum() > 0  # the comparison compares something
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_step_that_fails_to_compile_runs_uncompiled(monkeypatch):
+    """Compiling is an option that can fail (no C++ compiler): the steps then run uncompiled, the same result."""
+    from layerwise.algorithms.quantization import autoround
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(autoround, "_compiled_loss", lambda: broken)
+    block, samples = _block_and_samples()
+    args = QuantizationArgs(num_bits=3, symmetric=False, strategy="group", group_size=8)
+    plain = tune_block(block, _layers(block, args), samples, iters=6, batch_size=3, seed=2)
+    fallen = tune_block(block, _layers(block, args), samples, iters=6, batch_size=3, seed=2, compile=True)
+    for name in ("up", "down"):
+        for a, b in zip(plain.roundings[name].tensors(), fallen.roundings[name].tensors()):
+            assert torch.equal(a, b)
+    assert plain.best_step == fallen.best_step >= 0
