@@ -342,8 +342,9 @@ def _pieces(model: torch.nn.Module, targets: dict[str, torch.nn.Module], per_pie
         group = group_of.get(name, module_group.get(name.rpartition(".")[0], -1) if name else -1)
         module_group[name] = group
         if isinstance(module, torch.nn.Linear):
-            widest[group] = max(widest.get(group, 0), int(module.weight.shape[0]))
-            widest_linear = max(widest_linear, *(int(d) for d in module.weight.shape[:2]))
+            rows, columns = module._parameters["weight"].shape  # not module.weight: nn.Module's slow lookup
+            widest[group] = max(widest.get(group, 0), rows)
+            widest_linear = max(widest_linear, rows, columns)
         for param in module._parameters.values():  # a tied parameter once, as a checkpoint holds it
             if param is None or id(param) in seen:
                 continue
@@ -394,9 +395,9 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
     plan.device = "cuda" if on_gpu else "cpu"
     work = max((p.activations + p.statistics + p.temporary for p in plan.pieces if p.runs), default=0)
     largest_piece = max((p.weights for p in plan.pieces), default=0)
+    element = torch.empty((), dtype=plan.dtype).element_size()
     quantized_out = plan.output_bytes - plan.weight_bytes + sum(
-        layer.rows * layer.columns * torch.empty((), dtype=plan.dtype).element_size()
-        for layer in plan.layers.values() if layer.weights is not None)
+        layer.rows * layer.columns * element for layer in plan.layers.values() if layer.weights is not None)
     on_host = 0 if on_gpu else work
     can_stream = info is not None
     for weights in ("memory", "stream") if can_stream else ("memory",):
