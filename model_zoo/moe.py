@@ -26,7 +26,6 @@ DeepSeek-V3, ...):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import types
 from collections.abc import Iterator
@@ -330,20 +329,20 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         _inputs.check_modality(family, modality, (_inputs.TEXT,))
         return _inputs.text_inputs(config.vocab_size, batch, seq_len, avoid=_inputs.special_ids(config))
 
-    patch = ModelPatch(
+    return ModelPatch(
         name=name,
         model_types=(model_type,),
         architectures=(f"{class_prefix}ForCausalLM", f"{class_prefix}Model"),
         sequential_targets=(f"{class_prefix}DecoderLayer",),
         ignore=MOE_IGNORE,
         expert_projections=expert_names,
+        apply=unfuse_declared_experts,
         calibration_context=calibrate_all_experts,
         sample_inputs=sample_inputs,
         tiny_models=(tiny_builder,),
         smoothing_mappings=smoothing_mappings,
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )
-    return dataclasses.replace(patch, apply=unfuse_declared_experts)
 
 
 def unfuse_declared_experts(model: nn.Module) -> None:

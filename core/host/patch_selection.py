@@ -64,9 +64,9 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch | None) -> torch.nn.Mo
     The patch is on the model (:func:`applied_patch`) while its ``apply`` runs, so that an ``apply`` reading the
     patch's own fields (the zoo's expert unfusing reads ``expert_projections``) reads those of the patch being
     applied, also of one copied with ``dataclasses.replace``; a failed ``apply`` leaves the model unmarked."""
-    if patch is None or getattr(model, "_layerwise_patch", None) is patch:
+    before = applied_patch(model)
+    if patch is None or before is patch:
         return model
-    before = getattr(model, "_layerwise_patch", None)
     model._layerwise_patch = patch  # type: ignore[attr-defined]
     if patch.apply is not None:
         try:
@@ -85,7 +85,7 @@ def applied_patch(model: torch.nn.Module) -> ModelPatch | None:
 def use_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:
     """Resolve ``patch`` for ``model`` (``None``: the one already applied, else the registered match),
     apply it, and return it: what ``compress()`` and ``trace()`` both do with their ``patch=``."""
-    chosen = getattr(model, "_layerwise_patch", None) if patch is None else None
+    chosen = applied_patch(model) if patch is None else None
     chosen = chosen or resolve_patch(model, patch)
     apply_patch(model, chosen)
     return chosen

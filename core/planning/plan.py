@@ -426,7 +426,7 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
     offload = placement.offload
     if offload == "auto":
         runtime_estimate = cache_bytes(plan.samples * plan.seq_length, hidden_size(getattr(model, "config", None)),
-                                       torch.empty((), dtype=plan.dtype).element_size())
+                                       element)
         offload = "disk" if offload_to_disk(runtime_estimate * (2 if plan.reference_stream else 1),
                                             plan.host_memory) else "cpu"
         plan.auto_note += f"; offload auto -> {offload} (disk when the cache exceeds half the memory)"

@@ -31,21 +31,21 @@ def by_row_slices(function: Callable[..., Any], x: Tensor, *per_row: Tensor | No
     ``None``) is passed whole to every call. ``function`` must work row by row (elementwise, or along
     the other dimensions only). Off the CPU, or for a tensor of one slice, it is a single call.
     """
-    rows = x.shape[0] if x.ndim else 0
-    step = max(1, SLICE_ELEMENTS // max(1, x[0].numel())) if rows else 1
-    if x.device.type != "cpu" or step >= rows:
+    parts = row_slices(x) if x.ndim else []
+    if len(parts) < 2:
         return function(x, *per_row)
+    rows = x.shape[0]
 
-    def part(start: int, end: int) -> Tensor:
-        return function(x[start:end], *(_rows(p, start, end, rows) for p in per_row))
+    def part(rows_of: slice) -> Tensor:
+        return function(x[rows_of], *(_rows(p, rows_of.start, rows_of.stop, rows) for p in per_row))
 
-    first = part(0, step)
+    first = part(parts[0])
     several = isinstance(first, tuple)
     outs = tuple(torch.empty((rows, *f.shape[1:]), dtype=f.dtype) for f in (first if several else (first,)))
-    for start in range(0, rows, step):
-        results = first if start == 0 else part(start, min(rows, start + step))
+    for index, rows_of in enumerate(parts):
+        results = first if index == 0 else part(rows_of)
         for out, result in zip(outs, results if several else (results,)):
-            out[start:start + step] = result
+            out[rows_of] = result
     return outs if several else outs[0]
 
 
