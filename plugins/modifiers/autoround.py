@@ -160,9 +160,12 @@ class AutoRoundModifier(QuantizationModifier):
 
     def on_calibration_start(self, state: CompressionState) -> None:
         super().on_calibration_start(state)
+        # match: model takes each sample's target from the reference stream, so only the block's inputs are read
+        # (a pre-hook, and the pipeline may skip the observed block's body); match: block needs its outputs
+        kind = "forward_pre" if self.match == "model" else "forward"
         for name, block in self._blocks.items():
             self._samples[name] = []
-            self._captures[name] = self.register_hook(block, self._capture_hook(name), "forward", with_kwargs=True)
+            self._captures[name] = self.register_hook(block, self._capture_hook(name), kind, with_kwargs=True)
 
     def reference_hooks(self, modules: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
         """``match: model``: the blocks of ``modules`` still to tune keep their output in the uncompressed model
@@ -193,10 +196,12 @@ class AutoRoundModifier(QuantizationModifier):
         super().on_calibration_end(state)
 
     def calibration_inputs(self, modules: list[str]) -> set[str] | None:
-        """A block to tune needs its whole forward (its outputs); elsewhere nothing is read."""
-        if any(name not in self._done and _in_piece(name, modules) for name in self._blocks):
+        """A block to tune: its inputs with ``match: model`` (the targets come from the reference stream), its
+        whole forward with ``match: block`` (its outputs are the targets); elsewhere nothing is read."""
+        tuned = {name for name in self._blocks if name not in self._done and _in_piece(name, modules)}
+        if tuned and self.match == "block":
             return None
-        return set()
+        return tuned
 
     def remove_hooks(self) -> None:
         """Remove the capture hooks and free every sample still held (also after an error)."""
@@ -260,12 +265,17 @@ class AutoRoundModifier(QuantizationModifier):
                  result.rtn_loss, result.best_step, result.seconds)
 
     def _capture_hook(self, name: str):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Keeps a call's inputs and its target: the reference stream's output (``match: model``, a pre-hook:
+        ``output`` is absent) or the block's own output (``match: block``)."""
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
             reference = self._reference.pop(name, None)
             samples = self._samples.get(name)
             if samples is None or name in self._done or _rows(samples) >= self.nsamples:
                 return
-            target = reference if reference is not None else block_output(output).detach().clone()
+            if reference is None and not output:
+                raise AutoRoundError(f"AutoRound block {name!r}: no reference output was kept for this batch "
+                                     f"(match: model needs the pipeline's uncompressed stream)")
+            target = reference if reference is not None else block_output(output[0]).detach().clone()
             samples.append(BlockSample(_copy(args), _copy(kwargs), target))
         return hook
 

@@ -117,7 +117,9 @@ def calibration_hooks_paused(lifecycle: Lifecycle) -> Iterator[None]:
 
     A re-run only produces the next piece's inputs; letting calibration hooks see it
     would count every batch twice (e.g. GPTQ Hessians). Handles stay valid: each hook
-    goes back into its module's hook table, in order, on exit.
+    goes back into its module's hook table on exit, at its place: a table runs its hooks
+    in registration order (handle ids grow with it), and a hook registered meanwhile (the
+    pipeline's early stop) must still run after the modifiers' hooks registered before it.
     """
     stashed: list[tuple[dict, int, Any]] = []
     for modifier in lifecycle.modifiers:
@@ -128,5 +130,10 @@ def calibration_hooks_paused(lifecycle: Lifecycle) -> Iterator[None]:
     try:
         yield
     finally:
+        tables = {id(table): table for table, _, _ in stashed}
         for table, key, hook in stashed:
             table[key] = hook
+        for table in tables.values():
+            ordered = sorted(table.items(), key=lambda item: item[0])
+            table.clear()
+            table.update(ordered)

@@ -286,22 +286,27 @@ class _Runner:
         on; its outputs feed the stream's next piece), then observed, as :meth:`_forward` runs it."""
         readers = [m for m in self.lifecycle.modifiers if getattr(m, "needs_reference_inputs", False)]
         names = list(piece.modules)
-        with self.accounting.timed("forward"):
-            for i in self._live():
-                handles = [handle for m in readers for handle in m.reference_hooks(names)]
-                try:
-                    with calibration_hooks_paused(self.lifecycle):
-                        original = self._run(piece, piece.run, i, self.reference)
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                if feeds_next:
-                    self.reference.update(i, original)
-                del original
-                self.reference.free(piece.subgraph(i).consumed_names, batch=i)
-                outputs = self._run(piece, piece.run, i, self.cache)
-                if keep:
-                    self._keep(piece, i, outputs)
+        stop = None if keep else _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle)
+        try:
+            with self.accounting.timed("forward"):
+                for i in self._live():
+                    handles = [handle for m in readers for handle in m.reference_hooks(names)]
+                    try:
+                        with calibration_hooks_paused(self.lifecycle):
+                            original = self._run(piece, piece.run, i, self.reference)
+                    finally:
+                        for handle in handles:
+                            handle.remove()
+                    if feeds_next:
+                        self.reference.update(i, original)
+                    del original
+                    self.reference.free(piece.subgraph(i).consumed_names, batch=i)
+                    outputs = self._observed_run(piece, i, stop)
+                    if keep:
+                        self._keep(piece, i, outputs)
+        finally:
+            if stop is not None:
+                stop.close()
 
     def _forward(self, piece: Piece, keep: bool, observed: bool = False) -> None:
         """Run every live batch through ``piece``; cache the outputs when ``keep``.
@@ -319,16 +324,20 @@ class _Runner:
                     self._forward_grouped(piece, live)
                     return
                 for i in live:
-                    try:
-                        with stop.batch() if stop is not None else contextlib.nullcontext():
-                            outputs = self._run(piece, piece.run, i, self.cache)
-                    except _StopPiece:
-                        continue
+                    outputs = self._observed_run(piece, i, stop)
                     if keep:
                         self._keep(piece, i, outputs)
         finally:
             if stop is not None:
                 stop.close()
+
+    def _observed_run(self, piece: Piece, batch: int, stop: _EarlyStop | None) -> dict[str, Any] | None:
+        """One batch through ``piece``; ``None`` where ``stop`` ended it (its outputs are not wanted then)."""
+        try:
+            with stop.batch() if stop is not None else contextlib.nullcontext():
+                return self._run(piece, piece.run, batch, self.cache)
+        except _StopPiece:
+            return None
 
     def _forward_grouped(self, piece: Piece, batches: list[int]) -> None:
         """Every batch through ``piece`` and into the cache, in the batcher's groups (most are of one)."""
@@ -466,6 +475,8 @@ class _EarlyStop:
         self.calls: dict[str, int] = {}
         self.last: str | None = None
         self.learning = True
+        #: inside :meth:`batch` only: other runs of the piece meanwhile (the reference stream's) neither count nor stop
+        self.active = False
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
 
     @classmethod
@@ -480,6 +491,8 @@ class _EarlyStop:
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: tuple) -> None:
+            if not self.active:
+                return
             self.calls[name] = self.calls.get(name, 0) + 1
             if (name == self.last and len(self.calls) == len(self.needed)
                     and all(count == 1 for count in self.calls.values())):
@@ -488,8 +501,11 @@ class _EarlyStop:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        self.calls = {}
-        yield
+        self.calls, self.active = {}, True
+        try:
+            yield
+        finally:
+            self.active = False
         if self.learning:  # the first complete forward decides where later ones may stop
             self.learning = False
             if set(self.calls) == self.needed and all(c == 1 for c in self.calls.values()):

@@ -87,6 +87,31 @@ def test_blocks_match_the_unquantized_model_or_their_own_unquantized_outputs(mat
             assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_match_model_reads_only_each_block_s_inputs_in_the_observed_run(monkeypatch):
+    """With ``match: model`` the targets come from the uncompressed stream, so the observed run of a block
+    stops at its inputs after the first batch (the body ran for nothing); ``match: block`` runs it whole."""
+    from layerwise.plugins.modifiers import autoround
+
+    def body_runs(match):
+        model, captured = build_tiny_llama(), {}
+        runs = [0] * len(model.model.layers)
+        for index, layer in enumerate(model.model.layers):
+            layer.mlp.register_forward_hook(lambda m, a, o, index=index: runs.__setitem__(index, runs[index] + 1))
+
+        def tune_block(block, layers, samples, **kwargs):  # no tuning: only what reached it counts here
+            captured[len(captured)] = len(samples)
+
+        monkeypatch.setattr(autoround, "tune_block", tune_block)
+        layerwise.compress(model, AutoRoundModifier(scheme="W4A16", group_size=32, iters=1, match=match),
+                           dataset=_samples(count=4), show_progress=False)
+        return runs, captured
+
+    (model_runs, model_seen), (block_runs, block_seen) = body_runs("model"), body_runs("block")
+    assert model_seen == block_seen == {0: 4, 1: 4}  # every batch's sample captured either way
+    # match: model adds the reference stream's 4 runs of each block and leaves out 3 of its 4 observed ones
+    assert model_runs == [runs + 4 - 3 for runs in block_runs]
+
+
 def test_autoround_recipe_fields_and_errors():
     (modifier,) = parse_recipe("AutoRoundModifier:\n  scheme: W4A16_ASYM\n  iters: 50\n  lr: 0.01\n  nsamples: 64\n")
     assert isinstance(modifier, AutoRoundModifier) and modifier.iters == 50 and modifier.lr == 0.01
@@ -132,7 +157,7 @@ def test_a_block_is_tuned_without_its_capture_hook(monkeypatch):
     counts = []
 
     def tune_block(block, *args, **kwargs):
-        counts.append([len(layer._forward_hooks) for layer in model.model.layers])
+        counts.append([len(layer._forward_hooks) + len(layer._forward_pre_hooks) for layer in model.model.layers])
         return original(block, *args, **kwargs)
 
     original = autoround.tune_block
