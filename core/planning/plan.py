@@ -635,8 +635,11 @@ def _kv_cache(plan: Plan, modifiers: list) -> None:
 
 
 def describe_scheme(weights: Any, inputs: Any) -> str:
-    """``int4 group 128 sym`` / ``float8 channel + float8 token dynamic inputs``."""
+    """``weights int4 group 128`` / ``weights float8 channel, inputs float8 token dynamic`` /
+    ``weights nvfp4 (blocks of 16)``."""
     def one(args: Any) -> str:
+        if args.float_format is not None:
+            return f"{args.float_format} (blocks of {args.group_size})"
         kind = "float8" if args.type == "float" else f"int{args.num_bits}"
         how = f"group {args.group_size}" if args.strategy == "group" else (
             f"block {args.block_structure[0]}x{args.block_structure[1]}" if args.strategy == "block" else args.strategy)

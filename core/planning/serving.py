@@ -1,10 +1,13 @@
 """Will vLLM run a scheme on a GPU generation? A small table of its kernels' limits.
 
 Source: vLLM's compressed-tensors schemes and linear kernels (``get_min_capability`` of
-``CompressedTensorsWNA16`` / ``W8A8Fp8`` / ``W8A16Fp8`` / ``W8A8Int8`` / ``W4A4Fp4``, Marlin's
-``MARLIN_SUPPORTED_GROUP_SIZES``, Machete's SM90-only rule, ``cutlass_scaled_mm_supports_fp8`` /
-``supports_block_fp8``) and its quantization hardware table, main branch as read on
-:data:`TABLE_DATE`. vLLM moves fast: the verdict is the table's, said as such.
+``CompressedTensorsWNA16`` / ``W8A8Fp8`` / ``W8A16Fp8`` / ``W8A8Int8`` / ``W4A4Fp4`` / ``W4A16Fp4`` /
+``W4A4Mxfp4`` / ``W8A8Mxfp8`` / ``W4A8Fp8``, the scheme choice in ``_get_scheme_from_parts``: NVFP4 on
+Blackwell's FP4 tensor cores where ``cutlass_fp4_supported``, else FP4 Marlin with 16-bit inputs; W4A8-FP8
+only on compute capability 9.0 exactly and groups of 128; Marlin's ``MARLIN_SUPPORTED_GROUP_SIZES``,
+Machete's SM90-only rule, ``cutlass_scaled_mm_supports_fp8`` / ``supports_block_fp8``) and its quantization
+hardware table, main branch as read on :data:`TABLE_DATE`. vLLM moves fast: the verdict is the table's,
+said as such.
 
 Each rule gives one of :data:`STATUSES`: ``native`` (a kernel made for the scheme), ``fallback``
 (it runs, slower: weight-only emulation, Triton or Exllama kernels), ``none`` (vLLM refuses it).
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
 
-TABLE_DATE = "2026-11-26"
+TABLE_DATE = "2026-11-27"
 STATUSES = ("native", "fallback", "none")
 #: group sizes Marlin (and so most weight-only int kernels) takes; -1 is per channel
 MARLIN_GROUP_SIZES = (32, 64, 128)
@@ -40,11 +43,60 @@ def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
                  capability: tuple[int, int]) -> Serving:
     """The table's answer for a layer quantized with ``weights`` (and ``inputs``) on ``capability``."""
     cc = capability[0] * 10 + capability[1]
+    low_bit_float = {"nvfp4": _nvfp4, "mxfp4": _mxfp4, "mxfp8": _mxfp8}.get(weights.float_format or "")
+    if low_bit_float is not None:
+        return low_bit_float(inputs, cc)
     if weights.type == "float":
         return _fp8(weights, inputs, cc)
+    if inputs is not None and inputs.type == "float":
+        return _int4_fp8(weights, inputs, cc)
     if inputs is not None:
         return _int8_w8a8(weights, cc)
     return _weight_only_int(weights, cc)
+
+
+def _nvfp4(inputs: QuantizationArgs | None, cc: int) -> Serving:
+    if cc < 80:
+        return Serving("none", "NVFP4 needs compute capability 8.0 or higher (FP4 Marlin, weight-only)")
+    if inputs is None:
+        return Serving("native", "FP4 Marlin, weight-only (inputs stay 16-bit)")
+    if cc >= 100:
+        return Serving("native", "CUTLASS / FlashInfer FP4 GEMM (Blackwell FP4 tensor cores)")
+    return Serving("fallback", "FP4 Marlin, weight-only: no FP4 tensor cores below 10.0, the inputs stay 16-bit")
+
+
+def _mxfp4(inputs: QuantizationArgs | None, cc: int) -> Serving:
+    if cc < 80:
+        return Serving("none", "MXFP4 needs compute capability 8.0 or higher (MXFP4 Marlin, weight-only)")
+    if inputs is None:
+        return Serving("native", "MXFP4 Marlin, weight-only (inputs stay 16-bit)")
+    if cc >= 100:
+        return Serving("native", "MX block-scaled FP4 GEMM (Blackwell)")
+    return Serving("fallback", "MXFP4 Marlin, weight-only: no MX tensor cores below 10.0, the inputs stay 16-bit")
+
+
+def _mxfp8(inputs: QuantizationArgs | None, cc: int) -> Serving:
+    if cc < 75:
+        return Serving("none", "MXFP8 needs compute capability 7.5 or higher")
+    if cc >= 100:
+        return Serving("native", "MX block-scaled FP8 GEMM (Blackwell)")
+    return Serving("fallback", "MXFP8 emulated or weight-only below 10.0 (no MX tensor cores)"
+                               + (": the inputs stay 16-bit" if inputs is not None else ""))
+
+
+def _int4_fp8(weights: QuantizationArgs, inputs: QuantizationArgs, cc: int) -> Serving:
+    """Integer weights with float8 inputs: vLLM's one kernel is W4A8-FP8 (CUTLASS, Hopper only)."""
+    shape = (weights.num_bits == 4 and weights.symmetric and weights.strategy == "group" and inputs.num_bits == 8
+             and inputs.symmetric and inputs.strategy == "token" and inputs.dynamic)
+    if not shape:
+        return Serving("none", f"int{weights.num_bits} weights with float8 inputs: vLLM's only kernel takes int4 "
+                               "symmetric groups of 128 with float8 per-token dynamic inputs (W4AFP8)")
+    if weights.group_size != 128:
+        return Serving("none", f"group size {weights.group_size}: vLLM's W4A8-FP8 kernel takes groups of 128 only")
+    if cc == 90:
+        return Serving("native", "CUTLASS W4A8 (int4 x FP8, Hopper)")
+    return Serving("none", "vLLM's W4A8-FP8 kernel runs on compute capability 9.0 (Hopper) only and no other "
+                           "scheme takes int4 weights with float8 inputs: save W4A16 for this GPU")
 
 
 def _weight_only_int(weights: QuantizationArgs, cc: int) -> Serving:
