@@ -50,7 +50,13 @@ from layerwise.planning.hardware import (
     table_rates,
 )
 from layerwise.planning.model_shape import CheckpointInfo, meta_model
-from layerwise.planning.serving import TABLE_DATE, Serving, vllm_kv_cache_support, vllm_support
+from layerwise.planning.serving import (
+    TABLE_DATE,
+    Serving,
+    expert_group,
+    vllm_kv_cache_support,
+    vllm_support,
+)
 from layerwise.runtime import memory_policy
 from layerwise.runtime.devices import free_memory
 from layerwise.runtime.memory_policy import (
@@ -602,18 +608,28 @@ def _serving(plan: Plan, placement: Any) -> None:
     if gpu is None and plan.device == "cuda" and torch.cuda.is_available():
         gpu = present_gpu(torch.device(placement.device or "cuda"))
     groups: dict[tuple, list[str]] = {}
+    experts: dict[str, set[tuple]] = {}  # experts module -> the schemes of its quantized projections
     for layer in plan.layers.values():
         if layer.weights is not None:
-            groups.setdefault((layer.weights, layer.inputs), []).append(layer.name)
+            owner = expert_group(layer.name)
+            groups.setdefault((layer.weights, layer.inputs, owner is not None), []).append(layer.name)
+            if owner is not None:
+                experts.setdefault(owner, set()).add((layer.weights, layer.inputs))
     if gpu is None:
         if groups:
             plan.note("serving not checked: name the GPU it will be served on (--serve-on H100, A100, L4, ...)")
         return
-    for (weights, inputs), names in groups.items():
-        support = vllm_support(weights, inputs, gpu.capability)
-        plan.serving.append((describe_scheme(weights, inputs), len(names), support))
+    mixed = sorted(owner for owner, schemes in experts.items() if len(schemes) > 1)
+    if mixed and plan.serve_on is not None:
+        plan.error(f"vLLM runs each experts module as one fused layer with one scheme for every projection; "
+                   f"{mixed[0]}{f' (and {len(mixed) - 1} more)' if len(mixed) > 1 else ''} mixes "
+                   f"{len(experts[mixed[0]])}: give its gate, up and down projections the same scheme")
+    for (weights, inputs, expert), names in groups.items():
+        support = vllm_support(weights, inputs, gpu.capability, expert=expert)
+        what = describe_scheme(weights, inputs) + (" (MoE experts)" if expert else "")
+        plan.serving.append((what, len(names), support))
         if not support.serves and plan.serve_on is not None:
-            plan.error(f"vLLM has no kernel for {describe_scheme(weights, inputs)} on {gpu.name} "
+            plan.error(f"vLLM has no kernel for {what} on {gpu.name} "
                        f"(compute capability {gpu.capability[0]}.{gpu.capability[1]}): {support.kernel}")
 
 

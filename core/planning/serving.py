@@ -15,6 +15,7 @@ Each rule gives one of :data:`STATUSES`: ``native`` (a kernel made for the schem
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
@@ -39,9 +40,28 @@ class Serving:
         return self.status != "none"
 
 
+#: a Linear of a mixture of experts as vLLM sees it (``...experts.<e>.<projection>``): run by its fused MoE kernels
+EXPERT_LAYER = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def expert_group(name: str) -> str | None:
+    """The experts module a layer belongs to (``model.layers.3.mlp.experts``), ``None`` for a dense layer."""
+    match = EXPERT_LAYER.search(name)
+    return name[:match.start() + len(match.group(1)) + len("experts")] if match else None
+
+
 def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
-                 capability: tuple[int, int]) -> Serving:
-    """The table's answer for a layer quantized with ``weights`` (and ``inputs``) on ``capability``."""
+                 capability: tuple[int, int], expert: bool = False) -> Serving:
+    """The table's answer for a layer quantized with ``weights`` (and ``inputs``) on ``capability``;
+    ``expert``: a layer of a mixture of experts, which vLLM runs in its fused MoE kernels (fewer layouts:
+    ``CompressedTensorsMoEMethod.get_moe_method``)."""
+    if expert and weights.type == "int" and inputs is None:
+        if not weights.symmetric:
+            return Serving("none", "asymmetric int experts: vLLM's fused MoE kernels (Marlin / Triton WNA16) take "
+                                   "symmetric weights only; quantize the experts symmetric (W4A16) or ignore them")
+        if weights.num_bits not in (4, 8):
+            return Serving("none", f"int{weights.num_bits} experts: vLLM's fused MoE kernels take 4 or 8 bits")
+        return _int_experts(weights, capability[0] * 10 + capability[1])
     cc = capability[0] * 10 + capability[1]
     low_bit_float = {"nvfp4": _nvfp4, "mxfp4": _mxfp4, "mxfp8": _mxfp8}.get(weights.float_format or "")
     if low_bit_float is not None:
@@ -53,6 +73,18 @@ def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
     if inputs is not None:
         return _int8_w8a8(weights, cc)
     return _weight_only_int(weights, cc)
+
+
+def _int_experts(weights: QuantizationArgs, cc: int) -> Serving:
+    """Symmetric int4 / int8 experts: Marlin's fused MoE where it takes the groups, else Triton's WNA16 MoE."""
+    group = weights.group_size if weights.strategy == "group" else -1
+    if cc >= 80 and (group == -1 or group in MARLIN_GROUP_SIZES):
+        return Serving("native", "Marlin MoE (fused experts)")
+    if weights.strategy == "group" and weights.actorder not in ("group", "dynamic"):
+        return Serving("fallback", "Triton WNA16 MoE (fused experts"
+                                   + (f"; group size {group} is not Marlin's)" if cc >= 80 else "; Marlin from 8.0)"))
+    return Serving("none", "vLLM's Triton WNA16 MoE takes per-group weights without group activation order, and "
+                           "Marlin MoE (8.0+) groups of 32/64/128 or per channel")
 
 
 def _nvfp4(inputs: QuantizationArgs | None, cc: int) -> Serving:

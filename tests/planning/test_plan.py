@@ -53,7 +53,7 @@ def test_a_plan_reads_no_weight_and_reports_targets_pieces_and_layers(bf16_llama
 
 @pytest.mark.parametrize("recipe", ["W8A16", "W4A16_ASYM_G32", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK_SMALL"])
 def test_the_planned_output_size_is_what_the_saver_counts(bf16_llama_dir, recipe):
-    recipes = {"W4A16_ASYM_G32": "{QuantizationModifier: {scheme: W4A16_ASYM, group_size: 32}}",
+    recipes = {"W4A16_ASYM_G32": "{QuantizationModifier: {scheme: W4A16_ASYM, strategy: channel}}",
                "FP8_BLOCK_SMALL": "{QuantizationModifier: {scheme: {preset: FP8_BLOCK, block_structure: [32, 48], "
                                       "input_activations: {type: float, strategy: group, group_size: 32, "
                                       "dynamic: true}}}}"}
@@ -140,11 +140,8 @@ def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir
                            options=layerwise.CompressOptions.of(weights="memory", offload="cpu"))
 
 
-def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_expert_build(tmp_path):
-    """A DeepSeek-V3-shaped config (one dense layer, then MoE layers of 16 routed experts and a shared one, MLA),
-    config only: the experts unfused on meta without ``nn.Module.__init__`` (model_zoo.moe._built) and the piece
-    accounting's single pass give the per-piece memory, layer count and FLOPs that b765e21 (before both)
-    reported for the same plan; the choices' cache is the layer cut's (residual + the dense MLP's input + rotary)."""
+def _deepseek_v3_dir(tmp_path) -> str:
+    """A DeepSeek-V3-shaped config only: one dense layer, then MoE layers of 16 routed experts and a shared one."""
     import transformers
 
     config = transformers.DeepseekV3Config(
@@ -154,7 +151,15 @@ def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_ex
         qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, dtype="bfloat16",
         architectures=["DeepseekV3ForCausalLM"])
     config.save_pretrained(tmp_path / "ds")
-    plan = layerwise.plan(str(tmp_path / "ds"), "{GPTQModifier: {scheme: W4A16, group_size: 16}}",
+    return str(tmp_path / "ds")
+
+
+def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_expert_build(tmp_path):
+    """A DeepSeek-V3-shaped config (one dense layer, then MoE layers of 16 routed experts and a shared one, MLA),
+    config only: the experts unfused on meta without ``nn.Module.__init__`` (model_zoo.moe._built) and the piece
+    accounting's single pass give the per-piece memory, layer count and FLOPs that b765e21 (before both)
+    reported for the same plan; the choices' cache is the layer cut's (residual + the dense MLP's input + rotary)."""
+    plan = layerwise.plan(_deepseek_v3_dir(tmp_path), "{GPTQModifier: {scheme: W4A16, group_size: 16}}",
                           dataset=["a b c d"] * 512, gpu_memory=80 * 2**30,
                           host_memory=256 * 2**30, serve_on="H100")
     assert plan.ok and len(plan.layers) == 176 and list(plan.targets) == ["DeepseekV3DecoderLayer"]
@@ -281,3 +286,18 @@ def test_the_executable_plans_and_a_caller_in_process_keeps_its_garbage_collecto
                            "W8A16"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "verdict: runs as asked" in done.stdout
+
+
+def test_moe_experts_are_served_by_vllm_s_fused_moe_rules(tmp_path):
+    """vLLM runs each experts module as one fused layer: asymmetric int experts have no kernel there (dense
+    layers do: Marlin's uint4), and an expert's projections must share one scheme."""
+    folder = _deepseek_v3_dir(tmp_path)
+    asym = layerwise.plan(folder, "{QuantizationModifier: {scheme: W4A16_ASYM, strategy: channel}}", serve_on="H100")
+    rows = {what: support.status for what, _, support in asym.serving}
+    assert rows == {"weights int4 channel asym": "native", "weights int4 channel asym (MoE experts)": "none"}, rows
+    assert not asym.ok and any("symmetric" in e and "MoE experts" in e for e in asym.errors)
+    assert layerwise.plan(folder, "{QuantizationModifier: {scheme: W4A16, strategy: channel}}", serve_on="H100").ok
+    mixed = ("[{QuantizationModifier: {scheme: W4A16, strategy: channel, targets: ['re:.*experts.*(gate|up)_proj$']}}, "
+             "{QuantizationModifier: {scheme: W8A16, targets: ['re:.*experts.*down_proj$']}}]")
+    plan = layerwise.plan(folder, mixed, serve_on="H100")
+    assert not plan.ok and any("model.layers.1.mlp.experts" in e and "same scheme" in e for e in plan.errors)

@@ -44,3 +44,13 @@ def test_the_low_bit_floats_are_named_by_their_format_and_say_why_a_gpu_falls_ba
     assert "W4A16" in vllm_support(w4afp8.weights, w4afp8.input_activations, (10, 0)).kernel
     other_group = w4afp8.weights.replace(group_size=64)
     assert "groups of 128" in vllm_support(other_group, w4afp8.input_activations, (9, 0)).kernel
+
+
+def test_int_experts_follow_vllm_s_fused_moe_kernels():
+    w4a16, asym = PRESETS["W4A16"].weights, PRESETS["W4A16_ASYM"].weights
+    assert vllm_support(w4a16, None, (9, 0), expert=True).kernel == "Marlin MoE (fused experts)"
+    assert vllm_support(w4a16, None, (9, 0)).kernel == "Machete (Hopper)"  # the same layer, dense
+    assert vllm_support(asym, None, (9, 0), expert=True).status == "none"
+    assert vllm_support(asym, None, (9, 0)).status == "native"  # Marlin's uint4, dense only
+    assert vllm_support(w4a16.replace(group_size=16), None, (9, 0), expert=True).status == "fallback"  # Triton
+    assert vllm_support(w4a16.replace(num_bits=3), None, (9, 0), expert=True).status == "none"
