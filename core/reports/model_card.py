@@ -125,7 +125,7 @@ def render_card(summary: RunSummary, quality: Mapping[str, Any] | None, name: st
     report = summary.report
     front = front_matter(report, quality, name)
     body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report)),
-            *_online_rotation_note(report, name)]
+            *_online_rotation_note(report, name), *_serving(report, name)]
     if quality:
         body += ["## Quality against the original", "", *metrics_table(quality), "", _measured_on(quality), ""]
         if KL_PICTURE in pictures:
@@ -246,6 +246,24 @@ def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool =
             f'`layerwise.load_compressed("{name}")` loads it too, including what plain transformers cannot run: '
             f'FP4 / MX formats in a float32 model, and the sparse-bitmask folders of older layerwise releases.',
             ""]
+
+
+def _serving(report: CompressionReport, name: str) -> list[str]:
+    """The vLLM command; with an FP8 KV cache its flag, and why the quality table includes that cache."""
+    try:
+        recipe = yaml.safe_load(report.recipe) if report.recipe.strip() else None
+    except yaml.YAMLError:
+        recipe = None
+    kv = any(key == "kv_cache_scheme" and value is not None for key, value in _items(recipe))
+    lines = ["## How to serve", "", "```bash", f"vllm serve {name}" + (" --kv-cache-dtype fp8" if kv else ""), "```",
+             ""]
+    if kv:
+        lines += ["The KV cache is FP8 with calibrated scales (`k_scale` / `v_scale` per attention layer): vLLM uses "
+                  "them with `--kv-cache-dtype fp8`. Plain transformers computes attention with an unquantized "
+                  "cache; `layerwise.load_compressed` (and so `layerwise eval`) applies the scales as vLLM does.", ""]
+    lines += ["`layerwise plan --model ... --serve-on GPU` says, before a run, whether vLLM has a kernel for each "
+              "scheme on that GPU.", ""]
+    return lines
 
 
 def _online_rotation_note(report: CompressionReport, name: str) -> list[str]:

@@ -83,6 +83,17 @@ def test_the_card_loads_fp4_and_mx_checkpoints_in_bfloat16(scheme, bfloat16):
     assert 'layerwise.load_compressed("out")' in card
 
 
+@pytest.mark.parametrize("kv_cache", ["fp8", None])
+def test_the_card_says_how_vllm_serves_it_with_the_kv_cache_flag_where_there_is_one(kv_cache):
+    report = CompressionReport(pipeline="sequential", modifiers=["QuantizationModifier"], compressed_modules=[],
+                               seconds=1.0, bytes_before=10, bytes_after=5, calibration_samples=4, model="m",
+                               recipe=f"QuantizationModifier:\n  scheme: W4A16\n  kv_cache_scheme: {kv_cache or 'null'}\n")
+    card = card_files(report, name="out")[CARD_FILE]
+    command = "vllm serve out --kv-cache-dtype fp8" if kv_cache else "vllm serve out\n"
+    assert "## How to serve" in card and command in card
+    assert ("k_scale" in card) is bool(kv_cache)
+
+
 def test_recipe_tags_name_algorithms_schemes_and_bits():
     report = CompressionReport(pipeline="p", modifiers=["SparseGPTModifier", "QuantizationModifier"],
                                compressed_modules=[], seconds=0, bytes_before=1, bytes_after=1, calibration_samples=1,
