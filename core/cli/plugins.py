@@ -7,7 +7,9 @@ also when any plugin is broken. ``--json`` prints the same report as one JSON ob
 keys are stable: ``group``, ``summary``, ``plugins`` (each with ``name``, ``distribution``,
 ``version``, ``entry_point``, ``status``, ``broken``, ``disabled``, ``warnings``,
 ``registered`` -- every kind, possibly empty -- and ``model_patches``, each with ``name``,
-``architectures``, ``model_types`` and ``verified_transformers``) and ``conflicts``.
+``architectures``, ``model_types`` and ``verified_transformers``), ``conflicts``, ``schemes`` (each scheme name
+-> what it quantizes and how) and ``recipe_presets`` (``algorithms``: prefix -> the modifier that declares it,
+``chains``: preset -> its modifiers).
 
 ``--check [NAME ...]`` runs the plugin kit on the installed model patches instead and prints the
 support matrix (:mod:`layerwise.testing.support_matrix`); exit status 1 when any check fails.
@@ -80,7 +82,22 @@ def collect(host: PluginHost | None = None) -> dict[str, Any]:
                     "disabled": statuses.count("disabled"), "conflicts": len(conflicts)},
         "plugins": plugins,
         "conflicts": conflicts,
+        **({} if conflicts else _schemes_and_presets()),
     }
+
+
+def _schemes_and_presets() -> dict[str, Any]:
+    """The named schemes (what ``--recipe NAME`` and a modifier's ``scheme: NAME`` take) and the recipe presets
+    the registered modifiers add: ``<ALGORITHM>_<SCHEME>`` and chains of modifiers."""
+    from layerwise.algorithms.quantization.presets import PRESETS
+    from layerwise.host.recipe import algorithm_presets, chained_presets
+    from layerwise.planning.plan import describe_scheme
+
+    return {"schemes": {name: describe_scheme(scheme.weights, scheme.input_activations)
+                        for name, scheme in PRESETS.items()},
+            "recipe_presets": {"algorithms": algorithm_presets(),
+                               "chains": {name: [modifier for modifier, _ in chain]
+                                          for name, chain in chained_presets().items()}}}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -117,6 +134,16 @@ def format_report(report: dict[str, Any]) -> str:
                              f"; {verified}")
         if plugin["status"] == "ok" and not any(plugin["registered"].values()):
             lines.append("    (registered nothing)")
+    if report.get("schemes"):
+        width = max(len(name) for name in report["schemes"])
+        lines += ["", "schemes (--recipe NAME: round-to-nearest; or scheme: NAME in a modifier):"]
+        lines += [f"  {name:<{width}}  {text}" for name, text in report["schemes"].items()]
+        presets = report["recipe_presets"]
+        algorithms = ", ".join(f"{prefix} ({modifier})" for prefix, modifier in presets["algorithms"].items())
+        example = "GPTQ" if "GPTQ" in presets["algorithms"] else next(iter(presets["algorithms"]), "")
+        lines += ["", f"recipe presets: <ALGORITHM>_<SCHEME> for {algorithms}"
+                      + (f"; e.g. {example}_W4A16" if example else "")]
+        lines += [f"  {name}: {' then '.join(modifiers)}" for name, modifiers in presets["chains"].items()]
     broken = [p for p in report["plugins"] if p["status"] == "broken"]
     if broken:
         lines += ["", (f"{len(broken)} broken plugin(s), skipped; the others work "

@@ -87,11 +87,27 @@ def test_strict_without_broken_plugins_exits_0(fake_dist, capsys):
     assert code == 0 and "0 broken" in out.splitlines()[0]
 
 
+def test_every_scheme_and_the_recipe_presets_are_listed(installed, capsys):
+    from layerwise.algorithms.quantization.presets import PRESETS
+
+    code, out, _ = run(capsys)
+    lines = out.splitlines()
+    start = lines.index("schemes (--recipe NAME: round-to-nearest; or scheme: NAME in a modifier):")
+    listed = [line.split()[0] for line in lines[start + 1:start + 1 + len(PRESETS)]]
+    assert code == 0 and listed == list(PRESETS)
+    assert "  W4AFP8       weights int4 group 128, inputs float8 token dynamic" in lines
+    assert any(line.startswith("recipe presets: <ALGORITHM>_<SCHEME> for ") and "GPTQ (GPTQModifier)" in line
+               and line.endswith("e.g. GPTQ_W4A16") for line in lines)
+
+
 def test_json_report_has_stable_keys_and_the_same_content(installed, capsys):
     code, out, _ = run(capsys, "--json")
     assert code == 0
     report = json.loads(out)
-    assert list(report) == ["group", "summary", "plugins", "conflicts"]
+    assert list(report) == ["group", "summary", "plugins", "conflicts", "schemes", "recipe_presets"]
+    assert report["schemes"]["NVFP4A16"] == "weights nvfp4 (blocks of 16)"
+    assert report["recipe_presets"]["algorithms"]["GPTQ"] == "GPTQModifier"
+    assert report["recipe_presets"]["chains"]["QUAROT_GPTQ_W4A4"] == ["RotationModifier", "GPTQModifier"]
     assert report["group"] == "layerwise" and report["conflicts"] == []
     assert set(report["summary"]) == {"plugins", "ok", "broken", "disabled", "conflicts"}
     assert report["summary"]["broken"] == 1 and report["summary"]["plugins"] == len(report["plugins"])
