@@ -63,9 +63,10 @@ def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
             return Serving("none", f"int{weights.num_bits} experts: vLLM's fused MoE kernels take 4 or 8 bits")
         return _int_experts(weights, capability[0] * 10 + capability[1])
     cc = capability[0] * 10 + capability[1]
-    low_bit_float = {"nvfp4": _nvfp4, "mxfp4": _mxfp4, "mxfp8": _mxfp8}.get(weights.float_format or "")
-    if low_bit_float is not None:
-        return low_bit_float(inputs, cc)
+    if weights.float_format in FP4_NATIVE:
+        return _fp4(weights.float_format, inputs, cc)
+    if weights.float_format == "mxfp8":
+        return _mxfp8(inputs, cc)
     if weights.type == "float":
         return _fp8(weights, inputs, cc)
     if inputs is not None and inputs.type == "float":
@@ -87,24 +88,21 @@ def _int_experts(weights: QuantizationArgs, cc: int) -> Serving:
                            "Marlin MoE (8.0+) groups of 32/64/128 or per channel")
 
 
-def _nvfp4(inputs: QuantizationArgs | None, cc: int) -> Serving:
-    if cc < 80:
-        return Serving("none", "NVFP4 needs compute capability 8.0 or higher (FP4 Marlin, weight-only)")
-    if inputs is None:
-        return Serving("native", "FP4 Marlin, weight-only (inputs stay 16-bit)")
-    if cc >= 100:
-        return Serving("native", "CUTLASS / FlashInfer FP4 GEMM (Blackwell FP4 tensor cores)")
-    return Serving("fallback", "FP4 Marlin, weight-only: no FP4 tensor cores below 10.0, the inputs stay 16-bit")
+#: the GEMM vLLM runs a low-bit float format in where the GPU computes in it (Blackwell, 10.0+)
+FP4_NATIVE = {"nvfp4": "CUTLASS / FlashInfer FP4 GEMM (Blackwell FP4 tensor cores)",
+              "mxfp4": "MX block-scaled FP4 GEMM (Blackwell)"}
 
 
-def _mxfp4(inputs: QuantizationArgs | None, cc: int) -> Serving:
+def _fp4(fmt: str, inputs: QuantizationArgs | None, cc: int) -> Serving:
+    """NVFP4 / MXFP4: weight-only through FP4 Marlin from 8.0; FP4 inputs on Blackwell's FP4 tensor cores."""
+    marlin = f"{fmt.upper()} Marlin, weight-only"
     if cc < 80:
-        return Serving("none", "MXFP4 needs compute capability 8.0 or higher (MXFP4 Marlin, weight-only)")
+        return Serving("none", f"{fmt.upper()} needs compute capability 8.0 or higher ({marlin})")
     if inputs is None:
-        return Serving("native", "MXFP4 Marlin, weight-only (inputs stay 16-bit)")
+        return Serving("native", f"{marlin} (inputs stay 16-bit)")
     if cc >= 100:
-        return Serving("native", "MX block-scaled FP4 GEMM (Blackwell)")
-    return Serving("fallback", "MXFP4 Marlin, weight-only: no MX tensor cores below 10.0, the inputs stay 16-bit")
+        return Serving("native", FP4_NATIVE[fmt])
+    return Serving("fallback", f"{marlin}: no FP4 tensor cores below 10.0, the inputs stay 16-bit")
 
 
 def _mxfp8(inputs: QuantizationArgs | None, cc: int) -> Serving:

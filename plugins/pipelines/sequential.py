@@ -286,27 +286,22 @@ class _Runner:
         on; its outputs feed the stream's next piece), then observed, as :meth:`_forward` runs it."""
         readers = [m for m in self.lifecycle.modifiers if getattr(m, "needs_reference_inputs", False)]
         names = list(piece.modules)
-        stop = None if keep else _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle)
-        try:
-            with self.accounting.timed("forward"):
-                for i in self._live():
-                    handles = [handle for m in readers for handle in m.reference_hooks(names)]
-                    try:
-                        with calibration_hooks_paused(self.lifecycle):
-                            original = self._run(piece, piece.run, i, self.reference)
-                    finally:
-                        for handle in handles:
-                            handle.remove()
-                    if feeds_next:
-                        self.reference.update(i, original)
-                    del original
-                    self.reference.free(piece.subgraph(i).consumed_names, batch=i)
-                    outputs = self._observed_run(piece, i, stop)
-                    if keep:
-                        self._keep(piece, i, outputs)
-        finally:
-            if stop is not None:
-                stop.close()
+        with self._early_stop(piece, wanted=not keep) as stop, self.accounting.timed("forward"):
+            for i in self._live():
+                handles = [handle for m in readers for handle in m.reference_hooks(names)]
+                try:
+                    with calibration_hooks_paused(self.lifecycle):
+                        original = self._run(piece, piece.run, i, self.reference)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                if feeds_next:
+                    self.reference.update(i, original)
+                del original
+                self.reference.free(piece.subgraph(i).consumed_names, batch=i)
+                outputs = self._observed_run(piece, i, stop)
+                if keep:
+                    self._keep(piece, i, outputs)
 
     def _forward(self, piece: Piece, keep: bool, observed: bool = False) -> None:
         """Run every live batch through ``piece``; cache the outputs when ``keep``.
@@ -316,17 +311,23 @@ class _Runner:
         and is not observed runs short samples joined along the token axis where the piece
         was found token-wise (:mod:`.token_batches`).
         """
-        stop = _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle) if observed and not keep else None
         live = self._live()
+        with self._early_stop(piece, wanted=observed and not keep) as stop, self.accounting.timed("forward"):
+            if keep and not observed:
+                self._forward_grouped(piece, live)
+                return
+            for i in live:
+                outputs = self._observed_run(piece, i, stop)
+                if keep:
+                    self._keep(piece, i, outputs)
+
+    @contextlib.contextmanager
+    def _early_stop(self, piece: Piece, wanted: bool) -> Iterator[_EarlyStop | None]:
+        """The piece's :class:`_EarlyStop` where ``wanted`` (an observed run whose outputs are not kept; ``None``
+        where no modifier lets it stop), its hooks removed after the run."""
+        stop = _EarlyStop.for_piece(self.offloader.model, piece, self.lifecycle) if wanted else None
         try:
-            with self.accounting.timed("forward"):
-                if keep and not observed:
-                    self._forward_grouped(piece, live)
-                    return
-                for i in live:
-                    outputs = self._observed_run(piece, i, stop)
-                    if keep:
-                        self._keep(piece, i, outputs)
+            yield stop
         finally:
             if stop is not None:
                 stop.close()
