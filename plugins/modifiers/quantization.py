@@ -184,6 +184,10 @@ class QuantizationModifier(Modifier):
         except TypeError as exc:
             raise RecipeError(str(exc)) from None
         args.check_for("weights")
+        if "group_size" in overrides and args.effective_group_size is None:
+            raise RecipeError(f"{type(self).__name__}.group_size {self.group_size} has no effect with strategy "
+                              f"{args.strategy!r} (the scheme's{' override' if self.strategy else ''}): add strategy: "
+                              f"group for groups of {self.group_size}, or drop group_size")
         return args
 
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:

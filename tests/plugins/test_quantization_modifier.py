@@ -113,6 +113,12 @@ def test_indivisible_group_names_the_layer_and_the_fix():
     assert "model.layers.0.self_attn.q_proj" in message and "channel" in message and "group_size 64" in message
 
 
+def test_a_group_size_the_strategy_ignores_is_an_error_naming_the_fix():
+    with pytest.raises(RecipeError, match="group_size 32 has no effect with strategy 'channel'.*add strategy: group"):
+        QuantizationModifier(scheme="FP8_DYNAMIC", group_size=32)
+    assert QuantizationModifier(scheme="W8A16", strategy="group", group_size=32).args.effective_group_size == 32
+
+
 def test_unknown_observer_lists_registered_ones():
     with pytest.raises(UnknownNameError, match="unknown observer .nmse.*valid observers: minmax, moving_average_minmax, mse"):
         run(build_tiny_llama(), QuantizationModifier(scheme="W8A16", observer="nmse"))
