@@ -607,27 +607,36 @@ def _serving(plan: Plan, placement: Any) -> None:
     gpu = plan.serve_on
     if gpu is None and plan.device == "cuda" and torch.cuda.is_available():
         gpu = present_gpu(torch.device(placement.device or "cuda"))
-    groups: dict[tuple, list[str]] = {}
-    experts: dict[str, set[tuple]] = {}  # experts module -> the schemes of its quantized projections
+    # layers share their args objects: count by identity per layer (hashing the args of 45,032 layers costs
+    # more than the rest of this), then merge equal args
+    schemes: dict[tuple[int, int], tuple[Any, Any]] = {}
+    counts: dict[tuple[int, int, bool], int] = {}
+    experts: dict[str, set[tuple[int, int]]] = {}  # experts module -> its quantized projections' schemes
     for layer in plan.layers.values():
         if layer.weights is not None:
-            owner = expert_group(layer.name)
-            groups.setdefault((layer.weights, layer.inputs, owner is not None), []).append(layer.name)
+            owner, ids = expert_group(layer.name), (id(layer.weights), id(layer.inputs))
+            schemes[ids] = (layer.weights, layer.inputs)
+            counts[(*ids, owner is not None)] = counts.get((*ids, owner is not None), 0) + 1
             if owner is not None:
-                experts.setdefault(owner, set()).add((layer.weights, layer.inputs))
+                experts.setdefault(owner, set()).add(ids)
     if gpu is None:
-        if groups:
+        if counts:
             plan.note("serving not checked: name the GPU it will be served on (--serve-on H100, A100, L4, ...)")
         return
-    mixed = sorted(owner for owner, schemes in experts.items() if len(schemes) > 1)
+    mixed = sorted(owner for owner, ids in experts.items() if len({schemes[i] for i in ids}) > 1)
     if mixed and plan.serve_on is not None:
         plan.error(f"vLLM runs each experts module as one fused layer with one scheme for every projection; "
                    f"{mixed[0]}{f' (and {len(mixed) - 1} more)' if len(mixed) > 1 else ''} mixes "
-                   f"{len(experts[mixed[0]])}: give its gate, up and down projections the same scheme")
-    for (weights, inputs, expert), names in groups.items():
+                   f"{len({schemes[i] for i in experts[mixed[0]]})}: give its gate, up and down projections the "
+                   f"same scheme")
+    groups: dict[tuple[Any, Any, bool], int] = {}
+    for (*ids, expert), count in counts.items():
+        key = (*schemes[tuple(ids)], expert)
+        groups[key] = groups.get(key, 0) + count
+    for (weights, inputs, expert), count in groups.items():
         support = vllm_support(weights, inputs, gpu.capability, expert=expert)
         what = describe_scheme(weights, inputs) + (" (MoE experts)" if expert else "")
-        plan.serving.append((what, len(names), support))
+        plan.serving.append((what, count, support))
         if not support.serves and plan.serve_on is not None:
             plan.error(f"vLLM has no kernel for {what} on {gpu.name} "
                        f"(compute capability {gpu.capability[0]}.{gpu.capability[1]}): {support.kernel}")
