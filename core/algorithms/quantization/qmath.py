@@ -61,7 +61,7 @@ from layerwise.algorithms.quantization.float_formats import (
     nvfp4_scale,
 )
 from layerwise.algorithms.quantization.int_packing import pack_to_int32
-from layerwise.algorithms.quantization.slices import by_row_slices
+from layerwise.algorithms.quantization.slices import by_row_slices, cast_results
 
 Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
 
@@ -134,15 +134,18 @@ def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None = None) -> Te
     return values * scale
 
 
-def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs) -> Tensor:
-    """Quantize then dequantize (the values the compressed model computes with)."""
-    return _dequantize_in_place(quantize(x, scale, zero_point, args), scale, zero_point, args, x.dtype)
+def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs, *,
+                  cast: bool = True) -> Tensor:
+    """Quantize then dequantize (the values the compressed model computes with), in ``x``'s dtype (``cast``) or
+    in the computation's (float32 for a float32 scale: the caller casts them as it stores them)."""
+    return _dequantize_in_place(quantize(x, scale, zero_point, args), scale, zero_point, args,
+                                x.dtype if cast else None)
 
 
 def fake_quantize_with_codes(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
-                             codes_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """:func:`fake_quantize`'s values and the integer values of ``x`` in ``codes_dtype`` (one that holds them
-    exactly: int8, float8), from one quantization."""
+                             codes_dtype: torch.dtype, *, cast: bool = True) -> tuple[Tensor, Tensor]:
+    """:func:`fake_quantize`'s values (``cast`` as there) and the integer values of ``x`` in ``codes_dtype`` (one
+    that holds them exactly: int8, float8), from one quantization."""
     if args.type == "float" and args.num_bits == 8:  # the float8 cast gives the codes: made once, not twice
         scaled = (x / scale).clamp_(*qrange(args))
         codes = scaled.to(torch.float8_e4m3fn)
@@ -150,17 +153,20 @@ def fake_quantize_with_codes(x: Tensor, scale: Tensor, zero_point: Tensor | None
     else:
         q = quantize(x, scale, zero_point, args)
         codes = q.to(codes_dtype)
-    return _dequantize_in_place(q, scale, zero_point, args, x.dtype), codes
+    return _dequantize_in_place(q, scale, zero_point, args, x.dtype if cast else None), codes
 
 
 def _dequantize_in_place(q: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs,
-                         dtype: torch.dtype) -> Tensor:
-    """``(q - zero_point) * scale`` in ``dtype``, computed in ``q`` itself when it has the scale's dtype."""
+                         dtype: torch.dtype | None) -> Tensor:
+    """``(q - zero_point) * scale`` in ``dtype`` (``None``: the scale's), computed in ``q`` itself when it has
+    the scale's dtype."""
     if q.dtype != scale.dtype:
-        return dequantize(q, scale, zero_point).to(dtype)
-    if zero_point is not None and not args.symmetric:
-        q.sub_(zero_point.to(q.dtype))
-    return q.mul_(scale).to(dtype)
+        values = dequantize(q, scale, zero_point)
+    else:
+        if zero_point is not None and not args.symmetric:
+            q.sub_(zero_point.to(q.dtype))
+        values = q.mul_(scale)
+    return values if dtype is None else values.to(dtype)
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -277,15 +283,16 @@ def fake_quantize_weight(weight: Tensor, scale: Tensor, zero_point: Tensor | Non
                          g_idx: Tensor | None = None) -> Tensor:
     """Fake-quantized ``(out, in)`` weight; with ``group``, column ``j`` uses group ``g_idx[j]``
     (default ``j // group_size``)."""
-    return _weight_operation(fake_quantize, weight, scale, zero_point, args, g_idx)
+    return _weight_operation(functools.partial(fake_quantize, cast=False), weight, scale, zero_point, args, g_idx,
+                             (weight.dtype,))
 
 
 def fake_quantize_weight_with_codes(weight: Tensor, scale: Tensor, zero_point: Tensor | None,
                                     args: QuantizationArgs, codes_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """:func:`fake_quantize_weight` (groups in order) and :func:`quantize_weight`'s values in ``codes_dtype``,
     from one quantization of the weight instead of two."""
-    return _weight_operation(functools.partial(fake_quantize_with_codes, codes_dtype=codes_dtype), weight, scale,
-                             zero_point, args, None)
+    return _weight_operation(functools.partial(fake_quantize_with_codes, codes_dtype=codes_dtype, cast=False), weight,
+                             scale, zero_point, args, None, (weight.dtype, None))
 
 
 def fake_quantize_weight_with_packed_codes(weight: Tensor, scale: Tensor, zero_point: Tensor | None,
@@ -305,30 +312,32 @@ def fake_quantize_weight_with_packed_codes(weight: Tensor, scale: Tensor, zero_p
             packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136).to(torch.uint8).view(torch.int32)
         else:
             packed = pack_to_int32(q.reshape(-1, columns).to(torch.int8), args.num_bits)
-        return _dequantize_in_place(q, s, z, args, x.dtype), packed
+        return _dequantize_in_place(q, s, z, args, None), packed
 
-    return _weight_operation(quantize_and_pack, weight, scale, zero_point, args, None)
+    return _weight_operation(quantize_and_pack, weight, scale, zero_point, args, None, (weight.dtype, None))
 
 
 def _weight_operation(operation: Callable, weight: Tensor, scale: Tensor, zero_point: Tensor | None,
-                      args: QuantizationArgs, g_idx: Tensor | None) -> Any:
+                      args: QuantizationArgs, g_idx: Tensor | None,
+                      dtypes: tuple[torch.dtype | None, ...] | None = None) -> Any:
     """``operation(x, scale, zero_point, args)`` on a whole weight, its qparams broadcast to it: groups in order
     as ``(out, groups, group_size)`` blocks with a scale per block (the same values as :func:`expand_qparams`'s
     per-column scales, without building them), reordered groups and tiles through the expanded qparams; on
-    the CPU in slices of rows (:mod:`.slices`)."""
+    the CPU in slices of rows (:mod:`.slices`). ``dtypes``: each result's dtype, cast as it is stored."""
     if g_idx is None and args.strategy in ("group", "tensor_group"):
         _check_weight(weight, args)
         rows, columns = weight.shape
         blocks = weight.reshape(rows, columns // args.group_size, args.group_size)
         zero_point = None if zero_point is None or args.symmetric else zero_point.unsqueeze(-1)
-        result = by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1), zero_point)
+        result = by_row_slices(lambda x, s, z: operation(x, s, z, args), blocks, scale.unsqueeze(-1), zero_point,
+                               dtypes=dtypes)
         if isinstance(result, tuple):  # the values and codes, or packed codes: each as rows
             return tuple(r.reshape(rows, -1) for r in result)
         return result.reshape(rows, columns)
     if args.strategy in ("channel", "tensor"):
-        return by_row_slices(lambda x, s, z: operation(x, s, z, args), weight, scale, zero_point)
+        return by_row_slices(lambda x, s, z: operation(x, s, z, args), weight, scale, zero_point, dtypes=dtypes)
     s, z = expand_qparams(weight, scale, zero_point, args, g_idx)
-    return operation(weight, s, z, args)
+    return cast_results(operation(weight, s, z, args), dtypes)
 
 
 # -- activations --------------------------------------------------------------------------

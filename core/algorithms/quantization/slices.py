@@ -23,17 +23,20 @@ SLICE_ELEMENTS = 1 << 16
 INPUT_SLICE_ELEMENTS = 1 << 18
 
 
-def by_row_slices(function: Callable[..., Any], x: Tensor, *per_row: Tensor | None) -> Any:
+def by_row_slices(function: Callable[..., Any], x: Tensor, *per_row: Tensor | None,
+                  dtypes: tuple[torch.dtype | None, ...] | None = None) -> Any:
     """``function(x[a:b], *(p[a:b] for p in per_row))`` over slices of ``x``'s rows, joined into one tensor
     (or, for a ``function`` returning a tuple of tensors, one tensor for each).
 
     An argument of ``per_row`` with as many rows as ``x`` is sliced with it; any other (a scalar scale,
     ``None``) is passed whole to every call. ``function`` must work row by row (elementwise, or along
     the other dimensions only). Off the CPU, or for a tensor of one slice, it is a single call.
+    ``dtypes``: each joined tensor's dtype (``None``: its slices'); a slice is cast as it is written into its
+    place, one pass where a cast in ``function`` and the write would be two.
     """
     parts = row_slices(x) if x.ndim else []
     if len(parts) < 2:
-        return function(x, *per_row)
+        return cast_results(function(x, *per_row), dtypes)
     rows = x.shape[0]
 
     def part(rows_of: slice) -> Tensor:
@@ -41,12 +44,23 @@ def by_row_slices(function: Callable[..., Any], x: Tensor, *per_row: Tensor | No
 
     first = part(parts[0])
     several = isinstance(first, tuple)
-    outs = tuple(torch.empty((rows, *f.shape[1:]), dtype=f.dtype) for f in (first if several else (first,)))
+    wanted = dtypes or (None,) * (len(first) if several else 1)
+    outs = tuple(torch.empty((rows, *f.shape[1:]), dtype=dtype or f.dtype)
+                 for f, dtype in zip(first if several else (first,), wanted))
     for index, rows_of in enumerate(parts):
         results = first if index == 0 else part(rows_of)
         for out, result in zip(outs, results if several else (results,)):
             out[rows_of] = result
     return outs if several else outs[0]
+
+
+def cast_results(result: Any, dtypes: tuple[torch.dtype | None, ...] | None) -> Any:
+    """``result`` (a tensor or a tuple of them) with each tensor in its dtype of ``dtypes`` (``None``: as it is)."""
+    if dtypes is None:
+        return result
+    several = isinstance(result, tuple)
+    cast = tuple(r if dtype is None else r.to(dtype) for r, dtype in zip(result if several else (result,), dtypes))
+    return cast if several else cast[0]
 
 
 def row_slices(x: Tensor, elements: int = SLICE_ELEMENTS) -> list[slice]:
