@@ -13,6 +13,7 @@ data_offsets}`` plus ``__metadata__``), then the data.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import mmap
 import os
@@ -144,6 +145,25 @@ def layout_of(value: torch.Tensor | StoredTensor) -> TensorLayout:
     return TensorLayout(NAMES[value.dtype], tuple(value.shape))
 
 
+@functools.cache
+def _dtype_rank() -> dict[str, int]:
+    """Where each dtype's tensors go in a file written by the ``safetensors`` package: it orders tensors by
+    dtype (its own enum, widest first), then by name. Asked of the package itself (one empty tensor per dtype,
+    serialized in memory), so the order follows the installed version."""
+    from safetensors.torch import save
+
+    data = save({name: torch.empty(0, dtype=dtype) for name, dtype in DTYPES.items()})
+    (length,) = struct.unpack("<Q", data[:8])
+    return {name: rank for rank, name in enumerate(k for k in json.loads(data[8:8 + length]) if k != "__metadata__")}
+
+
+def canonical_order(layout: dict[str, TensorLayout]) -> list[str]:
+    """The tensors of ``layout`` in the order ``safetensors.torch.save_file`` writes them: a file written here
+    from the same tensors is then the same bytes as the package's (the in-memory saver's)."""
+    rank = _dtype_rank()
+    return sorted(layout, key=lambda name: (rank.get(layout[name].dtype, len(rank)), name))
+
+
 class StreamedFile:
     """A safetensors file written header first, then each tensor's bytes as they come, chunk by chunk.
 
@@ -157,7 +177,7 @@ class StreamedFile:
 
     def __init__(self, path: Path, layout: dict[str, TensorLayout]) -> None:
         self.path = path
-        self.layout = dict(layout)
+        self.layout = {name: layout[name] for name in canonical_order(layout)}
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         self._start: dict[str, int] = {}

@@ -68,6 +68,18 @@ def test_bit_identical_to_the_in_memory_run(sharded_llama, tmp_path, name):
     assert sorted(set(index["weight_map"].values())) == sorted(p.name for p in sharded_llama.glob("*.safetensors"))
 
 
+@pytest.mark.parametrize("recipe", [RECIPES["W4A16_G32"], "NVFP4A16"])
+def test_a_one_file_model_gives_the_in_memory_run_s_file_byte_for_byte(tmp_path, recipe):
+    """Tensors in the order the safetensors package writes them (by dtype, then name), so the file itself is the
+    same bytes as the in-memory saver's."""
+    folder = _save_llama(tmp_path / "llama", shard=None)
+    compress_model_free(folder, recipe, tmp_path / "free")
+    layerwise.compress(str(folder), recipe, output_dir=tmp_path / "memory", show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="memory"))
+    free, memory = (tmp_path / side / "model.safetensors" for side in ("free", "memory"))
+    assert free.read_bytes() == memory.read_bytes()
+
+
 #: every data-free preset a chunked layer can take, and the observers' row independence with them
 CHUNKED = [RECIPES["W4A16_ASYM_G32"], "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16",
            "{QuantizationModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, strategy: tensor}}}, "
