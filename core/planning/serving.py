@@ -26,6 +26,10 @@ MARLIN_GROUP_SIZES = (32, 64, 128)
 #: Machete (Hopper's weight-only int kernel): per channel, or these group sizes
 MACHETE_GROUP_SIZES = (64, 128)
 
+#: the GEMM vLLM runs a low-bit float format in where the GPU computes in it (Blackwell, 10.0+)
+FP4_NATIVE = {"nvfp4": "CUTLASS / FlashInfer FP4 GEMM (Blackwell FP4 tensor cores)",
+              "mxfp4": "MX block-scaled FP4 GEMM (Blackwell)"}
+
 
 @dataclass(frozen=True)
 class Serving:
@@ -53,14 +57,14 @@ def vllm_support(weights: QuantizationArgs, inputs: QuantizationArgs | None,
     """The table's answer for a layer quantized with ``weights`` (and ``inputs``) on ``capability``;
     ``expert``: a layer of a mixture of experts, which vLLM runs in its fused MoE kernels (fewer layouts:
     ``CompressedTensorsMoEMethod.get_moe_method``)."""
+    cc = capability[0] * 10 + capability[1]
     if expert and weights.type == "int" and inputs is None:
         if not weights.symmetric:
             return Serving("none", "asymmetric int experts: vLLM's fused MoE kernels (Marlin / Triton WNA16) take "
                                    "symmetric weights only; quantize the experts symmetric (W4A16) or ignore them")
         if weights.num_bits not in (4, 8):
             return Serving("none", f"int{weights.num_bits} experts: vLLM's fused MoE kernels take 4 or 8 bits")
-        return _int_experts(weights, capability[0] * 10 + capability[1])
-    cc = capability[0] * 10 + capability[1]
+        return _int_experts(weights, cc)
     if weights.float_format in FP4_NATIVE:
         return _fp4(weights.float_format, inputs, cc)
     if weights.float_format == "mxfp8":
@@ -84,11 +88,6 @@ def _int_experts(weights: QuantizationArgs, cc: int) -> Serving:
                                    + (f"; group size {group} is not Marlin's)" if cc >= 80 else "; Marlin from 8.0)"))
     return Serving("none", "vLLM's Triton WNA16 MoE takes per-group weights without group activation order, and "
                            "Marlin MoE (8.0+) groups of 32/64/128 or per channel")
-
-
-#: the GEMM vLLM runs a low-bit float format in where the GPU computes in it (Blackwell, 10.0+)
-FP4_NATIVE = {"nvfp4": "CUTLASS / FlashInfer FP4 GEMM (Blackwell FP4 tensor cores)",
-              "mxfp4": "MX block-scaled FP4 GEMM (Blackwell)"}
 
 
 def _fp4(fmt: str, inputs: QuantizationArgs | None, cc: int) -> Serving:
