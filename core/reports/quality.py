@@ -220,8 +220,9 @@ def _predictions(model: torch.nn.Module, kind: str, windows: TokenWindows, optio
     from tqdm.auto import tqdm
 
     count = int(windows.ids.shape[0])
+    # disable None: no bar where stderr is no terminal (a log would get a line per update)
     with tqdm(total=count, desc=f"eval {label}", unit="window", leave=False,
-              disable=label is None or not options.show_progress) as bar:
+              disable=True if label is None or not options.show_progress else None) as bar:
         for begin in range(0, count, options.batch_size):
             indices = list(range(begin, min(begin + options.batch_size, count)))
             logits = _logits(model, kind, windows.ids[indices])

@@ -96,14 +96,15 @@ def resolve_targets(model: torch.nn.Module, patterns: Iterable[str], ignore: Ite
 
 
 def progress(items: Iterable[Any], desc: str, enabled: bool, total: int | None = None) -> Iterable[Any]:
-    """``items`` with a tqdm bar when ``enabled`` (and tqdm is installed)."""
+    """``items`` with a tqdm bar when ``enabled`` and stderr is a terminal (redirected to a log, a bar would write
+    a line per update)."""
     if not enabled:
         return items
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return items
-    return tqdm(items, desc=desc, total=total, leave=False)
+    return tqdm(items, desc=desc, total=total, leave=False, disable=None)  # None: off where stderr is no terminal
 
 
 #: errors that are never turned into "this pipeline cannot handle the model"
