@@ -163,11 +163,7 @@ def front_matter(report: CompressionReport, quality: Mapping[str, Any] | None, n
 def recipe_tags(report: CompressionReport) -> list[str]:
     """``compressed-tensors``, ``layerwise``, then each algorithm and scheme the recipe names."""
     tags = ["compressed-tensors", "layerwise"]
-    try:
-        recipe = yaml.safe_load(report.recipe) if report.recipe.strip() else None
-    except yaml.YAMLError:
-        recipe = None
-    for key, value in _items(recipe):
+    for key, value in _items(_parsed_recipe(report)):
         if key in MODIFIER_TAGS:
             tags.append(MODIFIER_TAGS[key])
         elif key == "scheme" and isinstance(value, str):
@@ -250,11 +246,7 @@ def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool =
 
 def _serving(report: CompressionReport, name: str) -> list[str]:
     """The vLLM command; with an FP8 KV cache its flag, and why the quality table includes that cache."""
-    try:
-        recipe = yaml.safe_load(report.recipe) if report.recipe.strip() else None
-    except yaml.YAMLError:
-        recipe = None
-    kv = any(key == "kv_cache_scheme" and value is not None for key, value in _items(recipe))
+    kv = any(key == "kv_cache_scheme" and value is not None for key, value in _items(_parsed_recipe(report)))
     lines = ["## How to serve", "", "```bash", f"vllm serve {name}" + (" --kv-cache-dtype fp8" if kv else ""), "```",
              ""]
     if kv:
@@ -310,6 +302,14 @@ def _current(report: CompressionReport) -> RunSummary:
     from layerwise.host.versions import environment
 
     return RunSummary(report=report, environment=environment(), layerwise_version=__version__)
+
+
+def _parsed_recipe(report: CompressionReport) -> Any:
+    """The run's recipe as YAML data (``None`` when it was not recorded or does not parse)."""
+    try:
+        return yaml.safe_load(report.recipe) if report.recipe.strip() else None
+    except yaml.YAMLError:
+        return None
 
 
 def _items(node: Any) -> list[tuple[str, Any]]:
