@@ -616,19 +616,20 @@ def _serving(plan: Plan, placement: Any) -> None:
         if layer.weights is not None:
             owner, ids = expert_group(layer.name), (id(layer.weights), id(layer.inputs))
             schemes[ids] = (layer.weights, layer.inputs)
-            counts[(*ids, owner is not None)] = counts.get((*ids, owner is not None), 0) + 1
+            key = (*ids, owner is not None)
+            counts[key] = counts.get(key, 0) + 1
             if owner is not None:
                 experts.setdefault(owner, set()).add(ids)
     if gpu is None:
         if counts:
             plan.note("serving not checked: name the GPU it will be served on (--serve-on H100, A100, L4, ...)")
         return
-    mixed = sorted(owner for owner, ids in experts.items() if len({schemes[i] for i in ids}) > 1)
+    distinct = {owner: {schemes[i] for i in ids} for owner, ids in experts.items()}
+    mixed = sorted(owner for owner, found in distinct.items() if len(found) > 1)
     if mixed and plan.serve_on is not None:
         plan.error(f"vLLM runs each experts module as one fused layer with one scheme for every projection; "
                    f"{mixed[0]}{f' (and {len(mixed) - 1} more)' if len(mixed) > 1 else ''} mixes "
-                   f"{len({schemes[i] for i in experts[mixed[0]]})}: give its gate, up and down projections the "
-                   f"same scheme")
+                   f"{len(distinct[mixed[0]])}: give its gate, up and down projections the same scheme")
     groups: dict[tuple[Any, Any, bool], int] = {}
     for (*ids, expert), count in counts.items():
         key = (*schemes[tuple(ids)], expert)
