@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from layerwise import __version__
 from layerwise.cli.arguments import positive_int, with_kv_cache
+from layerwise.common.quiet import bars_wanted
 from layerwise.errors import InvalidArgumentError, LayerwiseError
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def torch_module() -> type:
 
 
 def _run_compress(args: argparse.Namespace) -> int:
-    if args.quiet:  # transformers' own loading/saving bars too, not only ours
+    if not bars_wanted(not args.quiet):  # transformers' own loading/saving bars too, not only ours
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from layerwise.cli.arguments import positive_int
+from layerwise.common.quiet import bars_wanted
 from layerwise.errors import LayerwiseError
 
 
@@ -74,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from layerwise.verbs.evaluation import evaluate
 
-    if args.quiet:
+    if not bars_wanted(not args.quiet):  # transformers' bars too (a log gets a line per redraw)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

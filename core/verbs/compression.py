@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from layerwise.algorithms.quantization.storage import keeping_codes
+from layerwise.common.quiet import library_bars_follow_show_progress
 from layerwise.errors import DatasetError, InvalidArgumentError
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.patch_selection import use_patch
@@ -93,6 +94,7 @@ def _accept_flat_settings(function: F) -> F:
 
 
 @_accept_flat_settings
+@library_bars_follow_show_progress
 @distributed.guarded  # several ranks: one failing stops them all; they return once rank 0 saved
 def compress(
     model: torch.nn.Module | str | os.PathLike,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from layerwise.common.quiet import library_bars_follow_show_progress
 from layerwise.errors import check_choice
 from layerwise.reports.eval_text import read_eval_text
 from layerwise.reports.quality import GPU_SHARE, ModelSource, QualityReport
@@ -33,6 +34,7 @@ LOAD_PEAK = 1.5
 ModelLike = torch.nn.Module | str | os.PathLike
 
 
+@library_bars_follow_show_progress
 def evaluate(original: ModelLike, compressed: ModelLike, dataset: str | os.PathLike | Sequence[str], *,
              tokenizer: Any = None, window_length: int | None = None, stride: int | None = None,
              max_windows: int | None = None, batch_size: int = 1, device: str | torch.device | None = None,

@@ -96,22 +96,26 @@ def test_a_closed_pipe_ends_the_command_quietly(monkeypatch, capsys):
     assert "error" not in capsys.readouterr().err
 
 
-def test_quiet_prints_no_progress_bar(tiny_llama_dir, tmp_path, capfd):
-    """Without --quiet the run draws bars (layerwise's and transformers'); with it, none."""
+def test_bars_only_on_a_terminal_and_never_with_quiet(tiny_llama_dir, tmp_path, capfd, monkeypatch):
+    """On a terminal the run draws bars (layerwise's and transformers'); with --quiet, or with stderr
+    redirected to a log (where each redraw would be a line), none."""
+    import sys
+
     from transformers.utils import logging as hf_logging
 
     data = tmp_path / "calib.txt"
     data.write_text("\n".join(" ".join(f"w{(7 * line + i) % 120}" for i in range(24)) for line in range(8)))
     argv = ["compress", "--model", str(tiny_llama_dir), "--recipe", "GPTQ_W8A16", "--dataset", str(data),
             "--num-samples", "4", "--max-seq-length", "16"]
-    hf_logging.enable_progress_bar()  # an earlier --quiet run in this process turned them off
     try:
-        assert main([*argv, "--output-dir", str(tmp_path / "loud")]) == 0
-        assert "it/s]" in capfd.readouterr().err
-        assert main([*argv, "--output-dir", str(tmp_path / "quiet"), "--quiet"]) == 0
-        captured = capfd.readouterr()
-        assert "saved to:" in captured.out
-        assert "it/s]" not in captured.err and "%|" not in captured.err, captured.err
+        for terminal, quiet, drawn in ((True, False, True), (True, True, False), (False, False, False)):
+            hf_logging.enable_progress_bar()  # each run starts as a fresh process would
+            monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
+            out = tmp_path / f"out-{terminal}-{quiet}"
+            assert main([*argv, "--output-dir", str(out), *(["--quiet"] if quiet else [])]) == 0
+            captured = capfd.readouterr()
+            assert "saved to:" in captured.out
+            assert ("it/s]" in captured.err) == drawn, (terminal, quiet, captured.err)
     finally:
         hf_logging.enable_progress_bar()
 
