@@ -286,7 +286,9 @@ def compress(
             report.resumed_from_piece = checkpoint.resumed_from + 1
             start -= checkpoint.earlier_seconds  # the report's time is the whole run's, interruptions aside
         if writes:  # several ranks: rank 0 writes
-            _save(saver, model, stream, output_dir, tokenizer, report, modifiers, output.overwrite, start)
+            with state.accounting.timed("save"):
+                _save(saver, model, stream, output_dir, tokenizer, report, modifiers, output.overwrite, start)
+            report.accounting = state.accounting.as_dict()  # the saved summary's stops before saving
         if stream is not None:
             stream.close()
         report.seconds = time.perf_counter() - start

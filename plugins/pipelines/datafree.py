@@ -6,6 +6,7 @@ a time, then for the modules outside every target, so only one target's weights 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,9 @@ from layerwise.plugin.pipelines import ModuleOffloader, Pipeline, PipelineOption
 
 from ._common import all_module_names, calibration_mode, execution_device, resolve_targets
 
+#: the accounting phase of the modifiers' work (with streamed weights, reading each target's weights too)
+STEP_PHASE = "data-free step"
+
 
 class DataFreePipeline(Pipeline):
     name = "datafree"
@@ -25,7 +29,9 @@ class DataFreePipeline(Pipeline):
     def run(self, model: torch.nn.Module, batches: Sequence[dict[str, Any]], lifecycle: Lifecycle,
             options: PipelineOptions) -> None:
         # batches, if any were given, are not needed: data-free modifiers look only at weights
-        with calibration_mode(model, lifecycle), lifecycle.calibrating():
+        accounting = getattr(lifecycle.state, "accounting", None)
+        timed = accounting.timed(STEP_PHASE) if accounting is not None else contextlib.nullcontext()
+        with calibration_mode(model, lifecycle), lifecycle.calibrating(), timed:
             if options.stream is None:
                 lifecycle.sequential_epoch_end(all_module_names(model))
                 return

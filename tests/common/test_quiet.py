@@ -5,7 +5,11 @@ import sys
 import pytest
 from transformers.utils import logging as hf_logging
 
-from layerwise.common.quiet import bars_wanted, library_bars_follow_show_progress, library_bars_hidden
+from layerwise.common.quiet import (
+    bars_wanted,
+    library_bars_follow_show_progress,
+    library_bars_hidden,
+)
 
 
 @pytest.fixture(autouse=True)

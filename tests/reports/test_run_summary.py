@@ -39,8 +39,9 @@ def test_the_summary_round_trips_the_report(gptq_run):
     report = model.layerwise_report
     assert saved.path == out / SUMMARY_FILE
     assert saved.report.layer_log == report.layer_log and len(saved.report.layer_log) == 14
-    same = {f.name for f in dataclasses.fields(report)} - {"seconds"}  # the file counts up to saving
+    same = {f.name for f in dataclasses.fields(report)} - {"seconds", "accounting"}  # the file counts up to saving
     assert {name: getattr(saved.report, name) for name in same} == {name: getattr(report, name) for name in same}
+    assert saved.report.accounting == {k: v for k, v in report.accounting.items() if k != "save"}
     assert 0 < saved.report.seconds <= report.seconds
     assert saved.report.pipeline == "sequential" and saved.report.fallbacks == []
     assert saved.report.guards_retraced == [] and saved.report.sequential_targets == ["LlamaDecoderLayer"]

@@ -144,3 +144,16 @@ def test_the_report_times_each_phase_of_a_run_from_a_folder_within_the_runs_seco
             "forward", "GPTQ Hessians", "GPTQ solves", "finalize"} <= set(phases)
     assert all(seconds >= 0 for seconds in phases.values())
     assert sum(phases.values()) <= report.seconds
+
+
+def test_a_data_free_run_times_its_step_and_the_save(tiny_llama_dir, tmp_path):
+    """A data-free run's work is the modifiers' step and the writing: both named, not left in 'other'; the
+    summary saved in the folder is written during the save, so it stops before it."""
+    import json
+
+    model = layerwise.compress(str(tiny_llama_dir), "W8A16", output_dir=tmp_path / "out", show_progress=False)
+    report = model.layerwise_report
+    assert {"data-free step", "save"} <= set(report.accounting)
+    assert sum(work["seconds"] for work in report.accounting.values()) <= report.seconds
+    saved = json.loads((tmp_path / "out" / "layerwise_summary.json").read_text())
+    assert "data-free step" in saved["accounting"] and "save" not in saved["accounting"]
