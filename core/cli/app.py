@@ -279,7 +279,9 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
     """
     argv, debug = _pop_debug(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(unrecognized_arguments(args, unknown))
     args.process_ends = process_ends
     debug = debug or args.debug
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -307,6 +309,19 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
+
+
+def unrecognized_arguments(args: argparse.Namespace, unknown: Sequence[str]) -> str:
+    """argparse's message, plus the flags meant where the words look like a model and a recipe typed without
+    them (``layerwise plan MODEL RECIPE``, as other tools take them)."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    words = [word for word in unknown if not word.startswith("-")]
+    if not words or not hasattr(args, "model") or args.model is not None:
+        return message
+    flags = [f"--model {words[0]}"]
+    if len(words) > 1 and getattr(args, "recipe", "") is None:
+        flags.append(f"--recipe {words[1]}")
+    return f"{message} (name them with flags: {' '.join(flags)})"
 
 
 def _silence_stdout() -> None:

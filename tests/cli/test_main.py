@@ -139,3 +139,17 @@ def test_an_unknown_pieces_value_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["compress", "--pieces", "layer", "--no-save"])
     assert "invalid choice: 'layer'" in capsys.readouterr().err
+
+
+def test_a_model_and_recipe_typed_without_flags_are_shown_with_them(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "some/model", "GPTQ_W4A16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: some/model GPTQ_W4A16" in err
+    assert "--model some/model --recipe GPTQ_W4A16" in err
+    with pytest.raises(SystemExit):
+        main(["compress", "--model", "m", "--bogus"])
+    assert "(name them" not in capsys.readouterr().err  # a mistyped flag gets argparse's message alone
