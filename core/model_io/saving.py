@@ -118,9 +118,25 @@ def check_not_an_input(path: str | os.PathLike, inputs: Iterable[tuple[str, str 
         elif source.is_dir() and target.is_relative_to(source):
             problem = f"lies inside the {what} '{where}'"
         else:
-            continue
+            linked = next((link for link, real in _links_within(source) if real.is_relative_to(target)), None)
+            if linked is None:
+                continue
+            problem = (f"holds the file '{os.path.realpath(linked)}' that the {what}'s '{linked.name}' links to "
+                       f"(a Hugging Face cache keeps a snapshot's files as links into its blobs folder)")
         raise OutputIsInputError(f"output folder '{path}' {problem}: writing it would destroy the run's input "
                                  f"(overwrite or not). Choose an output_dir outside it, e.g. '{_sibling(source)}'")
+
+
+def _links_within(folder: Path) -> Iterator[tuple[Path, Path]]:
+    """``(link, resolved)`` for every symbolic link below ``folder`` (not descending into linked folders):
+    an input folder's files may live elsewhere, and replacing that place destroys them as surely."""
+    if not folder.is_dir():
+        return
+    for parent, folders, files in os.walk(folder):
+        for name in folders + files:
+            entry = Path(parent) / name
+            if entry.is_symlink():
+                yield entry, _real(entry)
 
 
 def run_inputs(model: Any, dataset: Any, recipe: Any) -> list[tuple[str, str]]:

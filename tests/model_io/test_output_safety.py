@@ -98,3 +98,30 @@ def test_a_loaded_models_source_folder_is_protected_in_python(project):
     with pytest.raises(OutputIsInputError, match="is the model's source folder"):
         layerwise.compress(model, "W4A16", output_dir=project / "model", overwrite="any", show_progress=False)
     assert snapshot(project) == before
+
+
+@pytest.fixture
+def hub_cache(tiny_llama_dir, tmp_path):
+    """A Hugging Face cache's layout: ``snapshots/main`` holds links to the files in ``blobs``."""
+    repo = tmp_path / "cache" / "models--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "main").mkdir(parents=True)
+    for file in Path(tiny_llama_dir).iterdir():
+        shutil.copy(file, repo / "blobs" / f"hash-{file.name}")
+        (repo / "snapshots" / "main" / file.name).symlink_to(Path("..", "..", "blobs", f"hash-{file.name}"))
+    return repo
+
+
+@pytest.mark.parametrize("mode", [[], ["--model-free"]])
+def test_an_output_over_the_blobs_a_cached_snapshot_links_to_is_refused(hub_cache, capsys, mode):
+    before = snapshot(hub_cache / "blobs")
+    code, err = compress(capsys, "--model", str(hub_cache / "snapshots" / "main"),
+                         "--output-dir", str(hub_cache / "blobs"), "--overwrite-any", *mode)
+    assert code == 2 and "links to" in err and "Choose an output_dir outside it" in err, err
+    assert snapshot(hub_cache / "blobs") == before
+    assert (hub_cache / "snapshots" / "main" / "config.json").is_file()  # the links still lead somewhere
+
+
+def test_an_output_beside_the_cache_is_fine(hub_cache, capsys, tmp_path):
+    assert compress(capsys, "--model", str(hub_cache / "snapshots" / "main"), "--output-dir",
+                    str(tmp_path / "out"))[0] == 0
