@@ -9,12 +9,36 @@ One syntax everywhere (recipes, targets, ignore lists, the CLI):
 
 from __future__ import annotations
 
+import difflib
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from layerwise.common.module_walk import walk_modules
+from layerwise.errors import LayerwiseError
+
+
+class IgnoreWarning(UserWarning):
+    """A recipe's ignore entry that matches nothing: most often a typo, and the layer meant to stay dense is
+    compressed."""
+
+
+class PatternError(LayerwiseError, ValueError):
+    """An ``re:`` entry whose regular expression does not compile."""
+
+
+@functools.cache
+def regex(pattern: str) -> re.Pattern[str]:
+    """The compiled regular expression of an ``re:`` entry; one that does not compile is a
+    :class:`PatternError` naming the entry (a usage error, not a crash deep in a run)."""
+    try:
+        return re.compile(pattern.removeprefix("re:"))
+    except re.error as exc:
+        raise PatternError(f"{pattern!r} is not a valid regular expression ({exc}); an 're:' entry is a Python "
+                           f"regex matched in full against qualified module names, e.g. 're:.*mlp\\.down_proj'") \
+            from None
 
 
 def matches(name: str, module: torch.nn.Module, patterns: Iterable[str]) -> bool:
@@ -22,11 +46,34 @@ def matches(name: str, module: torch.nn.Module, patterns: Iterable[str]) -> bool
     cls = type(module).__name__
     for pattern in patterns:
         if pattern.startswith("re:"):
-            if re.fullmatch(pattern[3:], name):
+            if regex(pattern).fullmatch(name):
                 return True
         elif pattern == cls or pattern == name:
             return True
     return False
+
+
+def closest_entries(entry: str, names: Sequence[str], n: int = 2) -> list[str]:
+    """What an entry that matches none of ``names`` was probably meant to be: the closest names; for an ``re:``
+    entry, the entry with its words corrected to the closest tail of a name (``re:.*down_prj`` ->
+    ``re:.*down_proj``), so a typo is fixed in one go. Its words (runs of letters, digits and ``_``) are
+    compared with the same number of dotted parts at the end of each name."""
+    if not entry.startswith("re:"):
+        return difflib.get_close_matches(entry, names, n=n, cutoff=0.6)
+    words = re.findall(r"[A-Za-z0-9_]+", entry.removeprefix("re:"))
+    if not words:
+        return []
+    tails = list(dict.fromkeys(".".join(name.split(".")[-len(words):]) for name in names
+                               if name.count(".") + 1 >= len(words)))
+    found = []
+    for tail in difflib.get_close_matches(".".join(words), tails, n=n, cutoff=0.6):
+        corrected = entry
+        for typed, meant in zip(words, tail.split(".")):
+            if typed != meant:
+                corrected = re.sub(rf"(?<![A-Za-z0-9_]){re.escape(typed)}(?![A-Za-z0-9_])", meant, corrected, count=1)
+        if corrected != entry and any(regex(corrected).fullmatch(name) for name in names):
+            found.append(corrected)
+    return found
 
 
 def is_linear_like(module: torch.nn.Module) -> bool:

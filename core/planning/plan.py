@@ -516,9 +516,10 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
                      host_memory: int | None) -> None:
     """``weights="model-free"``: no model is built (any architecture, as the run itself); the shards, the layers
     the recipe selects by tensor name, the workers and their memory, from the safetensors headers."""
-    from layerwise.model_io.model_free.run import forecast_model_free
+    from layerwise.model_io.model_free.run import forecast_model_free, refuse_sequential_targets
 
     with plan.checking():
+        refuse_sequential_targets(options.calibration.sequential_targets)
         check_model_path(str(folder))
         check_not_quantized(str(folder))
         if output_dir is not None:

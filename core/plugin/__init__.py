@@ -18,7 +18,13 @@ working (and warning) for that release.
 - :mod:`layerwise.plugin.data`: the dataset-loader contract and the keys a batch holds.
 """
 
-from layerwise.common.matching import find_modules, matches, unmatched
+from layerwise.common.matching import (
+    IgnoreWarning,
+    closest_entries,
+    find_modules,
+    matches,
+    unmatched,
+)
 from layerwise.common.user_warnings import AlgorithmFallbackWarning, warn_user
 from layerwise.errors import (
     DatasetError,
@@ -42,9 +48,36 @@ from layerwise.host.versions import TESTED_TRANSFORMERS
 from layerwise.tracing import LazyFunctions, opaque
 
 __all__ = [
-    "SESSION_FIELDS", "TESTED_TRANSFORMERS", "AlgorithmFallbackWarning", "CompressionState", "DatasetError", "ForeignField",
-    "InvalidArgumentError", "LayerwiseError", "LazyFunctions", "Lifecycle",
-    "ModelPatch", "Modifier", "NonFiniteError", "Pipeline", "PipelineFailed", "PipelineOptions", "RecipeError",
-    "UnknownNameError", "applied_patch", "apply_patch", "check_choice", "did_you_mean", "find_modules", "find_patch", "get_host", "hookimpl",
-    "matches", "opaque", "registry", "unmatched", "warn_user",
+    "SESSION_FIELDS",
+    "TESTED_TRANSFORMERS",
+    "AlgorithmFallbackWarning",
+    "CompressionState",
+    "DatasetError",
+    "ForeignField", "IgnoreWarning",
+    "InvalidArgumentError",
+    "LayerwiseError",
+    "LazyFunctions",
+    "Lifecycle",
+    "ModelPatch",
+    "Modifier",
+    "NonFiniteError",
+    "Pipeline",
+    "PipelineFailed",
+    "PipelineOptions",
+    "RecipeError",
+    "UnknownNameError",
+    "applied_patch",
+    "apply_patch",
+    "check_choice",
+    "closest_entries",
+    "did_you_mean",
+    "find_modules",
+    "find_patch",
+    "get_host",
+    "hookimpl",
+    "matches",
+    "opaque",
+    "registry",
+    "unmatched",
+    "warn_user",
 ]

@@ -17,14 +17,13 @@ Where targets come from, first that gives any wins (:func:`choose_targets`):
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from layerwise.common.matching import matches, unmatched
+from layerwise.common.matching import closest_entries, matches, unmatched
 from layerwise.common.module_walk import walk_modules
 from layerwise.common.user_warnings import warn_user
 
@@ -146,9 +145,8 @@ def check_entries(model: torch.nn.Module, entries: Iterable[str], kind: str) -> 
 
 
 def _closest(entry: str, classes: Sequence[str], names: Sequence[str]) -> list[str]:
-    if entry.startswith("re:"):  # the pattern's literal text against qualified names
-        text = re.sub(r"\\[dDwWsS]|[\\^$*+?()\[\]{}|]", "", entry[3:])
-        return difflib.get_close_matches(text, names, n=2, cutoff=0.6)
+    if entry.startswith("re:"):  # the pattern's words corrected to the closest names' tails
+        return closest_entries(entry, names)
     return difflib.get_close_matches(entry, [*classes, *names], n=3, cutoff=0.6)
 
 

@@ -299,7 +299,9 @@ def compress(
 def _model_free(model: Any, recipe: RecipeLike, output_dir: Any, options: CompressOptions) -> Any:
     """``weights="model-free"``: :func:`~layerwise.model_io.model_free.compress_model_free`; returns its report."""
     from layerwise.model_io.model_free import compress_model_free
+    from layerwise.model_io.model_free.run import refuse_sequential_targets
 
+    refuse_sequential_targets(options.calibration.sequential_targets)
     if isinstance(model, torch.nn.Module) or output_dir is None:
         raise InvalidArgumentError("weights='model-free' reads a model folder's safetensors and writes an output "
                                    "folder: pass the folder and output_dir= (CLI: --model FOLDER --output-dir OUT)")

@@ -132,3 +132,18 @@ def test_recipe_round_trip_keeps_only_given_fields():
     assert "num_bits" not in text and "group_size: 32" in text
     (again,) = parse_recipe(text)
     assert again.args == modifier.args
+
+
+def test_an_ignore_entry_matching_nothing_is_warned_about_with_the_closest_name():
+    import warnings
+
+    from layerwise.common.matching import IgnoreWarning
+
+    modifier = QuantizationModifier(scheme="W8A16", ignore=["lm_head", "re:.*down_prj"])
+    with pytest.warns(IgnoreWarning, match=r"'re:\.\*down_prj' matches no module.*did you mean 're:\.\*down_proj'"):
+        model = run(build_tiny_llama(), modifier)
+    assert "model.layers.0.mlp.down_proj" in quantized_modules(model)  # what the warning is about
+    encoder = torch.nn.Sequential(torch.nn.Linear(8, 8))  # no lm_head: the default entry says nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoreWarning)
+        run(encoder, QuantizationModifier(scheme="W8A16"))

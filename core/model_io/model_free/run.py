@@ -48,7 +48,14 @@ from layerwise.model_io.model_free.experts import (
     fused_experts_tensors,
     split_experts,
 )
-from layerwise.model_io.model_free.selection import Layer, SelectionError, layers, select
+from layerwise.model_io.model_free.selection import (
+    Layer,
+    SelectionError,
+    check_patterns,
+    layers,
+    select,
+    warn_unmatched_ignore,
+)
 from layerwise.model_io.model_free.worker import (
     LayerJob,
     ShardJob,
@@ -107,8 +114,8 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
                              f"module on its own, or has no quantization_config); use save_format="
                              f"'compressed-tensors'")
     modifiers = parse_recipe(recipe)
-    ignore = run_ignore(ignore, chosen)
-    selection = _Selection.of(folder, modifiers, ignore, _expert_projections(chosen))
+    given, ignore = list(ignore or []), run_ignore(ignore, chosen)
+    selection = _Selection.of(folder, modifiers, ignore, _expert_projections(chosen), given)
     shards, tensors, all_layers, plan, by_file = (selection.shards, selection.tensors, selection.layers,
                                                   selection.jobs, selection.by_file)
     workers = _workers(workers, shards, worker_memory(shards, by_file, all_layers))
@@ -147,7 +154,8 @@ def forecast_model_free(model: str | os.PathLike, recipe: RecipeLike, *, ignore:
     selection (and the same errors) as :func:`compress_model_free`, no weight read, no model built."""
     folder = _folder(model)
     chosen = model_free_patch(folder, patch)
-    selection = _Selection.of(folder, parse_recipe(recipe), run_ignore(ignore, chosen), _expert_projections(chosen))
+    selection = _Selection.of(folder, parse_recipe(recipe), run_ignore(ignore, chosen), _expert_projections(chosen),
+                              list(ignore or []))
     sizes = {file: (folder / file).stat().st_size for file in selection.shards}
     shaped = tuple((job, selection.layers[job.module].rows, selection.layers[job.module].columns,
                     selection.layers[job.module].stored.nbytes) for job in selection.jobs.values())
@@ -165,6 +173,16 @@ def dense_experts_notes(names: list[str] | tuple[str, ...]) -> list[str]:
     return [f"fused MoE experts stay dense: {shown} are 3-D tensors, and no model patch matched from config.json "
             f"declares how they split (ModelPatch.expert_projections); register a patch that does (or pass "
             f"patch=) to quantize them per expert"]
+
+
+def refuse_sequential_targets(targets: Sequence[str] | None) -> None:
+    """Sequential targets (``--targets``) say where a calibrated run cuts the model; a model-free run builds no
+    model to cut, and taking them silently would let a user believe they chose the layers."""
+    if targets:
+        raise ModelFreeError(f"sequential targets {list(targets)} (--targets) cut a calibrated run into pieces; a "
+                             f"model-free run builds no model and has none: choose its layers with the recipe's "
+                             f"targets and ignore (patterns on module names, e.g. 're:.*mlp\\..*_proj'), or "
+                             f"--ignore")
 
 
 def run_ignore(ignore: Sequence[str] | None, patch: ModelPatch | None) -> list[str]:
@@ -223,9 +241,16 @@ class _Selection:
     dense_experts: list[str] = dataclasses.field(default_factory=list)
 
     @staticmethod
-    def of(folder: Path, modifiers: list, ignore: list[str] | None, projections: tuple[str, ...] = ()) -> _Selection:
+    def of(folder: Path, modifiers: list, ignore: list[str] | None, projections: tuple[str, ...] = (),
+           given_ignore: Sequence[str] = ()) -> _Selection:
+        """``ignore``: the run's entries (the user's, else the patch's); ``given_ignore``: the user's, each of
+        which must match a layer (a typo would quietly quantize the layer meant to stay dense)."""
         shards, tensors = _shards(folder, projections)
         all_layers = layers(tensors)
+        try:
+            check_patterns(given_ignore, list(all_layers), "compress", "ignore entry")
+        except SelectionError as exc:
+            raise ModelFreeError(str(exc)) from None
         jobs = _layer_jobs(modifiers, all_layers, list(ignore or []))
         by_file: dict[str, list[LayerJob]] = {file: [] for file in shards}
         for job in jobs.values():
@@ -314,6 +339,7 @@ def _layer_jobs(modifiers: list, all_layers: dict[str, Layer], extra_ignore: lis
                 f"{'it needs calibration data' if modifier.requires_data else 'it is not one'}: run without "
                 f"--model-free (weights memory or stream)")
         inputs = getattr(modifier, "input_args", None)
+        warn_unmatched_ignore(modifier.ignore, list(all_layers), owner)
         try:
             selected = select(all_layers, list(modifier.targets), [*modifier.ignore, *extra_ignore], owner)
         except SelectionError as exc:

@@ -14,11 +14,12 @@ Any other class name cannot be told from a name: it is an error that says to wri
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from layerwise.common.matching import IgnoreWarning, closest_entries, regex
+from layerwise.common.user_warnings import warn_user
 from layerwise.model_io.streaming.safetensors_io import StoredTensor
 
 #: the last part of an embedding's module name in transformers checkpoints
@@ -59,7 +60,7 @@ class SelectionError(ValueError):
 
 def matches(module: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], module) is not None
+        return regex(pattern).fullmatch(module) is not None
     if pattern == "Linear":
         return not is_embedding(module)
     return pattern == module
@@ -76,11 +77,22 @@ def check_patterns(patterns: Iterable[str], modules: list[str], owner: str, kind
                                  f"'re:.*mlp\\..*_proj' (or 'Linear' for every layer but embeddings)")
         if allow_unmatched or any(matches(m, pattern) for m in modules):
             continue
-        close = difflib.get_close_matches(pattern.removeprefix("re:"), modules, n=3, cutoff=0.6)
+        close = closest_entries(pattern, modules, n=3)
         hint = f" did you mean {', '.join(map(repr, close))}?" if close else ""
         shown = ", ".join(modules[:4]) + (f", ... ({len(modules)} layers)" if len(modules) > 4 else "")
         raise SelectionError(f"{owner}: {kind} {pattern!r} matches no layer of the checkpoint;{hint} layers (module "
                              f"names of its 2-D weights): {shown or '(none)'}")
+
+
+def warn_unmatched_ignore(ignore: Iterable[str], modules: list[str], owner: str) -> None:
+    """A recipe's ignore entry matching no layer is most often a typo (the layer meant to stay dense is
+    quantized): warned, as in memory; the default ``lm_head`` is not (tied embeddings have none)."""
+    missing = [entry for entry in ignore if entry != "lm_head" and not any(matches(m, entry) for m in modules)]
+    if missing:
+        hints = [hint for entry in missing for hint in closest_entries(entry, modules, n=1)]
+        warn_user(f"{owner}.ignore: {', '.join(map(repr, missing))} match{'es' if len(missing) == 1 else ''} no "
+                  f"layer of the checkpoint, so nothing is kept out by {'it' if len(missing) == 1 else 'them'}"
+                  + (f"; did you mean {', '.join(map(repr, hints))}?" if hints else ""), IgnoreWarning)
 
 
 def select(all_layers: Mapping[str, Layer], targets: list[str], ignore: list[str], owner: str) -> list[str]:

@@ -224,6 +224,26 @@ def test_targets_and_ignore_are_patterns_on_tensor_names_with_did_you_mean(shard
     assert not any((tmp_path / name).exists() for name in ("typo", "class", "gptq", "g128"))
 
 
+def test_the_runs_own_ignore_entries_must_match_and_sequential_targets_are_refused(sharded_llama, tmp_path):
+    """``--ignore`` must match a layer (a typo would quantize the layer meant to stay dense); ``--targets``
+    (where a calibrated run cuts) has no meaning without a model, and is refused rather than dropped."""
+    options = layerwise.CompressOptions.of(weights="model-free", ignore=["re:.*down_prj"])
+    with pytest.raises(ModelFreeError, match=r"ignore entry 're:\.\*down_prj' matches no layer.*'re:\.\*down_proj'"):
+        layerwise.compress(str(sharded_llama), "W8A16", output_dir=tmp_path / "typo", options=options)
+    options = layerwise.CompressOptions.of(weights="model-free", sequential_targets=["LlamaDecoderLayer"])
+    with pytest.raises(ModelFreeError, match="sequential targets.*model-free run builds no model"):
+        layerwise.compress(str(sharded_llama), "W8A16", output_dir=tmp_path / "targets", options=options)
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "targets").exists()
+
+
+def test_a_recipe_ignore_entry_matching_no_layer_is_warned_about(sharded_llama, tmp_path):
+    from layerwise.common.matching import IgnoreWarning
+
+    recipe = "{QuantizationModifier: {scheme: W8A16, ignore: [lm_head, 're:.*down_prj']}}"
+    with pytest.warns(IgnoreWarning, match=r"'re:\.\*down_prj' matches no layer.*did you mean 're:\.\*down_proj'"):
+        compress_model_free(sharded_llama, recipe, tmp_path / "out", workers=1)
+
+
 def test_a_folder_too_large_for_the_memory_is_refused_before_any_work(sharded_llama, tmp_path, monkeypatch):
     from layerwise.model_io.model_free import run
 
