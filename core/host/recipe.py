@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from layerwise.common.user_warnings import warn_user
-from layerwise.errors import PluginError, RecipeError, RecipeNameError, did_you_mean
+from layerwise.errors import LayerwiseError, PluginError, RecipeError, RecipeNameError, did_you_mean
 from layerwise.host.modifier import Modifier
 from layerwise.host.plugin_manager import registry
 
@@ -75,8 +75,18 @@ def preset_names() -> list[str]:
     """Every recipe preset name: the schemes (round-to-nearest), ``<ALGORITHM>_<SCHEME>`` and the chains."""
     from layerwise.algorithms.quantization.presets import PRESETS
 
-    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm in algorithm_presets() for scheme in PRESETS),
-            *chained_presets()]
+    return [*PRESETS, *(f"{algorithm}_{scheme}" for algorithm, modifier in algorithm_presets().items()
+                        for scheme in PRESETS if _takes_scheme(modifier, scheme)), *chained_presets()]
+
+
+def _takes_scheme(modifier: str, scheme: str) -> bool:
+    """Whether ``modifier`` builds with ``scheme`` (AutoRound learns integer weights only: no AUTOROUND_FP8 to
+    offer and then refuse)."""
+    try:
+        _build(modifier, {"scheme": scheme}, "recipe")
+    except LayerwiseError:
+        return False
+    return True
 
 
 def parse_recipe(recipe: RecipeLike) -> list[Modifier]:

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from layerwise.plugin import CompressionState, ForeignField, RecipeError, find_modules
+from layerwise.plugin import CompressionState, ForeignField, RecipeError, find_modules, warn_user
 from layerwise.plugin.calibration import Reducer, spread
 from layerwise.plugin.quantization import (
     AutoRoundError,
@@ -194,6 +194,10 @@ class AutoRoundModifier(QuantizationModifier):
     def on_calibration_end(self, state: CompressionState) -> None:
         self.tune_blocks([name for name in self._blocks if name not in self._done], state)
         super().on_calibration_end(state)
+        if self.iters and self.summary and all(record["method"] == "rtn" for record in self.summary):
+            warn_user(f"{type(self).__name__}: every block kept round-to-nearest ({len(self.summary)} blocks): "
+                      f"{self.iters} steps of {self.batch_size} samples found nothing better, so the output is plain "
+                      f"round-to-nearest; AutoRound pays with the paper's 200 steps and ~128 samples")
 
     def calibration_inputs(self, modules: list[str]) -> set[str] | None:
         """A block to tune: its inputs with ``match: model`` (the targets come from the reference stream), its

@@ -170,3 +170,29 @@ def test_a_block_is_tuned_without_its_capture_hook(monkeypatch):
 def test_autoround_preset():
     (modifier,) = parse_recipe("AUTOROUND_W4A16")
     assert isinstance(modifier, AutoRoundModifier) and modifier.args.num_bits == 4
+
+
+def test_a_run_whose_steps_improve_nothing_says_its_output_is_round_to_nearest():
+    """One step scores only the start (round-to-nearest): every block keeps it, the summary says 'rtn' and a
+    warning says the output is plain round-to-nearest (not a silently wasted AutoRound run)."""
+    from layerwise.algorithms.quantization.storage import quantized_modules
+
+    model, rtn = build_tiny_llama(), build_tiny_llama()
+    modifier = AutoRoundModifier(scheme="W4A16", group_size=32, iters=1)
+    with pytest.warns(UserWarning, match="every block kept round-to-nearest.*1 steps"):
+        layerwise.compress(model, modifier, dataset=_samples(count=4), show_progress=False)
+    assert [r["method"] for r in modifier.summary] == ["rtn", "rtn"]
+    assert all(r["best_step"] == -1 and r["loss"] == r["rtn_loss"] for r in modifier.summary)
+    layerwise.compress(rtn, QuantizationModifier(scheme="W4A16", group_size=32), show_progress=False)
+    for name in quantized_modules(model):
+        assert torch.equal(model.get_submodule(name).weight, rtn.get_submodule(name).weight), name
+
+
+def test_only_the_schemes_autoround_learns_are_offered_as_presets():
+    from layerwise.host.recipe import preset_names
+
+    offered = [name for name in preset_names() if name.startswith("AUTOROUND_")]
+    assert "AUTOROUND_W4A16" in offered and "AUTOROUND_W4A16_ASYM" in offered
+    assert not [name for name in offered if "FP" in name or "A8" in name]
+    for name in offered:
+        parse_recipe(name)  # each one offered builds

@@ -98,7 +98,7 @@ class TuneResult:
     #: mean squared error over every sample with the kept parameters, and with round-to-nearest
     loss: float
     rtn_loss: float
-    #: the step whose parameters were kept (-1: round-to-nearest was better on every sample)
+    #: the step whose parameters were kept (-1: round-to-nearest, the start, was kept: no step did better)
     best_step: int
     seconds: float
 
@@ -107,7 +107,7 @@ def check_autoround_args(args: QuantizationArgs) -> None:
     """AutoRound learns integer weights with a scale per channel or per group."""
     if args.type != "int" or args.strategy not in ("channel", "group"):
         raise AutoRoundError(f"AutoRound learns integer weights with strategy 'channel' or 'group', got type "
-                             f"{args.type!r} strategy {args.strategy!r}; use a W4A16/W3A16/W2A16-style scheme")
+                             f"{args.type!r} strategy {args.strategy!r}; use W4A16 or W4A16_ASYM (num_bits: 3 or 2 for 3 or 2 bits)")
 
 
 def _round_ste(x: Tensor) -> Tensor:
@@ -388,6 +388,7 @@ def tune_block(block: torch.nn.Module, layers: dict[str, tuple[Tensor, Quantizat
         best, _, best_step = _descend(batches, prepared, roundings, best, iters, lr, minmax_lr, batch_size,
                                       seed, progress)
         rtn_loss = _total_loss(batches, prepared, initial, batch_size)
+        best_step = -1 if best_step == 0 else best_step  # step 0 scored the start: round-to-nearest itself
         loss = _total_loss(batches, prepared, best, batch_size) if best_step >= 0 else rtn_loss
     finally:
         for p in frozen:
