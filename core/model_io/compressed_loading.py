@@ -91,7 +91,11 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-        result = _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}), **kwargs)
+        if redecode and folder.is_dir() and _mixed_with_float_formats(loaded):
+            result = _load_mixed_dequantized(cls, folder, loaded, **kwargs)
+        else:
+            result = _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}),
+                                      **kwargs)
         mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
         if redecode and folder.is_dir():
             decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
@@ -101,6 +105,42 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
     return result
+
+
+def _mixed_with_float_formats(config: Any) -> bool:
+    """A mixed-precision folder with NVFP4 / MXFP4 / MXFP8 groups beside others (NVFP4 MLPs, FP8 attention)."""
+    groups = (quantization_config(config).get("config_groups") or {}).values()
+    formats = {group.get("format") for group in groups}
+    return bool(formats & set(BFLOAT16_FORMATS)) and bool(formats - set(BFLOAT16_FORMATS))
+
+
+def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any) -> Any:
+    """A float32 load of :func:`_mixed_with_float_formats` folders: transformers 5.x's dequantize-on-load decodes
+    every packed tensor with the compressor of one format, and fails on the NVFP4 / MX ones beside an FP8 or
+    integer group. So the other groups go through it alone (the FP4 / MX groups left out of the config, their
+    tensors out of the state dict), and :func:`decode_float_formats` fills the FP4 / MX layers after."""
+    from safetensors.torch import load_file
+
+    from layerwise.common.matching import regex
+
+    dense = copy.deepcopy(config)
+    quant = quantization_config(dense)
+    left_out: list[str] = []
+    for key, group in list(quant["config_groups"].items()):
+        if group.get("format") in BFLOAT16_FORMATS:
+            left_out += list(quant["config_groups"].pop(key).get("targets") or [])
+    quant["ignore"] = [*(quant.get("ignore") or []), *left_out]
+    formats = {group.get("format") for group in quant["config_groups"].values()}
+    quant["format"] = formats.pop() if len(formats) == 1 else quant.get("format")
+
+    def left_out_layer(key: str) -> bool:
+        stem = key.rsplit(".", 1)[0]
+        return any(regex(t).fullmatch(stem) if t.startswith("re:") else t == stem for t in left_out)
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
+    return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
 
 
 def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
@@ -204,7 +244,9 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
     from layerwise.common.matching import find_modules
 
     quant = quantization_config(config)
-    groups = [g for g in read_config_groups(quant.get("config_groups") or {}, "quantization_config.config_groups")
+    saved = {key: {k: v for k, v in group.items() if k != "format"}  # each group's storage: read, not a scheme
+             for key, group in (quant.get("config_groups") or {}).items()}
+    groups = [g for g in read_config_groups(saved, "quantization_config.config_groups")
               if g.scheme is not None and g.scheme.input_activations is not None]
     if not groups:
         return []
