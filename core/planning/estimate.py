@@ -114,6 +114,10 @@ def stored_weight_bytes(layer: Quantized, element: int) -> int:
     args, inputs, rows, columns = layer.weights, layer.inputs, layer.rows, layer.columns
     if args is None:
         return rows * columns * element  # pruned only: stored dense
+    if args.float_format is not None:  # values packed to their bits, one byte per block scale (FP8 / E8M0)
+        total = rows * columns * args.num_bits // 8 + _scale_count(args, rows, columns)
+        global_scales = (args.float_format == "nvfp4") + (inputs is not None and inputs.float_format == "nvfp4")
+        return total + 4 * global_scales  # NVFP4's float32 global scales: the weight's, the inputs'
     packed = args.type != "float" and not (inputs is not None and args.num_bits == 8)
     total = rows * -(-columns * args.num_bits // 32) * 4 + 16 if packed else rows * columns
     scales = _scale_count(args, rows, columns)

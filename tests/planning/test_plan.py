@@ -51,7 +51,8 @@ def test_a_plan_reads_no_weight_and_reports_targets_pieces_and_layers(bf16_llama
     assert plan.samples == 0 and "forwards" not in plan.flops  # data-free: no calibration forwards
 
 
-@pytest.mark.parametrize("recipe", ["W8A16", "W4A16_ASYM_G32", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK_SMALL"])
+@pytest.mark.parametrize("recipe", ["W8A16", "W4A16_ASYM_G32", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK_SMALL", "NVFP4A16",
+                                    "MXFP4A16", "MXFP8A16"])
 def test_the_planned_output_size_is_what_the_saver_counts(bf16_llama_dir, recipe):
     recipes = {"W4A16_ASYM_G32": "{QuantizationModifier: {scheme: W4A16_ASYM, strategy: channel}}",
                "FP8_BLOCK_SMALL": "{QuantizationModifier: {scheme: {preset: FP8_BLOCK, block_structure: [32, 48], "
