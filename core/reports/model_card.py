@@ -124,7 +124,7 @@ def render_card(summary: RunSummary, quality: Mapping[str, Any] | None, name: st
     """The card's text: YAML front matter, :data:`CARD_MARK`, then the markdown body."""
     report = summary.report
     front = front_matter(report, quality, name)
-    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report)),
+    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report), report.architecture),
             *_online_rotation_note(report, name), *_serving(report, name)]
     if quality:
         body += ["## Quality against the original", "", *metrics_table(quality), "", _measured_on(quality), ""]
@@ -229,12 +229,21 @@ def _what_was_done(summary: RunSummary) -> str:
 
 
 def _low_bit_float(report: CompressionReport) -> bool:
-    """Does the recipe name an FP4 / MX scheme (compressed-tensors 0.20 runs those in bfloat16 only)?"""
-    return bool(re.search(r"nvfp4|mxfp|float_format", report.recipe, re.IGNORECASE))
+    """Does the recipe quantize weights to an FP4 / MX format (compressed-tensors 0.20 runs those in bfloat16
+    only)? Read from the modifiers' arguments, so a scheme written out as a mapping counts as a preset does."""
+    from layerwise.host.recipe import parse_recipe
+
+    try:
+        modifiers = parse_recipe(report.recipe) if report.recipe else []
+    except Exception:  # noqa: BLE001 - a recipe of a plugin not installed here: its text is what there is
+        return bool(re.search(r"nvfp4|mxfp|e8m0|tensor_group", report.recipe, re.IGNORECASE))
+    return any(getattr(getattr(m, "args", None), "float_format", None) for m in modifiers)
 
 
-def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool = False) -> list[str]:
-    auto = "AutoModelForCausalLM" if (quality or {}).get("kind") == "causal-lm" else "AutoModel"
+def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool = False,
+             architecture: str = "") -> list[str]:
+    causal = (quality or {}).get("kind") == "causal-lm" or architecture.endswith("ForCausalLM")
+    auto = "AutoModelForCausalLM" if causal else "AutoModel"
     dtype = ", dtype=torch.bfloat16" if low_bit_float else ""
     imports = ["import torch", f"from transformers import {auto}"] if low_bit_float else [f"from transformers import {auto}"]
     return ["## How to load", "", "```python", *imports, "",
@@ -246,7 +255,8 @@ def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool =
 
 def _serving(report: CompressionReport, name: str) -> list[str]:
     """The vLLM command; with an FP8 KV cache its flag, and why the quality table includes that cache."""
-    kv = any(key == "kv_cache_scheme" and value is not None for key, value in _items(_parsed_recipe(report)))
+    kv = any(key in ("kv_cache_scheme", "attention_scheme") and value is not None
+             for key, value in _items(_parsed_recipe(report)))  # FP8 attention quantizes the cache too
     lines = ["## How to serve", "", "```bash", f"vllm serve {name}" + (" --kv-cache-dtype fp8" if kv else ""), "```",
              ""]
     if kv:

@@ -59,6 +59,9 @@ class CompressionReport:
     resumed_from_piece: int | None = None
     #: every setting of the run by name (``CompressOptions.as_dict()``): what a rerun needs to match it
     options: dict[str, Any] = field(default_factory=dict)
+    #: the model's class (``LlamaForCausalLM``; a model-free run: its config's ``architectures``): the class the
+    #: model card loads it with
+    architecture: str = ""
     #: what the run left undone and why, in a line each (a model-free run's fused MoE experts left dense)
     notes: list[str] = field(default_factory=list)
 

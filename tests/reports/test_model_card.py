@@ -72,7 +72,11 @@ def test_a_hub_model_is_named_the_base_model():
     assert "w8a16" in front["tags"]
 
 
-@pytest.mark.parametrize("scheme, bfloat16", [("NVFP4A16", True), ("MXFP8A16", True), ("W4A16", False)])
+MXFP4_MAPPING = "{weights: {num_bits: 4, type: float, strategy: group, group_size: 32, scale_dtype: e8m0}}"
+
+
+@pytest.mark.parametrize("scheme, bfloat16", [("NVFP4A16", True), ("MXFP8A16", True), ("W4A16", False),
+                                              (MXFP4_MAPPING, True)])
 def test_the_card_loads_fp4_and_mx_checkpoints_in_bfloat16(scheme, bfloat16):
     # compressed-tensors 0.20 runs these formats in bfloat16 only: a float32 from_pretrained fails its forward
     report = CompressionReport(pipeline="datafree", modifiers=["QuantizationModifier"], compressed_modules=[],
@@ -83,15 +87,31 @@ def test_the_card_loads_fp4_and_mx_checkpoints_in_bfloat16(scheme, bfloat16):
     assert 'layerwise.load_compressed("out")' in card
 
 
-@pytest.mark.parametrize("kv_cache", ["fp8", None])
-def test_the_card_says_how_vllm_serves_it_with_the_kv_cache_flag_where_there_is_one(kv_cache):
+@pytest.mark.parametrize(("key", "kv_cache"), [("kv_cache_scheme", "fp8"), ("kv_cache_scheme", None),
+                                              ("attention_scheme", "fp8")])
+def test_the_card_says_how_vllm_serves_it_with_the_kv_cache_flag_where_there_is_one(key, kv_cache):
     report = CompressionReport(pipeline="sequential", modifiers=["QuantizationModifier"], compressed_modules=[],
                                seconds=1.0, bytes_before=10, bytes_after=5, calibration_samples=4, model="m",
-                               recipe=f"QuantizationModifier:\n  scheme: W4A16\n  kv_cache_scheme: {kv_cache or 'null'}\n")
+                               recipe=f"QuantizationModifier:\n  scheme: W4A16\n  {key}: {kv_cache or 'null'}\n")
     card = card_files(report, name="out")[CARD_FILE]
     command = "vllm serve out --kv-cache-dtype fp8" if kv_cache else "vllm serve out\n"
     assert "## How to serve" in card and command in card
     assert ("k_scale" in card) is bool(kv_cache)
+
+
+@pytest.mark.parametrize(("architecture", "auto"), [("LlamaForCausalLM", "AutoModelForCausalLM"),
+                                                    ("BertModel", "AutoModel")])
+def test_the_card_loads_a_causal_lm_with_its_head_before_any_eval(architecture, auto):
+    report = CompressionReport(pipeline="datafree", modifiers=["QuantizationModifier"], compressed_modules=[],
+                               seconds=1.0, bytes_before=10, bytes_after=5, calibration_samples=0, model="m",
+                               recipe="QuantizationModifier:\n  scheme: W8A16\n", architecture=architecture)
+    assert f'model = {auto}.from_pretrained("out")' in card_files(report, name="out")[CARD_FILE]
+
+
+def test_a_saved_run_records_its_architecture(tmp_path):
+    layerwise.compress(build_tiny_llama(), "W8A16", output_dir=tmp_path / "out", show_progress=False)
+    assert read_summary(tmp_path / "out").report.architecture == "LlamaForCausalLM"
+    assert "AutoModelForCausalLM.from_pretrained" in (tmp_path / "out" / CARD_FILE).read_text()
 
 
 def test_recipe_tags_name_algorithms_schemes_and_bits():

@@ -488,6 +488,15 @@ def _ignore_entries(modifiers: list, extra: list[str] | None) -> list[str]:
     return list(dict.fromkeys(entries))
 
 
+def _architecture(folder: Path) -> str:
+    """The first class ``config.json`` names in ``architectures`` ('' when it names none)."""
+    try:
+        names = json.loads((folder / "config.json").read_text()).get("architectures") or [""]
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return str(names[0])
+
+
 def _report(folder: Path, modifiers: list, jobs: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
             total: int, results: list[ShardResult], workers: int, start: float) -> Any:
     from layerwise.reports.run_report import CompressionReport
@@ -497,7 +506,8 @@ def _report(folder: Path, modifiers: list, jobs: dict[str, LayerJob], tensors: d
         seconds=time.perf_counter() - start, bytes_before=sum(s.nbytes for _, s in tensors.values()),
         bytes_after=total, calibration_samples=0, model=str(folder), recipe=recipe_to_yaml(modifiers),
         weights=f"model-free ({len(results)} shard(s), {workers} worker(s))", activations="none",
-        targets_found="none (no model class: layers selected by tensor name)", targets_source="none")
+        targets_found="none (no model class: layers selected by tensor name)", targets_source="none",
+        architecture=_architecture(folder))
     report.peak_rss_bytes = max([_own_peak(), *(r.peak_rss_bytes for r in results)])
     report.accounting = {"shards": {"seconds": round(sum(r.seconds for r in results), 4), "flops": 0.0,
                                     "calls": len(results), "gflops_per_second": None}}
