@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from layerwise.common.user_warnings import warn_user
-from layerwise.errors import LayerwiseError
+from layerwise.errors import InvalidArgumentError, LayerwiseError
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.pipeline import PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
@@ -74,6 +74,19 @@ def recording_fallbacks() -> Iterator[list[str]]:
         yield messages
     finally:
         _recorders.reset(token)
+
+
+def check_requested_pipeline(requested: str | None, modifiers: Sequence[Any]) -> None:
+    """A pipeline the user named exists (an unknown name lists the registered ones) and, when a modifier needs
+    calibration data, runs data: before the model loads, not as a 'saw no data' error after calibration."""
+    if requested is None:
+        return
+    pipeline = registry("pipelines").get(requested)
+    needing = [type(m).__name__ for m in modifiers if getattr(m, "requires_data", True)]
+    if needing and not getattr(pipeline, "runs_data", True):
+        raise InvalidArgumentError(f"pipeline {requested!r} runs no calibration data, and {', '.join(needing)} needs "
+                                   f"it: leave the pipeline to layerwise (drop --pipeline / pipeline=) or name one "
+                                   f"that calibrates (sequential, layer_sequential, basic)")
 
 
 def select_pipeline(model: torch.nn.Module, modifiers: Sequence[Any], requested: str | None = None) -> list[str]:

@@ -124,7 +124,8 @@ def check_not_an_input(path: str | os.PathLike, inputs: Iterable[tuple[str, str 
             problem = (f"holds the file '{os.path.realpath(linked)}' that the {what}'s '{linked.name}' links to "
                        f"(a Hugging Face cache keeps a snapshot's files as links into its blobs folder)")
         raise OutputIsInputError(f"output folder '{path}' {problem}: writing it would destroy the run's input "
-                                 f"(overwrite or not). Choose an output_dir outside it, e.g. '{_sibling(source)}'")
+                                 f"(overwrite or not). Choose an output_dir outside it (CLI: --output-dir), e.g. "
+                                 f"'{_sibling(source)}'")
 
 
 def _links_within(folder: Path) -> Iterator[tuple[Path, Path]]:

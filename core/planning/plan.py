@@ -24,6 +24,7 @@ from layerwise.common.module_walk import walk_modules, walks_cached
 from layerwise.errors import LayerwiseError
 from layerwise.host.patch_selection import use_patch
 from layerwise.host.pipeline import blocks_reason
+from layerwise.host.pipeline_selection import check_requested_pipeline
 from layerwise.host.recipe import RecipeLike, parse_recipe
 from layerwise.host.state import CompressionState
 from layerwise.model_io.calibration_data import default_max_seq_length
@@ -255,6 +256,8 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
         with plan.checking():
             if calibration.ignore is not None:
                 check_entries(model, list(calibration.ignore), "ignore entry")
+        with plan.checking():
+            check_requested_pipeline(calibration.pipeline, modifiers)
         plan.ignore = list(calibration.ignore) if calibration.ignore is not None else list(patch.ignore if patch else [])
         state = CompressionState(model=model, modifiers=modifiers, patch=patch, sequential_targets=list(plan.targets),
                                  ignore=list(plan.ignore))

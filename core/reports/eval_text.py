@@ -141,10 +141,16 @@ DEFAULT_WINDOW = 2048
 
 def default_window_length(model: torch.nn.Module) -> int:
     """2048 tokens, or the model's context length when shorter."""
+    context = context_length(model)
+    return min(DEFAULT_WINDOW, context) if context is not None else DEFAULT_WINDOW
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The longest input the model's config says it takes (``max_position_embeddings`` or kin), if it says."""
     config = getattr(model, "config", None)
     for part in (config, getattr(config, "text_config", None)):
         for name in _CONTEXT_FIELDS:
             value = getattr(part, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return min(DEFAULT_WINDOW, value)
-    return DEFAULT_WINDOW
+                return value
+    return None

@@ -44,6 +44,7 @@ from layerwise.reports.embedding_eval import (
 from layerwise.reports.eval_text import (
     EvalText,
     TokenWindows,
+    context_length,
     default_window_length,
     read_eval_text,
     token_windows,
@@ -149,6 +150,10 @@ class _Options:
 
     def windows(self, model: torch.nn.Module, text: EvalText) -> TokenWindows:
         length = self.window_length or default_window_length(model)
+        context = context_length(model)
+        if context is not None and length > context:  # positions past it are garbage, not a quality measure
+            raise InvalidArgumentError(f"window length {length} is longer than the model's context ({context} "
+                                       f"tokens): pass window_length={context} or less (CLI: --window-length)")
         if model_kind(model) == "seq2seq" and self.stride not in (None, length):
             raise InvalidArgumentError("a seq2seq model reads each window's first half and predicts its second: "
                                        "windows may not overlap; leave --stride out (it is the window length)")

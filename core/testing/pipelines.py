@@ -101,15 +101,22 @@ def _outputs(model: torch.nn.Module, batches: list[Any]) -> list[torch.Tensor]:
         return [model(**batch).logits for batch in batches]
 
 
+class _DataFreeRecorder(_Recorder):
+    """The recorder for a pipeline that runs no data: its events only (no sample reaches anything)."""
+
+    requires_data = False
+
+
 def _check_run(name: str, model_factory: Callable[[], torch.nn.Module], batches: list[Any], runs_data: bool) -> None:
     import layerwise
 
     model = model_factory()
     reference = copy.deepcopy(model)
     before = count_hooks(model)
-    recorder = _Recorder()
+    recorder = _Recorder() if runs_data else _DataFreeRecorder()  # a pipeline that runs no data takes no such modifier
     try:
-        layerwise.compress(model, [recorder], dataset=batches, show_progress=False, options=layerwise.CompressOptions.of(pipeline=name))
+        layerwise.compress(model, [recorder], dataset=batches if runs_data else None, show_progress=False,
+                           options=layerwise.CompressOptions.of(pipeline=name))
     except Exception as error:
         raise _fail(name, "events", f"compress() failed: {type(error).__name__}: {error}") from error
     epochs = recorder.events.count("sequential_epoch_end")

@@ -27,6 +27,7 @@ from layerwise.errors import DatasetError, InvalidArgumentError
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.patch_selection import use_patch
 from layerwise.host.pipeline import PipelineOptions
+from layerwise.host.pipeline_selection import check_requested_pipeline
 from layerwise.host.plugin_manager import registry
 from layerwise.host.recipe import RecipeLike, parse_recipe, recipe_to_yaml
 from layerwise.host.saver import Saver
@@ -157,16 +158,13 @@ def compress(
     # what the user typed is checked before the model loads: a typo costs a second, not minutes
     modifiers = parse_recipe(recipe)
     saver: Saver = registry("savers").get(output.save_format)  # an unknown name lists the registered ones
-    if calibration.pipeline is not None:
-        registry("pipelines").get(calibration.pipeline)
+    check_requested_pipeline(calibration.pipeline, modifiers)
     needs_data = any(m.requires_data for m in modifiers)
     if needs_data and dataset is None:
         names = ", ".join(type(m).__name__ for m in modifiers if m.requires_data)
-        raise DatasetError(f"{names} needs calibration data: pass dataset= (texts, a .txt/.jsonl file, "
-                           f"a datasets.Dataset or tokenized samples)")
+        raise DatasetError(f"{names} needs calibration data: pass dataset= (CLI: --dataset; texts, a .txt/.jsonl "
+                           f"file, a datasets.Dataset or tokenized samples)")
     records = load_records(dataset) if needs_data else []
-    if dataset is not None and not needs_data:
-        check_unread_dataset(dataset, modifiers)
     if dataset is not None and not needs_data:
         check_unread_dataset(dataset, modifiers)
     if streamed and output_dir is not None and not saver.streams:

@@ -63,6 +63,7 @@ def evaluate(original: ModelLike, compressed: ModelLike, dataset: str | os.PathL
             from layerwise.model_io.model_paths import check_model_path
 
             check_model_path(given)
+    _check_original_unquantized(original)
     if tokenizer is None:
         tokenizer = _tokenizer_of(compressed, original, trust_remote_code)
     together = {"side-by-side": True, "one-at-a-time": False}.get(placement)
@@ -96,6 +97,21 @@ def record_evaluation(folder: str | os.PathLike, quality: QualityReport) -> tupl
 
     summary_path = record_quality(folder, quality.to_dict())
     return summary_path, write_card(folder, read_summary(folder))
+
+
+def _check_original_unquantized(original: ModelLike) -> None:
+    """The original is the unquantized model a compressed one came from; a quantized folder there measures
+    nothing meaningful (and a plain load of an FP4 one fails its forward): refused, naming what it holds."""
+    from layerwise.model_io.model_paths import AlreadyQuantizedError, check_not_quantized
+
+    if isinstance(original, torch.nn.Module):
+        return
+    try:
+        check_not_quantized(original)
+    except AlreadyQuantizedError as exc:
+        what = str(exc).split(": compress the original")[0]
+        raise AlreadyQuantizedError(f"the original {what}: eval compares a compressed model with the unquantized "
+                                    f"model it came from; pass that model's folder or hub id as ORIGINAL") from None
 
 
 def evaluate_output(output_dir: str | os.PathLike, original: ModelLike, dataset: Any, **options: Any

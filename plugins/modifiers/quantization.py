@@ -409,7 +409,12 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
         raise RecipeError(_missing_target_message(owner, missing, model))
     modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
     _warn_unmatched_ignore(owner, model, ignore)
-    return {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    found = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    if not found and find_modules(model, targets):
+        raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore "
+                          f"{[*ignore, *(state.ignore or [])]}), so it would compress nothing: drop or narrow an "
+                          f"ignore entry (recipe ignore:, CLI --ignore)")
+    return found
 
 
 #: ignore entries a modifier carries by default, for models that have them (an encoder has no lm_head)

@@ -122,7 +122,8 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     """
     layers, why_not = layers_read(model, lifecycle, options)
     if not layers and options.pieces == "layers":
-        raise InvalidArgumentError(f"pieces='layers' cannot be used: {why_not}. Use pieces='auto' or 'blocks'")
+        raise InvalidArgumentError(f"pieces='layers' cannot be used: {why_not}. Use pieces='auto' or 'blocks' "
+                                   f"(CLI: --pieces auto)")
     blocks: tuple[TracesByGuards, list[int]] | None = None
     if layers:
         try:
@@ -150,7 +151,7 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
                        f"{'the model' if blocks is None else 'the block pieces'}")
         if options.pieces == "layers":
             raise InvalidArgumentError(f"pieces='layers' cannot be used for this model: {why_not}. Use "
-                                       f"pieces='auto' (blocks where layers fail) or 'blocks'")
+                                       f"pieces='auto' (blocks where layers fail) or 'blocks' (CLI: --pieces auto)")
     traces, assignment = blocks if blocks is not None else traces_for_batches(model, batches, options, lifecycle)
     _warn_skipped(traces, "target")
     count = len(traces.traces[0].subgraphs)

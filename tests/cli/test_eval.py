@@ -115,6 +115,15 @@ def test_bad_input_is_one_error_line(cli, folders, tmp_path, capsys):
     assert "fewer than one window of 32" in capsys.readouterr().err
     assert cli(["eval", str(original), str(tmp_path), "--dataset", str(tmp_path / "short.txt")]) == 2
     assert "no config.json" in capsys.readouterr().err
+    # the two folders swapped: a quantized ORIGINAL measures nothing
+    assert cli(["eval", str(compressed), str(original), "--dataset", str(folders[2]), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"the original '{compressed}' is already quantized" in err and "as ORIGINAL" in err
+    # windows longer than the model's context (the tiny Llama's max_position_embeddings)
+    context = build_tiny_llama().config.max_position_embeddings
+    assert cli(["eval", str(original), str(compressed), "--dataset", str(folders[2]), "--window-length",
+                str(context * 2), "--quiet", "--no-record"]) == 2
+    assert f"longer than the model's context ({context} tokens)" in capsys.readouterr().err
 
 
 def compress_args(**given) -> argparse.Namespace:
