@@ -166,7 +166,7 @@ class Plan:
             return None
         # a GPU takes a half-precision model's Hessians on its tensor cores, at the model's rate (gram_dtype)
         tensor_cores = self.device == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-        return (self.flops.get("forwards", 0.0) / self.rates.model_dtype
+        return ((self.flops.get("forwards", 0.0) + self.flops.get("tuning steps", 0.0)) / self.rates.model_dtype
                 + self.flops.get("Hessians", 0.0) / (self.rates.model_dtype if tensor_cores else self.rates.fp32)
                 + self.flops.get("solves", 0.0) / self.rates.fp32)
 
@@ -586,8 +586,12 @@ def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool,
     hessian_layers = [layer for layer in plan.layers.values() if layer.hessian]
     if needs_data:
         passes = 2 if plan.cut == "blocks" and calibration.propagate_error else 1
+        passes += any(getattr(m, "needs_reference_inputs", False) for m in modifiers)  # the original's stream
         layers = max(1, len(plan.pieces) - 1)
         plan.flops["forwards"] = passes * forward_flops(model, tokens, plan.seq_length, layers, hidden)
+        steps = _tuning_tokens(modifiers, plan.samples, tokens / max(plan.samples, 1))
+        if steps:  # AutoRound: each block's forward and backward (~3 forwards) on every step's samples
+            plan.flops["tuning steps"] = 3.0 * forward_flops(model, steps, plan.seq_length, layers, hidden)
     if hessian_layers:
         plan.flops["Hessians"] = hessian_flops(hessian_layers, tokens)
         plan.flops["solves"] = solve_flops(hessian_layers)
@@ -604,6 +608,19 @@ def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool,
             plan.note("no time estimate: the GPU is not here and none is named (--serve-on H100, ...)")
     else:
         plan.rates = measured_rates(torch.device("cpu"), plan.dtype)
+
+
+def _tuning_tokens(modifiers: list, samples: int, per_sample: float) -> float:
+    """Tokens each block runs forward and backward while a modifier tunes it (AutoRound's ``iters`` steps of
+    ``batch_size`` samples), beside the final scoring of every sample twice (kept and round-to-nearest: two
+    forwards, two thirds of a step's work per token)."""
+    total = 0.0
+    for modifier in modifiers:
+        iters, batch = getattr(modifier, "iters", None), getattr(modifier, "batch_size", None)
+        if isinstance(iters, int) and isinstance(batch, int) and iters > 0:
+            kept = min(samples, getattr(modifier, "nsamples", samples) or samples)
+            total += (iters * min(batch, kept) + 2 * kept / 3) * per_sample
+    return total
 
 
 def _serving(plan: Plan, placement: Any) -> None:

@@ -132,6 +132,28 @@ def test_forward_flops_count_two_per_weight_and_token_plus_attention(tiny_llama)
     assert forward_flops(tiny_llama, tokens, seq, 2, 64) == expected
 
 
+def test_autoround_s_steps_and_gptaq_s_second_stream_are_counted(bf16_llama_dir):
+    """AutoRound runs each block forward and backward on iters x batch_size samples: far more work than the
+    calibration forward, which the estimate used to stop at; GPTAQ carries the original model's stream too."""
+    samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}
+               for i in range(8)]
+    gptq = layerwise.plan(str(bf16_llama_dir), "{GPTQModifier: {scheme: W4A16, group_size: 32}}", dataset=samples)
+    steps, forwards = {}, {}
+    for iters in (10, 20, 30):
+        recipe = f"{{AutoRoundModifier: {{scheme: W4A16, group_size: 32, iters: {iters}, batch_size: 4}}}}"
+        planned = layerwise.plan(str(bf16_llama_dir), recipe, dataset=samples)
+        steps[iters], forwards[iters] = planned.flops["tuning steps"], planned.flops["forwards"]
+    # each 10 steps: 40 samples forward and backward (x3), against one forward of the 8 samples in each stream
+    assert steps[20] - steps[10] == pytest.approx(steps[30] - steps[20])
+    assert steps[30] > 10 * forwards[30] and forwards[10] == forwards[30]  # 30 x 4 x 3 against 3 x 8
+    gptaq = layerwise.plan(str(bf16_llama_dir), "{GPTQModifier: {scheme: W4A16, group_size: 32, gptaq: true}}",
+                           dataset=samples)
+    # GPTQ cuts at layers (one forward); GPTAQ at blocks, each run observed and again quantized, beside the
+    # original model's stream: three
+    assert (gptq.cut, gptaq.cut) == ("layers", "blocks")
+    assert gptaq.flops["forwards"] == pytest.approx(3 * gptq.flops["forwards"])
+
+
 def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir, monkeypatch):
     from layerwise.runtime import memory_policy
 
