@@ -297,7 +297,8 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
         _report(exc, debug, str(exc))
         return 2
     except KeyboardInterrupt:
-        print("layerwise: interrupted; nothing was saved", file=sys.stderr)
+        print("layerwise: interrupted; no output folder was written (a --resume checkpoint, where one was kept, "
+              "says so above)", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `layerwise report out | head`: the reader had enough
         _silence_stdout()

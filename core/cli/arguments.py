@@ -29,7 +29,10 @@ def memory_size(text: str) -> int:
     if not found or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 24G or 512MiB, got {text!r}")
     scale = 2**30 if unit == "" else _UNITS[unit]
-    return int(float(found.group(1)) * scale)
+    size = int(float(found.group(1)) * scale)
+    if size <= 0:  # no machine plans with none (a negative size never matches the pattern above)
+        raise argparse.ArgumentTypeError(f"expected a size above zero, like 80GiB, got {text!r}")
+    return size
 
 
 def with_kv_cache(recipe: str, kv_cache: str | None) -> str | list:

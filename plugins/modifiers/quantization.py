@@ -212,16 +212,16 @@ class QuantizationModifier(Modifier):
                     raise RecipeError(f"{type(self).__name__}: input_activations group_size {inputs.group_size} does "
                                       f"not divide the {linear_weight(module).shape[-1]} inputs of layer {name!r}; "
                                       f"add it to ignore or choose a group size that divides it")
-        if self.args.strategy == "group" and self.args.float_format is None:
-            for name, module in modules.items():
-                in_features = linear_weight(module).shape[-1]
-                if in_features % self.args.group_size:
-                    divisors = [g for g in (32, 64, 128) if in_features % g == 0]
-                    alt = f", or group_size {divisors[-1]}" if divisors else ""
-                    raise RecipeError(
-                        f"{type(self).__name__}: group_size {self.args.group_size} does not divide "
-                        f"in_features {in_features} of layer {name!r}; use strategy: channel{alt}, "
-                        f"or add {name!r} to ignore")
+        misfits = _indivisible(modules, self.args.group_size) if self.args.strategy == "group" and \
+            self.args.float_format is None else []
+        if misfits:
+            name, in_features = misfits[0]
+            divisors = [g for g in (32, 64, 128) if all(width % g == 0 for _, width in misfits)]
+            alt = f", or group_size {divisors[-1]}" if divisors else ""
+            raise RecipeError(
+                f"{type(self).__name__}: group_size {self.args.group_size} does not divide "
+                f"in_features {in_features} of layer {name!r}{_and_more(misfits)}; use strategy: channel{alt}, "
+                f"or add {'it' if len(misfits) == 1 else 'them'} to ignore")
         return modules
 
     # -- events ------------------------------------------------------------------------
@@ -383,11 +383,29 @@ def check_float_format(owner: str, args: QuantizationArgs, modules: dict[str, to
             raise RecipeError(f"{owner}: layer {name!r} is a transformers Conv1D (GPT-2 style); {fmt} block scales "
                               f"are stored for nn.Linear weights only (compressed-tensors and vLLM); add it to "
                               f"ignore or use an integer scheme (W4A16)")
-        in_features = linear_weight(module).shape[-1]
-        if in_features % args.group_size:
-            raise RecipeError(f"{owner}: {fmt} scales blocks of {args.group_size} input columns; layer {name!r} has "
-                              f"{in_features}, not a multiple of {args.group_size}: add {name!r} to ignore (the "
-                              f"block size is part of the format and cannot change)")
+    misfits = _indivisible(modules, args.group_size)
+    if misfits:
+        name, in_features = misfits[0]
+        raise RecipeError(f"{owner}: {fmt} scales blocks of {args.group_size} input columns; layer {name!r} has "
+                          f"{in_features}, not a multiple of {args.group_size}{_and_more(misfits)}: add "
+                          f"{'it' if len(misfits) == 1 else 'them'} to ignore (the block size is part of the format "
+                          f"and cannot change)")
+
+
+def _indivisible(modules: dict[str, torch.nn.Module], size: int) -> list[tuple[str, int]]:
+    """The layers whose input width ``size`` does not divide, with that width: all of them, so that one
+    error names every layer to ignore (not one per run)."""
+    widths = ((name, linear_weight(module).shape[-1]) for name, module in modules.items())
+    return [(name, width) for name, width in widths if width % size]
+
+
+def _and_more(misfits: list[tuple[str, int]]) -> str:
+    """`` (and 13 more: 'a', 'b', ...)`` after the first of ``misfits``; nothing when it is alone."""
+    rest = [name for name, _ in misfits[1:]]
+    if not rest:
+        return ""
+    shown = ", ".join(map(repr, rest[:5])) + (", ..." if len(rest) > 5 else "")
+    return f" (and {len(rest)} more: {shown})"
 
 
 def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list[str]]:

@@ -156,6 +156,8 @@ def choose_pieces(model: torch.nn.Module, batches: Sequence[dict[str, Any]], opt
     _warn_skipped(traces, "target")
     count = len(traces.traces[0].subgraphs)
     runs = "once" if not options.propagate_error else "twice (observed, then compressed)"
+    if any(getattr(m, "needs_reference_inputs", False) for m in lifecycle.modifiers):
+        runs += ", and once in the original model (its stream beside the compressed one)"
     _record(lifecycle, traces, f"blocks: {count} pieces, each block runs {runs} ({why_not})")
     return traces, assignment, False
 

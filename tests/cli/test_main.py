@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from layerwise.cli import main
 
 
@@ -153,3 +155,21 @@ def test_a_model_and_recipe_typed_without_flags_are_shown_with_them(capsys):
     with pytest.raises(SystemExit):
         main(["compress", "--model", "m", "--bogus"])
     assert "(name them" not in capsys.readouterr().err  # a mistyped flag gets argparse's message alone
+
+
+@pytest.mark.parametrize(("text", "size"), [("80GiB", 80 * 2**30), ("24G", 24 * 2**30), ("512MiB", 512 * 2**20),
+                                            ("1.5", int(1.5 * 2**30)), ("80GB", 80 * 10**9)])
+def test_memory_sizes_read_as_machines_write_them(text, size):
+    from layerwise.cli.arguments import memory_size
+
+    assert memory_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["0", "0GiB", "-5GiB", "eighty", "80 parsecs"])
+def test_a_memory_size_of_nothing_or_nonsense_is_refused(text):
+    import argparse
+
+    from layerwise.cli.arguments import memory_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
+        memory_size(text)

@@ -262,6 +262,7 @@ def test_bad_fields_are_recipe_errors(fields, match):
 
 
 def test_a_group_size_that_does_not_divide_a_layer_names_the_layer_and_the_fix():
-    with pytest.raises(RecipeError, match="AWQModifier: group_size 128 does not divide in_features 64 of layer "
-                                          "'model.layers.0.self_attn.q_proj'; use strategy: channel, or group_size 64"):
+    with pytest.raises(RecipeError, match=r"AWQModifier: group_size 128 does not divide in_features 64 of layer "
+                                          r"'model.layers.0.self_attn.q_proj' \(and 11 more: .*\); use strategy: "
+                                          r"channel, or group_size 64, or add them to ignore"):
         layerwise.compress(tiny_llama(), "AWQ_W4A16_ASYM", dataset=calibration(), show_progress=False, device="cpu")

@@ -147,3 +147,11 @@ def test_an_ignore_entry_matching_nothing_is_warned_about_with_the_closest_name(
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoreWarning)
         run(encoder, QuantizationModifier(scheme="W8A16"))
+
+
+def test_every_layer_a_group_size_does_not_divide_is_named_at_once():
+    with pytest.raises(RecipeError) as raised:
+        run(build_tiny_llama(), QuantizationModifier(scheme="W4A16", group_size=48))
+    message = str(raised.value)
+    assert "does not divide in_features 64 of layer 'model.layers.0.self_attn.q_proj' (and 13 more:" in message
+    assert "add them to ignore" in message and "group_size 64" in message  # the largest that divides every width
