@@ -424,7 +424,8 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
         streams = can_stream and isinstance(plan.model, str) and should_stream(plan.model, plan.host_memory)[0]
         weights = "stream" if streams else "memory"
         plan.auto_note = (f"weights auto -> {weights} (stream when {IN_MEMORY_PEAK}x the checkpoint exceeds the "
-                          f"memory)")
+                          f"memory)" if can_stream else
+                          "weights auto -> memory (no safetensors checkpoint here to stream from)")
     elif weights == "stream" and not can_stream:
         from layerwise.model_io.streaming.checkpoint import Checkpoint
 
@@ -446,9 +447,12 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
         need = f"~{_gib(plan.chosen.host_peak)} of memory ({_gib(plan.host_memory)} {plan.host_memory_source})"
         if plan.disk_free is not None and plan.chosen.disk > plan.disk_free:
             need = f"~{_gib(plan.chosen.disk)} of disk ({_gib(plan.disk_free)} free)"
+        short_of_disk = plan.disk_free is not None and plan.chosen.disk > plan.disk_free
+        fixes = ("free disk there, or another output folder" if short_of_disk else
+                 "fewer samples or shorter ones, or a larger machine" if needs_data else
+                 "a larger machine, or a model-free run (--model-free: one shard at a time, from safetensors)")
         plan.error(f"weights={weights}, offload={offload} needs {need}; "
-                   + (f"these fit: {', '.join(fitting)}" if fitting else
-                      "no placement fits: fewer samples or shorter ones, or a larger machine"), "memory")
+                   + (f"these fit: {', '.join(fitting)}" if fitting else f"no placement fits: {fixes}"), "memory")
     if on_gpu:
         free = gpu_memory
         if free is None and torch.cuda.is_available():

@@ -196,6 +196,16 @@ def test_a_deepseek_v3_shaped_plan_reports_the_numbers_it_did_before_the_fast_ex
         ["memory", "cpu", 57462272, 0, True], ["memory", "disk", 1081344, 56623104, True]]
 
 
+def test_a_config_only_folder_that_does_not_fit_says_what_would(tmp_path):
+    """No safetensors to stream from, a data-free recipe: the plan says why auto keeps the weights in memory and
+    offers what can help (not 'fewer samples', which a data-free run has none of)."""
+    plan = layerwise.plan(_deepseek_v3_dir(tmp_path), "{QuantizationModifier: {scheme: W4A16, group_size: 16}}",
+                          host_memory=2**20)
+    assert not plan.ok and "no safetensors checkpoint here to stream from" in plan.auto_note
+    (error,) = [e for e in plan.errors if "no placement fits" in e]
+    assert "--model-free" in error and "fewer samples" not in error
+
+
 def test_a_kv_cache_is_planned_with_its_serving_and_a_second_stream_doubles_the_cache(bf16_llama_dir, tmp_path,
                                                                                       capsys):
     data = [{"input_ids": torch.randint(0, 100, (1, 16))} for _ in range(4)]
