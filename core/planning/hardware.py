@@ -48,18 +48,19 @@ def find_gpu(name: str) -> GPU:
     lists the known ones."""
     from layerwise.errors import UnknownNameError
 
-    key = _key(name)
+    key = gpu_key(name)
     for gpu in GPUS:
-        if _key(gpu.name) == key:
+        if gpu_key(gpu.name) == key:
             return gpu
     # a device name as torch reports it: the longest table name it contains
-    contained = [gpu for gpu in GPUS if _key(gpu.name) in key]
+    contained = [gpu for gpu in GPUS if gpu_key(gpu.name) in key]
     if contained:
         return max(contained, key=lambda gpu: len(gpu.name))
     raise UnknownNameError("GPU", name, [gpu.name for gpu in GPUS])
 
 
-def _key(name: str) -> str:
+def gpu_key(name: str) -> str:
+    """A GPU name compared without case, punctuation or the vendor's words."""
     return "".join(ch for ch in name.lower() if ch.isalnum()).replace("nvidia", "").replace("geforce", "")
 
 

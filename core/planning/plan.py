@@ -50,6 +50,9 @@ from layerwise.planning.hardware import (
     present_gpu,
     table_rates,
 )
+from layerwise.planning.hardware import (
+    gpu_key as _gpu_key,
+)
 from layerwise.planning.model_shape import CheckpointInfo, meta_model
 from layerwise.planning.serving import (
     TABLE_DATE,
@@ -227,6 +230,8 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
     modifiers = parse_recipe(recipe)
     plan = Plan(model=str(model) if not isinstance(model, torch.nn.Module) else type(model).__name__)
     plan.serve_on = find_gpu(serve_on) if serve_on else None
+    if plan.serve_on is not None and _gpu_key(serve_on) != _gpu_key(plan.serve_on.name):  # GH200 -> H200
+        plan.note(f"--serve-on {serve_on!r} is read as {plan.serve_on.name}, the closest GPU in the table")
     if placement.weights == "model-free" and not isinstance(model, torch.nn.Module):
         _model_free_plan(plan, model, recipe, options, output_dir, host_memory)
         _serving(plan, placement)

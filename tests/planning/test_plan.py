@@ -334,3 +334,10 @@ def test_moe_experts_are_served_by_vllm_s_fused_moe_rules(tmp_path):
              "{QuantizationModifier: {scheme: W8A16, targets: ['re:.*experts.*down_proj$']}}]")
     plan = layerwise.plan(folder, mixed, serve_on="H100")
     assert not plan.ok and any("model.layers.1.mlp.experts" in e and "same scheme" in e for e in plan.errors)
+
+
+def test_a_gpu_name_read_as_another_says_so(bf16_llama_dir):
+    plan = layerwise.plan(str(bf16_llama_dir), "W8A16", serve_on="GH200")
+    assert plan.serve_on.name == "H200" and any("'GH200' is read as H200" in f.text for f in plan.findings)
+    exact = layerwise.plan(str(bf16_llama_dir), "W8A16", serve_on="h100")
+    assert not any("read as" in f.text for f in exact.findings)
