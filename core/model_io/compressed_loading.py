@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from layerwise.algorithms.quantization.float_formats import e8m0_values, fp4_val
 from layerwise.algorithms.sparsity.bitmask import DECODERS, PARTS, SparseFormatError
 from layerwise.algorithms.sparsity.masks import parse_mask_structure
 from layerwise.algorithms.sparsity.storage import mark_sparse
+from layerwise.common.quiet import quiet_transformers
+from layerwise.common.user_warnings import warn_user
 from layerwise.errors import ModelLoadError
 from layerwise.model_io.heads import checkpoint_class
 from layerwise.model_io.kv_cache_loading import attach_kv_scales, kv_cache_scheme, scales_expected
@@ -91,20 +95,55 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-        if redecode and folder.is_dir() and _mixed_with_float_formats(loaded):
-            result = _load_mixed_dequantized(cls, folder, loaded, **kwargs)
-        else:
-            result = _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}),
-                                      **kwargs)
-        mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
-        if redecode and folder.is_dir():
-            decode_float_formats(result[0] if isinstance(result, tuple) else result, folder)
-            restore_input_quantization(result[0] if isinstance(result, tuple) else result, folder, loaded)
-        attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
-        return result
+        def load(**given: Any) -> Any:
+            if redecode and folder.is_dir() and _mixed_with_float_formats(loaded):
+                return _load_mixed_dequantized(cls, folder, loaded, **given)
+            return _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}),
+                                    **given)
+
+        if not (redecode and folder.is_dir()):
+            result = load(**kwargs)
+            mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
+            attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
+            return result
+        model, info = _quietly(load, kwargs)
+        decoded = decode_float_formats(model, folder)
+        restore_input_quantization(model, folder, loaded)
+        _warn_disagreement(info, decoded)
+        mark_dense_sparse(model, loaded)
+        attach_online_transforms(model, loaded)
+        return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
     return result
+
+
+def _quietly(load: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``load(**kwargs)`` for the float32 re-decode of FP4 / MX folders, and its loading info, without the notices
+    that path always draws and that layerwise answers itself: transformers' "you passed quantization_config"
+    (layerwise passed it) and its load report (``input_global_scale`` tensors unexpected: read back by
+    :func:`restore_input_quantization`; a mixed folder's FP4 / MX weights missing: decoded after);
+    :func:`_warn_disagreement` says whatever else the report held."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"You passed `quantization_config`")
+        with quiet_transformers():
+            model, info = load(**{**kwargs, "output_loading_info": True})
+    return model, info
+
+
+def _warn_disagreement(info: dict[str, Any], decoded: list[str]) -> None:
+    """What a quiet load's report held beyond what the re-decode answers (see :func:`_quietly`)."""
+    filled = {f"{layer}.weight" for layer in decoded}
+    unexpected = [key for key in info.get("unexpected_keys", ()) if not key.endswith(".input_global_scale")]
+    missing = [key for key in info.get("missing_keys", ())
+               if key not in filled and not any(key.endswith(f".{name}") for name in filled)]
+    mismatched = list(info.get("mismatched_keys", ()))
+    found = [(what, keys) for what, keys in (("unexpected", unexpected), ("missing", missing),
+                                             ("mismatched", mismatched)) if keys]
+    if found:
+        warn_user("load_compressed: the checkpoint and the model disagree: " + "; ".join(
+            f"{what} {', '.join(map(str, sorted(keys, key=str)[:5]))}" + (" ..." if len(keys) > 5 else "")
+            for what, keys in found))
 
 
 def _mixed_with_float_formats(config: Any) -> bool:

@@ -187,6 +187,19 @@ def test_a_float32_mixed_precision_folder_with_nvfp4_reloads_to_the_in_memory_mo
         assert torch.equal(reloaded(**BATCHES[0]).logits, model(**BATCHES[0]).logits)
 
 
+def test_a_quiet_float32_reload_still_says_what_the_checkpoint_lacks(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_llama(hidden_size=64, intermediate_size=128)
+    layerwise.compress(model, "NVFP4A16", output_dir=tmp_path / "out", show_progress=False)
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.norm.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="the checkpoint and the model disagree: missing model.norm.weight"):
+        layerwise.load_compressed(tmp_path / "out")
+
+
 def test_awq_refuses_nvfp4_inputs_whose_global_scale_smoothing_would_change():
     with pytest.raises(RecipeError, match="calibrated input scales"):
         layerwise.compress(build_tiny_llama(hidden_size=64, intermediate_size=128), "AWQ_NVFP4",
@@ -207,14 +220,21 @@ def test_a_float32_model_reloads_to_its_own_weights_and_outputs(preset, tmp_path
 
 
 @pytest.mark.parametrize("preset", ["NVFP4", "MXFP4", "MXFP8"])
-def test_a_float32_reload_quantizes_the_inputs_again(preset, tmp_path):
+def test_a_float32_reload_quantizes_the_inputs_again(preset, tmp_path, capfd):
     """With quantized inputs too: the float32 reload puts each layer's input quantization back (NVFP4's
-    calibrated global input scale read from the checkpoint), so its outputs are the in-memory model's."""
+    calibrated global input scale read from the checkpoint), so its outputs are the in-memory model's; and
+    quietly: transformers' notices about the path it takes (the scales 'unexpected') are answered, not shown."""
+    import warnings
+
     model = build_tiny_llama(hidden_size=64, intermediate_size=128)
     data = [batch["input_ids"] for batch in BATCHES]
     layerwise.compress(model, preset, dataset=[{"input_ids": ids} for ids in data], output_dir=tmp_path / "out",
                        show_progress=False)
-    reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+    assert "UNEXPECTED" not in capfd.readouterr().err
     quantized = quantized_modules(model)
     assert all(getattr(reloaded.get_submodule(n), "input_quantization_args", None) == m.input_quantization_args
                for n, m in quantized.items())
