@@ -16,3 +16,4 @@ def test_fp8_kv_cache_by_gpu_generation():
     assert vllm_kv_cache_support(HEAD, (9, 0)).status == "native"
     assert vllm_kv_cache_support(HEAD, (10, 0)).status == "none" and "strategy tensor" in vllm_kv_cache_support(
         HEAD, (10, 0)).kernel
+

@@ -341,3 +341,16 @@ def test_a_gpu_name_read_as_another_says_so(bf16_llama_dir):
     assert plan.serve_on.name == "H200" and any("'GH200' is read as H200" in f.text for f in plan.findings)
     exact = layerwise.plan(str(bf16_llama_dir), "W8A16", serve_on="h100")
     assert not any("read as" in f.text for f in exact.findings)
+
+
+def test_a_kv_cache_set_twice_is_refused_before_the_run(bf16_llama_dir):
+    """A recipe's kv_cache_scheme and --kv-cache's modifier would each calibrate the k/v scales; the last would be
+    saved and the first silently dropped."""
+    from layerwise.cli.arguments import with_kv_cache
+
+    recipe = with_kv_cache("QuantizationModifier:\n  scheme: W8A16\n  kv_cache_scheme: fp8\n", "fp8_head")
+    plan = layerwise.plan(str(bf16_llama_dir), recipe, dataset=["a b c d"] * 4)
+    assert not plan.ok and any("the KV cache is set twice" in error for error in plan.errors)
+    both = ("- QuantizationModifier: {scheme: W8A16}\n"
+            "- QuantizationModifier: {scheme: null, kv_cache_scheme: fp8, attention_scheme: fp8}\n")  # one cache
+    assert not any("set twice" in e for e in layerwise.plan(str(bf16_llama_dir), both, dataset=["a b"] * 4).errors)
