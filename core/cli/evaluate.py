@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                        trust_remote_code=args.trust_remote_code)
     if args.svg:
         _write_svg(quality, Path(args.svg))
-    notes = [] if args.no_record else record_if_ours(args.compressed, quality)
+    notes = [] if args.no_record else record_if_ours(args.compressed, quality, args.original)
     if args.json:
         print(json.dumps(quality.to_dict(), indent=1))
     else:
@@ -108,21 +108,32 @@ def print_quality(quality: Any, ascii_only: bool = False) -> None:
         print("\n".join(charts))
 
 
-def record_if_ours(folder: str, quality: Any) -> list[str]:
-    """Save the card with ``folder`` when it is a layerwise output; the lines that say what happened."""
+def record_if_ours(folder: str, quality: Any, original: str | None = None) -> list[str]:
+    """Save the card with ``folder`` when it is a layerwise output compressed from ``original`` (as far as the
+    folder's summary tells); the lines that say what happened."""
     from layerwise.model_io.saving import written_by_layerwise
-    from layerwise.reports.run_summary import SUMMARY_FILE
+    from layerwise.reports.run_summary import SUMMARY_FILE, read_summary
     from layerwise.verbs.evaluation import record_evaluation
 
     path = Path(folder).expanduser()
     if not (path.is_dir() and written_by_layerwise(path)):
         return [f"not recorded: '{folder}' is not a layerwise output (no {SUMMARY_FILE}); --json prints the card"]
+    source = read_summary(path).report.model
+    if original is not None and source and _other_local_folder(source, original):
+        return [f"not recorded: '{folder}' was compressed from '{source}', not '{original}': its card would call "
+                f"this comparison 'quality against the original'; compare with '{source}' to record it"]
     summary, card = record_evaluation(path, quality)
     lines = [f"{'recorded in:':<20}{summary}"]
     lines.append(f"{'model card:':<20}{card}" if card is not None else
                  f"{'model card:':<20}not written: {path / 'README.md'} is yours (it lacks layerwise's mark) and "
                  f"was kept; the metrics are in {SUMMARY_FILE}")
     return lines
+
+
+def _other_local_folder(source: str, original: str) -> bool:
+    """Both name folders on this machine, and not the same one (a hub id, or a folder that moved, cannot tell)."""
+    first, second = Path(source).expanduser(), Path(original).expanduser()
+    return first.is_dir() and second.is_dir() and first.resolve() != second.resolve()
 
 
 def _write_svg(quality: Any, path: Path) -> None:

@@ -154,3 +154,14 @@ def test_compress_eval_without_saving_compares_the_model_in_memory(folders):
     assert evaluate_cli.evaluate_after_compress(compress_args(eval=None), model) is None
     with pytest.raises(DatasetError, match="does not exist"):
         evaluate_cli.check_compress_eval(compress_args(eval="missing.txt"))
+
+
+def test_a_comparison_with_another_model_than_the_folder_s_original_is_not_recorded(cli, folders, out, tmp_path,
+                                                                                     capsys):
+    other = tmp_path / "other-llama"
+    shutil.copytree(folders[0], other)  # the same weights, another folder: not the one the summary names
+    before = (out / SUMMARY_FILE).read_text()
+    assert cli(["eval", str(other), str(out), "--dataset", str(folders[2]), "--quiet", "--max-windows", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"not recorded: '{out}' was compressed from '{folders[0]}'" in printed
+    assert (out / SUMMARY_FILE).read_text() == before
