@@ -744,8 +744,10 @@ def plan_lines(plan: Plan, pieces_shown: int = 6) -> list[str]:
     lines.append(f"patch:       {plan.patch or 'none'}")
     lines.append(f"targets:     {plan.targets_found or 'none'}")
     lines.append(f"ignore:      {', '.join(plan.ignore) or 'nothing'}")
-    lines.append(f"cut:         {len(plan.pieces)} pieces ({plan.targets_per_piece} target(s) each, then the rest)"
-                 + (f"; the run cuts at {plan.cut}: {plan.cut_reason}" if plan.cut else ""))
+    within = "; the run cuts each block further, before the layers the modifiers read" if plan.cut == "layers" else ""
+    lines.append(f"cut:         {len(plan.pieces)} pieces ({plan.targets_per_piece} target(s) each, then the rest; "
+                 f"memory below per piece)" + (f"; the run cuts at {plan.cut}: {plan.cut_reason}{within}"
+                                                 if plan.cut else ""))
     for owner, mappings in plan.mappings.items():
         lines.append(f"mappings:    {owner}: {len(mappings)} resolved, e.g. {mappings[0]}")
     if plan.layers:
