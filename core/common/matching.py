@@ -76,6 +76,26 @@ def closest_entries(entry: str, names: Sequence[str], n: int = 2) -> list[str]:
     return found
 
 
+#: ignore entries a modifier carries by default, for models that have them (an encoder has no lm_head)
+DEFAULT_IGNORE = ("lm_head",)
+
+
+def warn_unmatched_ignore(owner: str, missing: Sequence[str], names: Sequence[str], what: str) -> None:
+    """Warn that a recipe's ignore entries ``missing`` match no ``what`` (``module of LlamaForCausalLM``), with the
+    closest of ``names``: most often a typo, and the layer meant to stay dense is compressed. A warning, not an
+    error: recipes written for several architectures list what some lack. The defaults are not warned about."""
+    missing = [entry for entry in missing if entry not in DEFAULT_IGNORE]
+    if not missing:
+        return
+    from layerwise.common.user_warnings import warn_user
+
+    hints = [hint for entry in missing for hint in closest_entries(entry, names, n=1)]
+    one = len(missing) == 1
+    warn_user(f"{owner}.ignore: {', '.join(map(repr, missing))} match{'es' if one else ''} no {what}, so nothing is "
+              f"kept out by {'it' if one else 'them'}" + (f"; did you mean {', '.join(map(repr, hints))}?" if hints
+                                                          else ""), IgnoreWarning)
+
+
 def is_linear_like(module: torch.nn.Module) -> bool:
     """A ``torch.nn.Linear``, or transformers' ``Conv1D`` (GPT-2), which stores a transposed Linear."""
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"

@@ -24,6 +24,7 @@ from layerwise.common.matching import (
     find_modules,
     matches,
     unmatched,
+    warn_unmatched_ignore,
 )
 from layerwise.common.user_warnings import AlgorithmFallbackWarning, warn_user
 from layerwise.errors import (
@@ -79,5 +80,6 @@ __all__ = [
     "opaque",
     "registry",
     "unmatched",
+    "warn_unmatched_ignore",
     "warn_user",
 ]

@@ -27,14 +27,12 @@ import torch
 from layerwise.plugin import (
     CompressionState,
     ForeignField,
-    IgnoreWarning,
     Modifier,
     RecipeError,
-    closest_entries,
     find_modules,
     registry,
     unmatched,
-    warn_user,
+    warn_unmatched_ignore,
 )
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
@@ -426,7 +424,8 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     if missing:
         raise RecipeError(_missing_target_message(owner, missing, model))
     modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
-    _warn_unmatched_ignore(owner, model, ignore)
+    warn_unmatched_ignore(owner, unmatched(model, ignore), [n for n, _ in model.named_modules() if n],
+                          f"module of {type(model).__name__}")
     found = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
     if not found and find_modules(model, targets):
         raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore "
@@ -435,20 +434,6 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     return found
 
 
-#: ignore entries a modifier carries by default, for models that have them (an encoder has no lm_head)
-_DEFAULT_IGNORE = ("lm_head",)
-
-
-def _warn_unmatched_ignore(owner: str, model: torch.nn.Module, ignore: list[str]) -> None:
-    """A recipe's ignore entry that matches nothing is most often a typo: the layer it meant to keep dense gets
-    compressed. A warning, not an error: recipes written for several architectures list what some lack."""
-    missing = [entry for entry in unmatched(model, ignore) if entry not in _DEFAULT_IGNORE]
-    if missing:
-        names = [name for name, _ in model.named_modules() if name]
-        hints = [hint for entry in missing for hint in closest_entries(entry, names, n=1)] if names else []
-        warn_user(f"{owner}.ignore: {', '.join(map(repr, missing))} match{'es' if len(missing) == 1 else ''} no "
-                  f"module of {type(model).__name__}, so nothing is kept out by {'it' if len(missing) == 1 else 'them'}"
-                  + (f"; did you mean {', '.join(map(repr, hints))}?" if hints else ""), IgnoreWarning)
 
 
 def _in_piece(name: str, modules: list[str]) -> bool:

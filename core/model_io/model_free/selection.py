@@ -18,8 +18,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from layerwise.common.matching import IgnoreWarning, closest_entries, regex
-from layerwise.common.user_warnings import warn_user
+from layerwise.common.matching import closest_entries, regex
+from layerwise.common.matching import warn_unmatched_ignore as warn_unmatched
 from layerwise.model_io.streaming.safetensors_io import StoredTensor
 
 #: the last part of an embedding's module name in transformers checkpoints
@@ -85,14 +85,9 @@ def check_patterns(patterns: Iterable[str], modules: list[str], owner: str, kind
 
 
 def warn_unmatched_ignore(ignore: Iterable[str], modules: list[str], owner: str) -> None:
-    """A recipe's ignore entry matching no layer is most often a typo (the layer meant to stay dense is
-    quantized): warned, as in memory; the default ``lm_head`` is not (tied embeddings have none)."""
-    missing = [entry for entry in ignore if entry != "lm_head" and not any(matches(m, entry) for m in modules)]
-    if missing:
-        hints = [hint for entry in missing for hint in closest_entries(entry, modules, n=1)]
-        warn_user(f"{owner}.ignore: {', '.join(map(repr, missing))} match{'es' if len(missing) == 1 else ''} no "
-                  f"layer of the checkpoint, so nothing is kept out by {'it' if len(missing) == 1 else 'them'}"
-                  + (f"; did you mean {', '.join(map(repr, hints))}?" if hints else ""), IgnoreWarning)
+    """A recipe's ignore entries matching no layer, warned about as in memory."""
+    missing = [entry for entry in ignore if not any(matches(m, entry) for m in modules)]
+    warn_unmatched(owner, missing, modules, "layer of the checkpoint")
 
 
 def select(all_layers: Mapping[str, Layer], targets: list[str], ignore: list[str], owner: str) -> list[str]:
