@@ -424,8 +424,10 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     if missing:
         raise RecipeError(_missing_target_message(owner, missing, model))
     modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
-    warn_unmatched_ignore(owner, unmatched(model, ignore), [n for n, _ in model.named_modules() if n],
-                          f"module of {type(model).__name__}")
+    missing = unmatched(model, ignore)
+    if missing:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
+        warn_unmatched_ignore(owner, missing, [n for n, _ in model.named_modules() if n],
+                              f"module of {type(model).__name__}")
     found = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
     if not found and find_modules(model, targets):
         raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore "
