@@ -111,7 +111,13 @@ VERIFY_TOLERANCE = 1e-5
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Execute ``layerwise trace``; 0 on success, 1 when the trace or verification fails."""
+    from layerwise.common.quiet import bars_wanted
     from layerwise.host.patch_selection import apply_patch
+
+    if not bars_wanted(True):  # transformers' loading bar: a line per redraw in a pipe or a log
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     from layerwise.host.versions import warn_if_untested
     from layerwise.tracing import trace
     from layerwise.tracing.result import TraceError
@@ -178,7 +184,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.suggest_patch:
         from layerwise.tracing.suggest import suggest_patch
 
-        print("Suggested patch (paste into model_zoo/, then check it):", file=out)
+        print("Suggested patch (a plugin module's start; `layerwise new-patch` scaffolds the package and its "
+              "test):", file=out)
         print(suggest_patch(model, result.target_names), file=out, end="")
     if args.verify:
         diff = result.verify(inputs)

@@ -29,9 +29,31 @@ def find_patch_for_config(config: Mapping[str, Any], patches: Sequence[ModelPatc
 
 
 def _best(scored: list[tuple[int, ModelPatch]]) -> ModelPatch | None:
-    """The first patch of the highest score above 0."""
+    """The first patch of the highest score above 0; a tie (two installed patches for one architecture) is
+    warned about, naming each one's plugin, so the choice is never silent."""
     best = max((s for s, _ in scored), default=0)
-    return next((p for s, p in scored if s == best), None) if best else None
+    if not best:
+        return None
+    tied = [p for s, p in scored if s == best]
+    if len(tied) > 1:
+        from layerwise.common.user_warnings import warn_user
+
+        owners = registry("model_patches")
+        named = ", ".join(f"{p.name!r} ({_owner(owners, p.name)})" for p in tied)
+        warn_user(f"model patches {named} match this model equally; using {tied[0].name!r} (registered first): "
+                  f"choose one with CompressOptions.of(patch='<name>'), or uninstall the other plugin", PatchTieWarning)
+    return tied[0]
+
+
+class PatchTieWarning(UserWarning):
+    """Two or more registered model patches match a model equally well."""
+
+
+def _owner(patches: Any, name: str) -> str:
+    try:
+        return str(patches.owner(name))
+    except Exception:  # noqa: BLE001 - a patch passed in, not registered: no owner to name
+        return "not registered"
 
 
 def resolve_patch(model: torch.nn.Module, patch: ModelPatch | str | bool | None = None) -> ModelPatch | None:

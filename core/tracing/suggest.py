@@ -47,10 +47,12 @@ def suggest_patch(model: torch.nn.Module, target_names: Sequence[str]) -> str:
     architectures = dict.fromkeys([type(model).__name__, *(getattr(config, "architectures", None) or [])])
     ignore = outside_linears(model, target_names)
     lines = [
-        f"# model_zoo/{slug}.py -- a starting point: check the targets and the ignore list, add",
-        "# sample_inputs and a test (GUIDE.md, section 5, \"Writing a model patch\").",
+        f"# {slug}.py -- a starting point: check the targets and the ignore list, add sample_inputs and a",
+        "# test (GUIDE.md, section 5, \"Writing a model patch\"); `layerwise new-patch` makes a whole plugin",
+        "# package around it, with the test.",
+        "import transformers",
+        "",
         "from layerwise import ModelPatch, hookimpl",
-        "from layerwise.host.versions import TESTED_TRANSFORMERS",
         "",
         f"{slug.upper()} = ModelPatch(",
         f"    name={_str(slug)},",
@@ -59,7 +61,8 @@ def suggest_patch(model: torch.nn.Module, target_names: Sequence[str]) -> str:
         f"    sequential_targets={_tuple(portable_targets(model, target_names))},",
         "    # Linear layers outside the blocks (heads, projections): usually kept in full precision",
         f"    ignore={_tuple(ignore)},",
-        "    verified_transformers=TESTED_TRANSFORMERS.releases,",
+        "    # the releases this patch was checked with: this one, until the tests pass on others",
+        "    verified_transformers=(transformers.__version__, transformers.__version__),",
         ")",
         "",
         "",

@@ -25,3 +25,14 @@ def test_the_model_type_alone_matches_and_nothing_else_does():
 
 def test_the_registered_zoo_patch_matches_a_llama_checkpoint():
     assert find_patch_for_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).name == "llama"
+
+
+def test_two_patches_matching_equally_are_warned_about_and_the_first_is_used():
+    import pytest
+
+    from layerwise.host.patch_selection import PatchTieWarning
+
+    other = ModelPatch(name="another-by-class", architectures=("ToyForCausalLM",))
+    with pytest.warns(PatchTieWarning, match="'by-class' .* 'another-by-class' .* match this model equally; using "
+                                             "'by-class'"):
+        assert find_patch_for_config({"architectures": ["ToyForCausalLM"]}, [BY_CLASS, other]) is BY_CLASS

@@ -106,6 +106,10 @@ def test_a_model_nothing_describes_is_traced_by_its_blocks_and_a_patch_is_sugges
     assert code == 0, text
     assert "Targets (found by structure): 2 x MPNetLayer (encoder.layer.0-1); no patch names these blocks" in text
     assert "into 3 subgraphs" in text and "ok, tolerance" in text
-    suggested = text.split("Suggested patch (paste into model_zoo/, then check it):\n")[1].split("max abs diff")[0]
+    suggested = text.split("Suggested patch (a plugin module's start; `layerwise new-patch` scaffolds the package "
+                           "and its test):\n")[1].split("max abs diff")[0]
     assert 'sequential_targets=("MPNetLayer",)' in suggested and 'ignore=("pooler.dense",)' in suggested
-    compile(suggested, "suggested.py", "exec")  # ready to paste: valid Python
+    assert "layerwise.host" not in suggested  # a plugin imports the public API only (GUIDE section 12)
+    namespace: dict = {}
+    exec(compile(suggested, "suggested.py", "exec"), namespace)  # noqa: S102 - our own output: it builds its patch
+    assert namespace["MPNET"].verified_transformers == (tf.__version__, tf.__version__)
