@@ -86,9 +86,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="--model-free: shards quantized at once, one thread each (default: as many as shards, cores and "
                         "memory allow)")
     p.add_argument("--device", help="where calibration runs: cpu, cuda or cuda:N (default: the first GPU, else cpu)")
-    p.add_argument("--eval", metavar="FILE", dest="eval_dataset",
-                   help="after saving, evaluate the output against the model on FILE's held-out text (perplexity, "
-                        "KL divergence, agreement; what `layerwise eval` does) and record it in the model card")
+    from layerwise.cli.evaluate import add_compress_options
+
+    add_compress_options(p)  # --eval FILE, --eval-max-windows, --eval-window-length
     p.add_argument("--save-format", default="compressed-tensors", metavar="NAME",
                    help="the output format: a registered saver (`layerwise plugins` lists them; "
                         "default compressed-tensors)")
@@ -148,6 +148,9 @@ def _run_compress(args: argparse.Namespace) -> int:
     if args.output_dir is None and not args.no_save:  # an hour of calibration, then nothing kept
         raise InvalidArgumentError(f"compress --model {args.model} has nowhere to save the compressed model: "
                                    f"pass --output-dir FOLDER, or --no-save to compress without saving")
+    from layerwise.cli.evaluate import check_compress_eval
+
+    check_compress_eval(args)  # a bad --eval file, or one the output would replace: before the model loads
     from layerwise.runtime import distributed
 
     joined = distributed.init_from_env()  # under torchrun: one rank of a data-parallel run
@@ -174,15 +177,14 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
         if distributed.world_size() > 1:
             print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
         _print_summary(model)
-        if args.eval_dataset and args.output_dir:
-            from layerwise.reports.quality_text import quality_lines
-            from layerwise.verbs.evaluation import evaluate_output
+        if args.eval:
+            from layerwise.cli.evaluate import evaluate_after_compress
 
-            del model  # the saved output is what is evaluated, loaded as a user would
-            quality = evaluate_output(args.output_dir, args.model, args.eval_dataset,
-                                      trust_remote_code=args.trust_remote_code)
-            print()
-            print("\n".join(quality_lines(quality)))
+            saved = model.layerwise_report.output_dir
+            if saved:
+                del model  # the saved output is what is evaluated, loaded as a user would: free this one
+                model = None
+            evaluate_after_compress(args, model, saved)
     return 0
 
 

@@ -157,23 +157,28 @@ def add_compress_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_compress_eval(args: argparse.Namespace) -> None:
-    """A bad ``--eval`` file is an error before the model loads."""
+    """A bad ``--eval`` file is an error before the model loads, and so is one inside the output folder: writing
+    the output would replace it (an input, like the dataset and the recipe)."""
     if getattr(args, "eval", None):
+        from layerwise.model_io.saving import check_not_an_input
         from layerwise.reports.eval_text import read_eval_text
 
         read_eval_text(args.eval)
+        if getattr(args, "output_dir", None):
+            check_not_an_input(args.output_dir, [("evaluation file", args.eval)])
 
 
-def evaluate_after_compress(args: argparse.Namespace, model: Any) -> Any:
-    """``compress --eval``: the saved output (or, with ``--no-save``, the model in memory) against
-    ``--model``; printed, and recorded in the output folder. ``None`` without ``--eval``."""
+def evaluate_after_compress(args: argparse.Namespace, model: Any, output_dir: str | None = None) -> Any:
+    """``compress --eval``: the saved output (``output_dir``, else the model's own report's) or, with
+    ``--no-save``, the model in memory, against ``--model``; printed, and recorded in the output folder.
+    ``None`` without ``--eval``."""
     if not getattr(args, "eval", None):
         return None
     from layerwise.verbs.evaluation import evaluate, evaluate_output
 
     options = dict(window_length=args.eval_window_length, max_windows=args.eval_max_windows, device=args.device,
                    show_progress=not args.quiet, trust_remote_code=args.trust_remote_code)
-    output_dir = model.layerwise_report.output_dir
+    output_dir = output_dir or model.layerwise_report.output_dir
     if output_dir:
         quality = evaluate_output(output_dir, args.model, args.eval, **options)
     else:

@@ -230,6 +230,8 @@ CASES = [
      ["pipeline 'datafree' runs no calibration data, and GPTQModifier needs it", "drop --pipeline"]),
     ("ignore entries that leave nothing to compress", None, ["--recipe", "W8A16", "--ignore", "re:.*_proj$"],
      ["every layer its targets ['Linear'] select is ignored", "drop or narrow an ignore entry"]),
+    ("missing --eval file", None, ["--recipe", "W8A16", "--eval", "heldout.txt"],
+     ["evaluation file 'heldout.txt' does not exist"]),
     ("unknown pipeline", None, ["--recipe", "GPTQ_W8A16", "--dataset", _file("c.txt", TEXT), "--pipeline", "fast"],
      ["unknown pipeline 'fast'", "valid pipelines: basic"]),
     ("group size that does not divide the layer", None,

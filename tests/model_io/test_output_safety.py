@@ -125,3 +125,14 @@ def test_an_output_over_the_blobs_a_cached_snapshot_links_to_is_refused(hub_cach
 def test_an_output_beside_the_cache_is_fine(hub_cache, capsys, tmp_path):
     assert compress(capsys, "--model", str(hub_cache / "snapshots" / "main"), "--output-dir",
                     str(tmp_path / "out"))[0] == 0
+
+
+def test_an_eval_file_inside_the_output_folder_is_refused_before_any_work(project, capsys, monkeypatch):
+    """--eval's held-out text is an input too: --overwrite replaced the folder holding it, then the eval failed."""
+    monkeypatch.chdir(project)
+    assert compress(capsys, "--model", "model", "--output-dir", "out")[0] == 0
+    (project / "out" / "heldout.txt").write_text("held-out text\n" * 40)
+    before = snapshot(project)
+    code, err = compress(capsys, "--model", "model", "--output-dir", "out", "--overwrite", "--eval", "out/heldout.txt")
+    assert code == 2 and "holds the evaluation file 'out/heldout.txt'" in err
+    assert snapshot(project) == before
