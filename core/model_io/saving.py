@@ -242,8 +242,9 @@ def _keep_checkpoint(tmp: Path) -> bool:
     (tmp / LOCK_FILE).write_text("0\n")  # no live owner: the next run reports it, or takes it over
     import logging
 
-    logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': run it "
-                                           "again with resume=True (CLI: --resume) to continue", describe(tmp), tmp)
+    logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': the "
+                                           "command that made it, run again with resume=True (CLI: --resume), "
+                                           "continues it", describe(tmp), tmp)
     return True
 
 
