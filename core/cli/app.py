@@ -174,8 +174,6 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
         _print_report(model)
         return 0
     if distributed.is_main():  # one summary for the run, not one per rank
-        if distributed.world_size() > 1:
-            print(f"ranks:              {distributed.world_size()} (data-parallel; rank 0 wrote the output)")
         _print_summary(model)
         if args.eval:
             from layerwise.cli.evaluate import evaluate_after_compress

@@ -62,6 +62,8 @@ class CompressionReport:
     #: the model's class (``LlamaForCausalLM``; a model-free run: its config's ``architectures``): the class the
     #: model card loads it with
     architecture: str = ""
+    #: data-parallel processes that calibrated the run (torchrun); 1 for one process
+    ranks: int = 1
     #: what the run left undone and why, in a line each (a model-free run's fused MoE experts left dense)
     notes: list[str] = field(default_factory=list)
 

@@ -251,6 +251,8 @@ def summary_text(report: Any, ascii_only: bool = True) -> str:
     """The run summary ``layerwise compress`` prints (and ``str(model.layerwise_report)`` gives)."""
     lines = [f"pipeline:           {report.pipeline}", *run_notes(report.fallbacks, report.guards_retraced),
              f"modifiers:          {', '.join(report.modifiers)}"]
+    if getattr(report, "ranks", 1) > 1:
+        lines.insert(0, f"ranks:              {report.ranks} (data-parallel; rank 0 wrote the output)")
     if report.targets_found and report.pipeline in ("sequential", "layer_sequential"):
         lines.append(f"targets:            {report.targets_found}")
     if report.pieces:

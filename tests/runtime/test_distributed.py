@@ -258,6 +258,9 @@ def test_only_rank_zero_claims_and_writes_the_output(ranks):
     assert rank_result(ranks, 1)["claims"] == []
     assert rank_result(ranks, 0)["gptq"]["output_dir"] == str(ranks / "gptq-model")
     assert rank_result(ranks, 1)["gptq"]["output_dir"] is None
+    from layerwise.reports.run_summary import read_summary
+
+    assert read_summary(ranks / "gptq-model").report.ranks == 2  # the saved summary says how it was calibrated
 
 
 def test_weights_streamed_on_every_rank_write_what_the_in_memory_run_writes(ranks):
