@@ -143,7 +143,8 @@ def render_chats(records: Iterable[Any], tokenizer: Any, chat_template: str, sou
     if chat_template != "off" and not getattr(tokenizer, "chat_template", None):
         raise DatasetError(f"the calibration dataset {_describe(source)} holds chat rows (messages) but the "
                            f"tokenizer ({type(tokenizer).__name__}) has no chat template to render them with: pass a "
-                           f"tokenizer that has one (tokenizer=, e.g. the instruct model's), set tokenizer.chat_template, "
+                           f"tokenizer that has one (in Python tokenizer=, e.g. the instruct model's; on the command line the "
+                           f"--model folder's tokenizer is used), set tokenizer.chat_template, "
                            f"or chat_template='off' (CLI: --chat-template off) to calibrate on the messages' contents "
                            f"as plain text")
     for index, record in enumerate(records):
