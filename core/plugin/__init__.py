@@ -19,6 +19,7 @@ working (and warning) for that release.
 """
 
 from layerwise.common.matching import (
+    DEFAULT_IGNORE,
     IgnoreWarning,
     closest_entries,
     find_modules,
@@ -49,6 +50,7 @@ from layerwise.host.versions import TESTED_TRANSFORMERS
 from layerwise.tracing import LazyFunctions, opaque
 
 __all__ = [
+    "DEFAULT_IGNORE",
     "SESSION_FIELDS",
     "TESTED_TRANSFORMERS",
     "AlgorithmFallbackWarning",

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from layerwise.plugin import (
+    DEFAULT_IGNORE,
     CompressionState,
     ForeignField,
     Modifier,
@@ -424,7 +425,7 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     if missing:
         raise RecipeError(_missing_target_message(owner, missing, model))
     modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
-    missing = unmatched(model, ignore)
+    missing = unmatched(model, [entry for entry in ignore if entry not in DEFAULT_IGNORE])  # lm_head: no walk
     if missing:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
         warn_unmatched_ignore(owner, missing, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
