@@ -285,6 +285,9 @@ def compress(
         if checkpoint is not None and checkpoint.resumed_from is not None:
             report.resumed_from_piece = checkpoint.resumed_from + 1
             start -= checkpoint.earlier_seconds  # the report's time is the whole run's, interruptions aside
+            # its phases are this process's: the interrupted run's time is named as one, not left in "other"
+            state.accounting.add("before the resume", checkpoint.earlier_seconds)
+            report.accounting = state.accounting.as_dict()
         if writes:  # several ranks: rank 0 writes
             with state.accounting.timed("save"):
                 _save(saver, model, stream, output_dir, tokenizer, report, modifiers, output.overwrite, start)

@@ -76,6 +76,8 @@ def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_o
     assert report.resumed_from_piece == KILLED_AFTER + 1
     assert report.bytes_after == uninterrupted["bytes_after"]
     assert f"resumed:            from piece {KILLED_AFTER + 1}" in str(report)
+    assert report.accounting["before the resume"]["seconds"] > 0  # the interrupted run's time, named
+    assert sum(work["seconds"] for work in report.accounting.values()) <= report.seconds
     assert json.loads((out / "layerwise_summary.json").read_text())["resumed_from_piece"] == KILLED_AFTER + 1
     expected, got = _saved(reference), _saved(out)
     assert sorted(expected) == sorted(got)
