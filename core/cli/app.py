@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from layerwise import __version__
 from layerwise.cli.arguments import positive_int, with_kv_cache
-from layerwise.common.quiet import bars_wanted
+from layerwise.common.quiet import command_line_bars
 from layerwise.errors import InvalidArgumentError, LayerwiseError
 
 if TYPE_CHECKING:
@@ -123,10 +123,7 @@ def torch_module() -> type:
 
 
 def _run_compress(args: argparse.Namespace) -> int:
-    if not bars_wanted(not args.quiet):  # transformers' own loading/saving bars too, not only ours
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    command_line_bars(not args.quiet)  # transformers' own loading/saving bars too, not only ours
     if args.model is None and args.kv_cache:
         raise InvalidArgumentError("--kv-cache: the embedded demo (MiniLM) is an encoder and has no KV cache; pass "
                                    "--model with a decoder (Llama, Qwen, Mistral, ...)")
@@ -179,8 +176,7 @@ def _compress_and_print(args: argparse.Namespace, show_progress: bool) -> int:
             from layerwise.cli.evaluate import evaluate_after_compress
 
             saved = model.layerwise_report.output_dir
-            if saved:
-                del model  # the saved output is what is evaluated, loaded as a user would: free this one
+            if saved:  # the saved output is what is evaluated, loaded as a user would: free this one
                 model = None
             evaluate_after_compress(args, model, saved)
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from layerwise.cli.arguments import positive_int
-from layerwise.common.quiet import bars_wanted
+from layerwise.common.quiet import command_line_bars
 from layerwise.errors import LayerwiseError
 
 
@@ -75,10 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from layerwise.verbs.evaluation import evaluate
 
-    if not bars_wanted(not args.quiet):  # transformers' bars too (a log gets a line per redraw)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    command_line_bars(not args.quiet)  # transformers' bars too (a log gets a line per redraw)
     quality = evaluate(args.original, args.compressed, args.dataset, window_length=args.window_length,
                        stride=args.stride, max_windows=args.max_windows, batch_size=args.batch_size,
                        device=args.device, placement=args.placement, tasks=args.tasks, task_path=args.task_path,

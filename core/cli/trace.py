@@ -111,19 +111,15 @@ VERIFY_TOLERANCE = 1e-5
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Execute ``layerwise trace``; 0 on success, 1 when the trace or verification fails."""
-    from layerwise.common.quiet import bars_wanted
+    from layerwise.common.quiet import command_line_bars
     from layerwise.host.patch_selection import apply_patch
-
-    if not bars_wanted(True):  # transformers' loading bar: a line per redraw in a pipe or a log
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     from layerwise.host.versions import warn_if_untested
     from layerwise.tracing import trace
     from layerwise.tracing.result import TraceError
     from layerwise.tracing.samples import default_modality, sample_inputs
 
     out = out or sys.stdout
+    command_line_bars(True)  # transformers' loading bar: a line per redraw in a pipe or a log
     warn_if_untested()
     model = load_for_tracing(args.model, materialise=args.verify)
     patch = _find_patch(model)

@@ -40,6 +40,15 @@ def bars_wanted(show_progress: bool) -> bool:
     return show_progress and sys.stderr.isatty()
 
 
+def command_line_bars(show_progress: bool) -> None:
+    """For a command-line process (it ends with the command): transformers' bars off for good unless wanted
+    (:func:`bars_wanted`), including the loads made outside layerwise's own verbs."""
+    if not bars_wanted(show_progress):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 @contextlib.contextmanager
 def library_bars_hidden(hidden: bool) -> Iterator[None]:
     """transformers' progress bars (loading weights, writing shards) off for the block when ``hidden``, then

@@ -91,18 +91,24 @@ def check_not_quantized(where: str | os.PathLike) -> None:
     Compressing it again would quantize quantized weights (or fail half way); the fix is the
     original model.
     """
-    config_file = Path(str(where)).expanduser() / "config.json"
-    if not config_file.is_file():
-        return
-    try:
-        quant = json.loads(config_file.read_text(encoding="utf-8")).get("quantization_config")
-    except (OSError, ValueError):
-        return  # transformers gives the precise error when it loads it
+    quant = folder_quantization(where)
     if quant:
         raise AlreadyQuantizedError(
             f"{str(where)!r} is already quantized ({describe_quantization(quant)}): compress the original, "
             f"unquantized model instead (its folder or hub id); to run it, load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained or layerwise.load_compressed")
+
+
+def folder_quantization(where: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``quantization_config`` a local folder's config.json holds; ``None`` for none, no such file, or one
+    that does not read (transformers gives the precise error when it loads it)."""
+    config_file = Path(str(where)).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text(encoding="utf-8")).get("quantization_config") or None
+    except (OSError, ValueError):
+        return None
 
 
 def describe_quantization(quant: dict[str, Any]) -> str:

@@ -310,9 +310,11 @@ def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers
     from layerwise.common.matching import find_modules, unmatched
     from layerwise.tracing.smoothing_layout import discover_mappings
 
-    caches = [next(f"{type(m).__name__}.{key}: {getattr(m, key)!r}" for key in ("kv_cache_scheme", "attention_scheme")
-                   if getattr(m, key, None) is not None) for m in modifiers
-              if getattr(m, "kv_cache_scheme", None) is not None or getattr(m, "attention_scheme", None) is not None]
+    caches = []  # one per modifier that calibrates the KV cache (its kv_cache_scheme, or its attention_scheme)
+    for m in modifiers:
+        key = next((k for k in ("kv_cache_scheme", "attention_scheme") if getattr(m, k, None) is not None), None)
+        if key is not None:
+            caches.append(f"{type(m).__name__}.{key}: {getattr(m, key)!r}")
     if len(caches) > 1:  # each would calibrate the same k/v scales, and the last one's would be saved
         plan.error(f"the KV cache is set twice ({', '.join(caches)}): keep one (a recipe's kv_cache_scheme, or "
                    f"the CLI's --kv-cache)")

@@ -264,6 +264,10 @@ def compress(
         from layerwise.algorithms.sparsity.storage import sparse_modules
 
         compressed = list({**quantized_modules(model), **sparse_modules(model)})
+        checkpoint = pipeline_options.checkpoint
+        if checkpoint is not None and checkpoint.resumed_from is not None:
+            # the phases are this process's: the interrupted run's time is named as one, not left in "other"
+            state.accounting.add("before the resume", checkpoint.earlier_seconds)
         report = CompressionReport(
             pipeline=pipeline_used, modifiers=[type(m).__name__ for m in modifiers],
             compressed_modules=compressed, seconds=0.0, bytes_before=bytes_before,
@@ -281,13 +285,9 @@ def compress(
             activations=offload_note, options=options.as_dict(),
         )
         _record_peaks(report)
-        checkpoint = pipeline_options.checkpoint
         if checkpoint is not None and checkpoint.resumed_from is not None:
             report.resumed_from_piece = checkpoint.resumed_from + 1
             start -= checkpoint.earlier_seconds  # the report's time is the whole run's, interruptions aside
-            # its phases are this process's: the interrupted run's time is named as one, not left in "other"
-            state.accounting.add("before the resume", checkpoint.earlier_seconds)
-            report.accounting = state.accounting.as_dict()
         if writes:  # several ranks: rank 0 writes
             with state.accounting.timed("save"):
                 _save(saver, model, stream, output_dir, tokenizer, report, modifiers, output.overwrite, start)

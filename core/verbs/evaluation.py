@@ -102,16 +102,17 @@ def record_evaluation(folder: str | os.PathLike, quality: QualityReport) -> tupl
 def _check_original_unquantized(original: ModelLike) -> None:
     """The original is the unquantized model a compressed one came from; a quantized folder there measures
     nothing meaningful (and a plain load of an FP4 one fails its forward): refused, naming what it holds."""
-    from layerwise.model_io.model_paths import AlreadyQuantizedError, check_not_quantized
+    from layerwise.model_io.model_paths import (
+        AlreadyQuantizedError,
+        describe_quantization,
+        folder_quantization,
+    )
 
-    if isinstance(original, torch.nn.Module):
-        return
-    try:
-        check_not_quantized(original)
-    except AlreadyQuantizedError as exc:
-        what = str(exc).split(": compress the original")[0]
-        raise AlreadyQuantizedError(f"the original {what}: eval compares a compressed model with the unquantized "
-                                    f"model it came from; pass that model's folder or hub id as ORIGINAL") from None
+    quant = None if isinstance(original, torch.nn.Module) else folder_quantization(original)
+    if quant:
+        raise AlreadyQuantizedError(f"the original {str(original)!r} is already quantized "
+                                    f"({describe_quantization(quant)}): eval compares a compressed model with the "
+                                    f"unquantized model it came from; pass that model's folder or hub id as ORIGINAL")
 
 
 def evaluate_output(output_dir: str | os.PathLike, original: ModelLike, dataset: Any, **options: Any

@@ -425,9 +425,9 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     if missing:
         raise RecipeError(_missing_target_message(owner, missing, model))
     modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
-    missing = unmatched(model, [entry for entry in ignore if entry not in DEFAULT_IGNORE])  # lm_head: no walk
-    if missing:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
-        warn_unmatched_ignore(owner, missing, [n for n, _ in model.named_modules() if n],
+    unmatched_ignore = unmatched(model, [entry for entry in ignore if entry not in DEFAULT_IGNORE])  # lm_head: no walk
+    if unmatched_ignore:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
+        warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
     found = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
     if not found and find_modules(model, targets):
@@ -435,8 +435,6 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
                           f"{[*ignore, *(state.ignore or [])]}), so it would compress nothing: drop or narrow an "
                           f"ignore entry (recipe ignore:, CLI --ignore)")
     return found
-
-
 
 
 def _in_piece(name: str, modules: list[str]) -> bool:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from layerwise.common.matching import closest_entries, regex
+from layerwise.common.matching import DEFAULT_IGNORE, closest_entries, regex
 from layerwise.common.matching import warn_unmatched_ignore as warn_unmatched
 from layerwise.model_io.streaming.safetensors_io import StoredTensor
 
@@ -86,7 +86,7 @@ def check_patterns(patterns: Iterable[str], modules: list[str], owner: str, kind
 
 def warn_unmatched_ignore(ignore: Iterable[str], modules: list[str], owner: str) -> None:
     """A recipe's ignore entries matching no layer, warned about as in memory."""
-    missing = [entry for entry in ignore if not any(matches(m, entry) for m in modules)]
+    missing = [entry for entry in ignore if entry not in DEFAULT_IGNORE and not any(matches(m, entry) for m in modules)]
     warn_unmatched(owner, missing, modules, "layer of the checkpoint")
 
 
