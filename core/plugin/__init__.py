@@ -21,7 +21,6 @@ working (and warning) for that release.
 from layerwise.common.matching import (
     DEFAULT_IGNORE,
     IgnoreWarning,
-    closest_entries,
     find_modules,
     matches,
     unmatched,
@@ -72,7 +71,6 @@ __all__ = [
     "applied_patch",
     "apply_patch",
     "check_choice",
-    "closest_entries",
     "did_you_mean",
     "find_modules",
     "find_patch",
