@@ -68,11 +68,9 @@ def uninitialised_linear(n_in: int, n_out: int, bias: bool = False, device: torc
                          dtype: torch.dtype | None = None) -> nn.Linear:
     """``nn.Linear(n_in, n_out)`` with empty parameters: no init, no second allocation (``skip_init`` builds on
     meta, then ``to_empty``; a 256-expert model's 44,544 layers took 26 s that way, on meta too)."""
-    def empty(*shape: int) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
-
-    return _built(nn.Linear, {"in_features": n_in, "out_features": n_out},
-                  {"weight": empty(n_out, n_in), "bias": empty(n_out) if bias else None})
+    weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype))
+    bias_ = nn.Parameter(torch.empty(n_out, device=device, dtype=dtype)) if bias else None
+    return _built(nn.Linear, {"in_features": n_in, "out_features": n_out}, {"weight": weight, "bias": bias_})
 
 
 def _built(cls: type[nn.Module], attributes: dict[str, Any], parameters: dict[str, Any] | None = None,
@@ -86,18 +84,22 @@ def _built(cls: type[nn.Module], attributes: dict[str, Any], parameters: dict[st
     container (hook dicts, buffer sets) a fresh empty one of its type.
     """
     module = cls.__new__(cls)
-    state = {key: kind() for key, kind in _CONTAINERS} | dict(_CONSTANTS)
-    state["_parameters"] = dict(parameters or {})
-    state["_modules"] = dict(modules or {})
+    state = module.__dict__
+    for key, kind in _CONTAINERS:
+        state[key] = kind()
+    state.update(_CONSTANTS)
+    if parameters:
+        state["_parameters"].update(parameters)
+    if modules:
+        state["_modules"].update(modules)
     state.update(attributes)
-    module.__dict__.update(state)
     return module
 
 
-def _empty_state() -> tuple[tuple[tuple[str, type], ...], tuple[tuple[str, Any], ...]]:
+def _empty_state() -> tuple[tuple[tuple[str, type], ...], dict[str, Any]]:
     fresh = nn.Module()
     containers = tuple((k, type(v)) for k, v in vars(fresh).items() if isinstance(v, (dict, set, list)))
-    constants = tuple((k, v) for k, v in vars(fresh).items() if not isinstance(v, (dict, set, list)))
+    constants = {k: v for k, v in vars(fresh).items() if not isinstance(v, (dict, set, list))}
     return containers, constants
 
 
@@ -149,6 +151,11 @@ class LinearExperts(nn.ModuleList):
     def __init__(self, experts: list[ExpertMLP]) -> None:
         super().__init__(experts)
         self.num_experts = len(experts)
+
+    @classmethod
+    def of(cls, experts: list[ExpertMLP]) -> LinearExperts:
+        """The same module as ``LinearExperts(experts)``, built without ``__init__`` (see :func:`_built`)."""
+        return _built(cls, {"num_experts": len(experts)}, modules={str(e): mlp for e, mlp in enumerate(experts)})
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -239,7 +246,7 @@ def _unfuse_experts(model: nn.Module, names: tuple[str, str, str]) -> nn.Module:
             mlps.append(mlp)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, LinearExperts(mlps))
+        setattr(parent, attr, LinearExperts.of(mlps))
     return model
 
 

@@ -306,7 +306,7 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
 def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers: list, state: CompressionState) -> None:
     """Each modifier's layers (its own ``resolve_modules``) and smoothing mappings, as a run resolves them."""
     from layerwise.algorithms.quantization.mappings import mappings_for_run
-    from layerwise.algorithms.quantization.storage import linear_weight
+    from layerwise.algorithms.quantization.storage import linear_weight, weight_of
     from layerwise.common.matching import find_modules, unmatched
     from layerwise.tracing.smoothing_layout import discover_mappings
 
@@ -334,12 +334,13 @@ def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers
                                     f"{type(model).__name__}")
                 modules = {n: m for n, m in find_modules(model, modifier.targets,
                                                          [*getattr(modifier, "ignore", []), *state.ignore]).items()
-                           if isinstance(getattr(m, "weight", None), torch.Tensor)}
+                           if isinstance(weight_of(m), torch.Tensor)}
             else:
                 continue
             weights, inputs = getattr(modifier, "args", None), getattr(modifier, "input_args", None)
             for name, module in modules.items():
-                rows, columns = (int(d) for d in linear_weight(module).shape[:2])
+                shape = linear_weight(module).shape
+                rows, columns = int(shape[0]), int(shape[1])
                 known = plan.layers.get(name)
                 plan.layers[name] = Quantized(name, rows, columns, weights or (known.weights if known else None),
                                               inputs or (known.inputs if known else None),

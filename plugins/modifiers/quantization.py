@@ -51,6 +51,7 @@ from layerwise.plugin.quantization import (
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
+    weight_of,
     weight_qparams,
 )
 
@@ -429,7 +430,7 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str],
     if unmatched_ignore:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
         warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
-    found = {n: m for n, m in modules.items() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    found = {n: m for n, m in modules.items() if isinstance(weight_of(m), torch.Tensor)}
     if not found and find_modules(model, targets):
         raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore "
                           f"{[*ignore, *(state.ignore or [])]}), so it would compress nothing: drop or narrow an "
