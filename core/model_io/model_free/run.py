@@ -123,9 +123,11 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     quantization_config = _quantization_config(saver, all_layers, plan, modifiers, ignore)
     plan = _with_global_scales(plan, all_layers, chosen)
     by_file = {file: [plan[job.module] for job in jobs] for file, jobs in by_file.items()}
+    settings = {"weights": "model-free", "ignore": given or None, "patch": chosen.name if chosen else None,
+                "workers": workers, "save_format": save_format, "overwrite": overwrite}
     report = _write(folder, output_dir, overwrite, shards, by_file, save_format, workers, quantization_config,
                     modifiers, plan, tensors, start, _expert_projections(chosen),
-                    dense_experts_notes(selection.dense_experts))
+                    dense_experts_notes(selection.dense_experts), settings)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -269,8 +271,10 @@ def _quantization_config(saver: Saver, all_layers: dict[str, Layer], plan: dict[
 def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, shards: list[str],
            by_file: dict[str, list[LayerJob]], save_format: str, workers: int, quantization_config: dict[str, Any],
            modifiers: list, plan: dict[str, LayerJob], tensors: dict[str, tuple[str, StoredTensor]],
-           start: float, projections: tuple[str, ...] = (), notes: list[str] | None = None) -> Any:
-    """The output folder, complete or absent: the shards, their index, the config and the files beside."""
+           start: float, projections: tuple[str, ...] = (), notes: list[str] | None = None,
+           settings: dict[str, Any] | None = None) -> Any:
+    """The output folder, complete or absent: the shards, their index, the config and the files beside;
+    ``settings``: the run's settings as its summary records them (``options``)."""
     with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
         jobs = [ShardJob(folder / file, tmp / file, tuple(by_file[file]), save_format, default_threads(workers),
                          projections) for file in shards]
@@ -288,6 +292,7 @@ def _write(folder: Path, output_dir: str | os.PathLike, overwrite: Overwrite, sh
         report = _report(folder, modifiers, plan, tensors, total, results, workers, start)
         report.output_dir = str(Path(output_dir))
         report.notes.extend(notes or ())
+        report.options = dict(settings or {})
         from layerwise.reports.model_card import output_card_files
         from layerwise.reports.run_summary import SUMMARY_FILE, summary_json
 

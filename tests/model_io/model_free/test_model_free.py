@@ -173,6 +173,10 @@ def test_compress_with_weights_model_free_is_the_same_run(sharded_llama, tmp_pat
     assert report.pipeline == "model-free" and (tmp_path / "out" / "layerwise_summary.json").is_file()
     assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "recipe.yaml").is_file()
     assert layerwise.CompressOptions.of(weights="model-free").as_dict()["weights"] == "model-free"
+    # the summary records the settings the run used (it recorded none: {})
+    saved = json.loads((tmp_path / "out" / "layerwise_summary.json").read_text())
+    assert saved["options"]["weights"] == "model-free" and saved["options"]["workers"] == 1
+    assert saved["options"]["save_format"] == "compressed-tensors" and saved["options"]["ignore"] is None
 
 
 def test_an_architecture_transformers_does_not_know(tmp_path):
