@@ -119,11 +119,10 @@ def layerwise_recipe(method: str, scheme: str, args: argparse.Namespace):
     from layerwise.plugins.modifiers.autoround import AutoRoundModifier
     from layerwise.plugins.modifiers.gptq import GPTQModifier
     from layerwise.plugins.modifiers.quantization import QuantizationModifier
-    from layerwise.plugins.modifiers.rotation import W4A8 as W4A8_SCHEME
     from layerwise.plugins.modifiers.rotation import RotationModifier
 
     if scheme == W4A8:
-        gptq = GPTQModifier(scheme=W4A8_SCHEME, ignore=["lm_head"])
+        gptq = GPTQModifier(scheme="W4A8", ignore=["lm_head"])
         return [RotationModifier(), gptq] if method == "Rotation + GPTQ" else gptq
 
     weights = {"scheme": {"weights": _weights(*SCHEMES[scheme]), "targets": ["Linear"]},

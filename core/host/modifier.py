@@ -158,6 +158,9 @@ class Modifier:
 
 
 def _plain(value: Any) -> Any:
+    from layerwise.algorithms.quantization.config_groups import plain
+
+    value = plain(value)  # compressed-tensors' QuantizationArgs / QuantizationScheme: the mapping it saves as
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
     if isinstance(value, (list, tuple)):

@@ -59,6 +59,14 @@ from . import llm_compressor
 from .kv_cache import KVCacheCalibration
 
 
+class _DefaultScheme(str):
+    """The scheme a modifier gets when none is written, told apart from the same name written (``is``)."""
+
+
+#: ``W4A16``, unless the modifier only sets a KV cache (see ``QuantizationModifier._only_kv_cache``)
+DEFAULT_SCHEME = _DefaultScheme("W4A16")
+
+
 @dataclass
 class QuantizationModifier(Modifier):
     """Quantize the weights of ``targets`` (minus ``ignore``) with ``scheme``.
@@ -72,15 +80,15 @@ class QuantizationModifier(Modifier):
     modifiers, which a recipe mapping builds: ``{"QuantizationModifier": {"config_groups": ...}}``.
     ``kv_cache_scheme`` (``fp8``, ``fp8_head`` or a mapping ``{num_bits: 8, type: float, strategy: tensor |
     attn_head}``) calibrates static FP8 scales for every attention layer's keys and values; with
-    ``scheme: null`` only the KV cache is quantized. ``attention_scheme`` (the same values, with
-    ``scheme: null``; llm-compressor's config group with ``input_activations`` targeting the attention
+    ``scheme: null``, or no scheme nor weight field written (as in llm-compressor), only the KV cache is
+    quantized. ``attention_scheme`` (the same values, with ``scheme: null``; llm-compressor's config group with ``input_activations`` targeting the attention
     modules) is FP8 attention: the queries of the attention layers ``targets`` names (default: all) too.
     """
 
     foreign_fields: ClassVar[dict[str, ForeignField]] = llm_compressor.QUANTIZATION
     max_config_groups: ClassVar[int | None] = None
 
-    scheme: Any = "W4A16"
+    scheme: Any = DEFAULT_SCHEME
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     num_bits: int | None = None
@@ -107,6 +115,8 @@ class QuantizationModifier(Modifier):
         if self.config_groups is not None:
             self._take_config_group()
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
+        if self.scheme is DEFAULT_SCHEME:
+            self.scheme = None if self._only_kv_cache() else str(DEFAULT_SCHEME)
         self._kv = self._kv_cache(owner)
         if self.scheme is None and (self._kv is None or type(self) is not QuantizationModifier):
             raise RecipeError(f"{owner}.scheme is null: give a scheme (e.g. W4A16)" + (
@@ -122,6 +132,13 @@ class QuantizationModifier(Modifier):
         self._input_observers: dict[str, Any] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
         self._fused: tuple[tuple[str, ...], ...] = fused_sets()
+
+    def _only_kv_cache(self) -> bool:
+        """A QuantizationModifier given a KV cache (or FP8 attention) and no scheme nor weight field quantizes
+        only that, as llm-compressor's does (its scheme-less config group has no weights)."""
+        weight_fields = (self.num_bits, self.symmetric, self.strategy, self.group_size, self.observer)
+        return (type(self) is QuantizationModifier and all(value is None for value in weight_fields)
+                and (self.kv_cache_scheme is not None or self.attention_scheme is not None))
 
     @property
     def requires_data(self) -> bool:  # type: ignore[override]

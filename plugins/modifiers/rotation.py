@@ -40,15 +40,6 @@ from layerwise.plugin.quantization import (
     rotate_residual_stream,
 )
 
-#: int4 weights in groups of 128, int8 inputs per token at run time
-W4A8 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128},
-        "input_activations": {"num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True},
-        "targets": ["Linear"]}
-#: int4 weights in groups of 128, int4 inputs per token at run time
-W4A4 = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128},
-        "input_activations": {"num_bits": 4, "symmetric": True, "strategy": "token", "dynamic": True},
-        "targets": ["Linear"]}
-
 
 @dataclass
 class RotationModifier(Modifier):
@@ -59,9 +50,9 @@ class RotationModifier(Modifier):
 
     requires_data: ClassVar[bool] = False
     chained_presets: ClassVar[dict[str, tuple[tuple[str, dict[str, Any]], ...]]] = {
-        "QUAROT_GPTQ_W4A8": (("RotationModifier", {}), ("GPTQModifier", {"scheme": W4A8})),
+        "QUAROT_GPTQ_W4A8": (("RotationModifier", {}), ("GPTQModifier", {"scheme": "W4A8"})),
         "QUAROT_GPTQ_W4A16": (("RotationModifier", {}), ("GPTQModifier", {"scheme": "W4A16"})),
-        "QUAROT_GPTQ_W4A4": (("RotationModifier", {"online": True}), ("GPTQModifier", {"scheme": W4A4})),
+        "QUAROT_GPTQ_W4A4": (("RotationModifier", {"online": True}), ("GPTQModifier", {"scheme": "W4A4"})),
     }
 
     rotation: str = "hadamard"

@@ -188,10 +188,10 @@ CASES = [
     # -- clear before this battery; kept here so they stay so
     ("unknown modifier as the recipe", None, ["--recipe", "FooModifier"],
      ["unknown recipe 'FooModifier'", "GPTQModifier", "a YAML file"]),
-    ("unknown preset", None, ["--recipe", "W3A16"],
-     ["unknown recipe 'W3A16'", "did you mean 'W4A16' or 'W8A16'?"]),
+    ("unknown preset", None, ["--recipe", "W5A16"],
+     ["unknown recipe 'W5A16'", "did you mean 'W2A16' or 'W3A16' or 'W4A16' or 'W8A16'?"]),
     ("unknown scheme in YAML", None, ["--recipe", "QuantizationModifier: {scheme: W5A16}"],
-     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4"]),
+     ["unknown scheme 'W5A16'", "valid schemes: FP8, FP8_BLOCK, FP8_DYNAMIC, INT8, MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4"]),
     ("unknown modifier field", None,
      ["--recipe", _file("recipe.yaml", "GPTQModifier:\n  blocksize: 64\n"), "--dataset", _file("c.txt", TEXT)],
      ["'blocksize' (did you mean 'block_size'?)", "valid fields:"]),
@@ -349,11 +349,11 @@ def _never(*args, **kwargs):
 
 
 def test_debug_shows_the_traceback_before_the_error(model_dir, tmp_path, capsys):
-    argv = ["compress", "--model", str(model_dir), "--recipe", "W3A16", "--output-dir", str(tmp_path / "out")]
+    argv = ["compress", "--model", str(model_dir), "--recipe", "W5A16", "--output-dir", str(tmp_path / "out")]
     for spelled in (["--debug", *argv], [*argv, "--debug"]):
         assert run_cli(spelled) == 2
         err = capsys.readouterr().err
-        assert err.index("Traceback (most recent call last)") < err.index("layerwise: error: unknown recipe 'W3A16'")
+        assert err.index("Traceback (most recent call last)") < err.index("layerwise: error: unknown recipe 'W5A16'")
 
 
 def test_an_unexpected_error_is_one_line_that_says_how_to_see_more(model_dir, tmp_path, capsys, monkeypatch):
@@ -388,7 +388,7 @@ def test_compress_raises_model_load_errors_with_the_cause_chained(breaker, error
     ({"num_calibration_samples": -1}, InvalidArgumentError, "num_calibration_samples (CLI: --num-samples)"),
     ({"targets_per_subgraph": 0}, InvalidArgumentError, "targets_per_subgraph"),
     ({"recipe": {"stage": {"GPTQmodifier": {"scheme": "W4A16"}}}}, RecipeError, "did you mean 'GPTQModifier'?"),
-    ({"recipe": "W3A16"}, RecipeError, "unknown recipe 'W3A16'"),
+    ({"recipe": "W5A16"}, RecipeError, "unknown recipe 'W5A16'"),
     ({"dataset": "binary.txt"}, DatasetError, "is not UTF-8 text"),
 ])
 def test_compress_refuses_bad_arguments_before_loading(kwargs, error, message, tmp_path, monkeypatch):

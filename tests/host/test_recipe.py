@@ -32,7 +32,7 @@ def test_yaml_file(tmp_path):
 
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(UnknownNameError) as info:
-        parse_recipe("W3A16")
+        parse_recipe("W5A16")
     assert "W4A16" in str(info.value) and "QuantizationModifier" in str(info.value)
 
 
@@ -66,7 +66,7 @@ def test_algorithm_presets_name_the_modifier_and_scheme():
     (rtn,) = parse_recipe("W8A16")
     assert type(rtn).__name__ == "QuantizationModifier" and not rtn.requires_data
     with pytest.raises(UnknownNameError, match="GPTQ_W4A16_ASYM"):
-        parse_recipe("GPTQ_W3A16")
+        parse_recipe("GPTQ_W5A16")
 
 
 @pytest.mark.parametrize(("recipe", "named", "meant"), [

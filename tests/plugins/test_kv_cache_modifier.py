@@ -141,6 +141,39 @@ def test_recipes_round_trip_and_the_cli_flag_appends_a_kv_modifier():
     assert with_kv_cache("W4A16", None) == "W4A16"
 
 
+def test_a_kv_cache_scheme_without_a_scheme_quantizes_only_the_kv_cache_as_llm_compressor_does():
+    """llm-compressor's KV-cache-only recipe writes no scheme; the default W4A16 quantized every weight too."""
+    (kv_only,) = parse_recipe("QuantizationModifier:\n  kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor,"
+                              " dynamic: false, symmetric: true, observer: static_minmax}\n")
+    assert kv_only.scheme is None and kv_only.args is None and kv_only.requires_data
+    assert parse_recipe(recipe_to_yaml([kv_only]))[0].scheme is None  # saved as scheme: null
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    assert QuantizationModifier(kv_cache_scheme="fp8").args is None
+    assert QuantizationModifier(attention_scheme="fp8").scheme is None
+    # a scheme or a weight field written keeps the weights quantized; so does any other modifier
+    (written,) = parse_recipe({"QuantizationModifier": {"scheme": "W4A16", "kv_cache_scheme": "fp8"}})
+    assert written.args is not None and written.args.num_bits == 4
+    assert parse_recipe(recipe_to_yaml([written]))[0].args.num_bits == 4
+    assert QuantizationModifier(num_bits=8, kv_cache_scheme="fp8").args.num_bits == 8
+    assert QuantizationModifier().scheme == "W4A16" and type(QuantizationModifier().scheme) is str
+    (gptq,) = parse_recipe(kv_recipe("fp8", "W4A16", "GPTQModifier"))
+    assert gptq.args is not None
+
+
+def test_a_compressed_tensors_args_object_as_kv_cache_scheme_saves_as_its_mapping():
+    """recipe.yaml is written before the run: a pydantic object there was a raw yaml RepresenterError."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    kv = ct.QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    modifier = QuantizationModifier(scheme="FP8_DYNAMIC", kv_cache_scheme=kv)
+    (again,) = parse_recipe(recipe_to_yaml([modifier]))
+    assert again.kv_cache_scheme == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                     "dynamic": False}
+    assert again.kv_calibration.args == modifier.kv_calibration.args
+
+
 def test_errors_come_before_any_work():
     with pytest.raises(RecipeError, match="GPTQModifier.scheme is null: give a scheme"):
         parse_recipe(kv_recipe("fp8", None, "GPTQModifier"))

@@ -86,10 +86,10 @@ def test_requires_no_data():
 
 def test_unknown_scheme_lists_valid_ones():
     with pytest.raises(UnknownNameError) as info:
-        QuantizationModifier(scheme="W3A16")
+        QuantizationModifier(scheme="W5A16")
     assert "W4A16_ASYM" in str(info.value) and "W8A16" in str(info.value)
     with pytest.raises(RecipeError, match="W8A16"):  # through a recipe too
-        parse_recipe({"QuantizationModifier": {"scheme": "W3A16"}})
+        parse_recipe({"QuantizationModifier": {"scheme": "W5A16"}})
 
 
 def test_unknown_scheme_field_lists_valid_ones():

@@ -56,6 +56,27 @@ PRESETS: dict[str, QuantizationScheme] = {
                                  input_activations=QuantizationArgs(strategy="token", dynamic=True, **_FP8)),
 }
 
+
+
+def _integer_grid() -> dict[str, QuantizationScheme]:
+    """compressed-tensors' other ``W<w>A<a>`` names for the weight widths layerwise packs (``w`` 2-4 bits; ``a``
+    4, 8 or 16, ``w <= a``), so that a recipe written for llm-compressor finds them: int weights, symmetric,
+    groups of 128; int inputs with a scale per token computed at run time (``A16``: none)."""
+    grid = {}
+    for bits in (2, 3, 4):
+        for inputs in (4, 8, 16):
+            name = f"W{bits}A{inputs}"
+            if bits <= inputs and name not in PRESETS:
+                grid[name] = QuantizationScheme(
+                    QuantizationArgs(num_bits=bits, symmetric=True, strategy="group", group_size=128),
+                    input_activations=None if inputs == 16 else QuantizationArgs(
+                        num_bits=inputs, symmetric=True, strategy="token", group_size=None, dynamic=True))
+    return grid
+
+
+PRESETS.update(_integer_grid())
+PRESETS["INT8"] = PRESETS["W8A8"]  # compressed-tensors' other name for it
+
 _SCHEME_FIELDS = ("weights", "targets", "input_activations")
 
 
@@ -68,6 +89,9 @@ def resolve_scheme(value: str | dict[str, Any] | QuantizationScheme) -> Quantiza
     """
     if isinstance(value, QuantizationScheme):
         return value
+    from layerwise.algorithms.quantization.config_groups import plain
+
+    value = plain(value)  # compressed-tensors' QuantizationScheme: the mapping it saves as
     if isinstance(value, str):
         key = value.strip()
         if key in PRESETS:
