@@ -544,7 +544,7 @@ def _model_free_plan(plan: Plan, folder: Any, recipe: RecipeLike, options: Any, 
         check_model_path(str(folder))
         check_not_quantized(str(folder))
         if output_dir is not None:
-            check_not_an_input(output_dir, [("model", str(folder))])
+            check_not_an_input(output_dir, run_inputs(str(folder), None, recipe))
             check_output_dir(output_dir, options.output.overwrite)
         plan.model_free = forecast_model_free(folder, recipe, ignore=options.calibration.ignore,
                                               workers=options.placement.workers, patch=options.calibration.patch)

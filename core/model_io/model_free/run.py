@@ -71,6 +71,7 @@ from layerwise.model_io.saving import (
     atomic_output_dir,
     check_not_an_input,
     check_output_dir,
+    run_inputs,
 )
 from layerwise.model_io.streaming.checkpoint import INDEX_FILE, SINGLE_FILE
 from layerwise.model_io.streaming.safetensors_io import StoredTensor, read_header
@@ -105,7 +106,7 @@ def compress_model_free(model: str | os.PathLike, recipe: RecipeLike, output_dir
     check_model_path(str(model))
     check_not_quantized(str(model))
     folder = _folder(model)
-    check_not_an_input(output_dir, [("model", str(folder))])
+    check_not_an_input(output_dir, run_inputs(str(folder), None, recipe))  # the recipe file too
     check_output_dir(output_dir, overwrite)
     chosen = model_free_patch(folder, patch)
     saver = registry("savers").get(save_format)

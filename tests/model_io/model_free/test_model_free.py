@@ -179,6 +179,23 @@ def test_compress_with_weights_model_free_is_the_same_run(sharded_llama, tmp_pat
     assert saved["options"]["save_format"] == "compressed-tensors" and saved["options"]["ignore"] is None
 
 
+def test_a_recipe_file_in_the_output_folder_is_refused_before_any_work(sharded_llama, tmp_path):
+    """overwrite='any' replaces a folder that is not a layerwise output, but never one holding an input: the
+    model-free run checked the model folder only and deleted the recipe file."""
+    from layerwise.errors import LayerwiseError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = out / "recipe.yaml"
+    recipe.write_text("QuantizationModifier:\n  scheme: W4A16\n  group_size: 32\n")
+    with pytest.raises(LayerwiseError, match="recipe file"):
+        compress_model_free(sharded_llama, str(recipe), out, overwrite="any", workers=1)
+    assert recipe.is_file() and sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+    options = layerwise.CompressOptions.of(weights="model-free", overwrite="any")
+    plan = layerwise.plan(str(sharded_llama), str(recipe), output_dir=out, options=options)
+    assert not plan.ok and any("recipe file" in finding.text for finding in plan.findings)
+
+
 def test_an_architecture_transformers_does_not_know(tmp_path):
     folder = _save_llama(tmp_path / "mystery", shard=None)
     config = json.loads((folder / "config.json").read_text())
