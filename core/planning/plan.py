@@ -30,6 +30,7 @@ from layerwise.host.state import CompressionState
 from layerwise.model_io.calibration_data import default_max_seq_length
 from layerwise.model_io.model_paths import check_model_path, check_not_quantized
 from layerwise.model_io.saving import check_not_an_input, check_output_dir, run_inputs
+from layerwise.model_io.streaming.shards import MAX_SHARD_BYTES
 from layerwise.model_io.streaming.stream import IN_MEMORY_PEAK, should_stream
 from layerwise.planning.estimate import (
     PieceEstimate,
@@ -430,8 +431,8 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
                 peak = plan.baseline_bytes + plan.weight_bytes + max(cache + on_host, quantized_out)
             else:
                 peak = plan.baseline_bytes + 2 * largest_piece + cache + on_host
-            disk = (plan.output_bytes if output_dir is not None else 0) + (
-                plan.cache_bytes if offload == "disk" and needs_data else 0)
+            disk = (_output_disk(plan.output_bytes, streamed=weights == "stream") if output_dir is not None else 0) \
+                + (plan.cache_bytes if offload == "disk" and needs_data else 0)
             plan.choices.append(_choice(plan, weights, offload, peak, disk))
     weights = placement.weights
     if weights == "auto":
@@ -466,7 +467,8 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
                  "fewer samples or shorter ones, or a larger machine" if needs_data else
                  "a larger machine, or a model-free run (--model-free: one shard at a time, from safetensors)")
         plan.error(f"weights={weights}, offload={offload} needs {need}; "
-                   + (f"these fit: {', '.join(fitting)}" if fitting else f"no placement fits: {fixes}"), "memory")
+                   + (f"these fit: {', '.join(fitting)}" if fitting else f"no placement fits: {fixes}"),
+                   "disk" if short_of_disk else "memory")  # no placement ``auto`` picks writes less output
     if on_gpu:
         free = gpu_memory
         if free is None and torch.cuda.is_available():
@@ -502,6 +504,12 @@ def _count_tokens(plan: Plan, dataset: Any, calibration: Any, trust_remote_code:
         return len(batches), sum(int(b["input_ids"].numel()) if "input_ids" in b else plan.seq_length
                                  for b in batches)
     return None
+
+
+def _output_disk(output_bytes: int, *, streamed: bool) -> int:
+    """Disk a run's output takes while it is written: a streamed run writes each piece's part file, then
+    copies the parts of each shard (at most :data:`MAX_SHARD_BYTES`) into it before deleting them."""
+    return output_bytes + (min(output_bytes, MAX_SHARD_BYTES) if streamed else 0)
 
 
 def _gpu_peak(plan: Plan, free: int, largest_piece: int, work: int, *, streamed: bool) -> None:

@@ -173,11 +173,11 @@ def compress(
                              f"weights='memory'")
     writes = output_dir is not None and distributed.is_main()
     before = Accounting()  # the phases before the run's state exists, added to its accounting then
-    if distributed.is_main():  # what `layerwise plan` says will fail never starts (the folder is checked above)
+    if distributed.is_main():  # what `layerwise plan` says will fail never starts, the disk it needs included
         from layerwise.verbs.plan import preflight
 
         with before.timed("plan checks"):
-            preflight(model, recipe, dataset, options, None)
+            preflight(model, recipe, dataset, options, output_dir if writes else None)
     # the saver encodes the codes quantizing computed (kept only while there is an output to write)
     with _claim(output_dir if writes else None, output.overwrite, output.resume) as claimed, keeping_codes(writes):
         source, stream = None, None

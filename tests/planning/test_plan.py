@@ -163,6 +163,27 @@ def test_compress_refuses_what_the_plan_refuses_with_a_plan_error(bf16_llama_dir
                            options=layerwise.CompressOptions.of(weights="memory", offload="cpu"))
 
 
+def test_compress_refuses_an_output_the_disk_cannot_hold_before_reading_a_weight(bf16_llama_dir, tmp_path,
+                                                                                 monkeypatch):
+    """compress ran the plan without its output folder, so a disk too small failed at the save, after the work;
+    and no placement ``auto`` may pick writes less output, so it stops the run whatever the placement."""
+    from layerwise.planning import plan as planning
+
+    monkeypatch.setattr(planning, "_disk_free", lambda output_dir: 1024)
+    _no_weight_read(monkeypatch)
+    with pytest.raises(PlanError, match="of disk"):
+        layerwise.compress(str(bf16_llama_dir), GROUP32, output_dir=tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
+    found = layerwise.plan(str(bf16_llama_dir), GROUP32, output_dir=tmp_path / "out")
+    assert [f.topic for f in found.findings if f.level == "error"] == ["disk"]
+
+
+def test_a_streamed_output_is_planned_with_the_shard_it_copies_its_parts_into(bf16_llama_dir, tmp_path):
+    found = layerwise.plan(str(bf16_llama_dir), GROUP32, output_dir=tmp_path / "out")
+    disk = {(c.weights, c.offload): c.disk for c in found.choices}
+    assert disk[("stream", "cpu")] == 2 * disk[("memory", "cpu")] == 2 * found.output_bytes
+
+
 def _deepseek_v3_dir(tmp_path) -> str:
     """A DeepSeek-V3-shaped config only: one dense layer, then MoE layers of 16 routed experts and a shared one."""
     import transformers

@@ -22,6 +22,9 @@ SINGLE_FILE = "model.safetensors"
 PART_PREFIX = "part-"
 
 
+#: the largest shard a streamed run writes (as transformers' ``save_pretrained`` shards: 5 GiB)
+MAX_SHARD_BYTES = 5 * 2**30
+
 class ShardWriter:
     """Writes groups of tensors into ``folder`` as numbered part files, then names them as shards."""
 
@@ -67,7 +70,7 @@ class ShardWriter:
             self.weight_map.update(dict.fromkeys(tensors, part))
             self.parts[position] = part
 
-    def finish(self, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    def finish(self, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
         """Gather the parts into shards of at most ``max_shard_bytes`` (``model-0000i-of-0000n.safetensors``;
         one: ``model.safetensors``), bytes copied file to file, and write the index; returns the shard names."""
         groups: list[list[str]] = []
