@@ -56,7 +56,11 @@ from layerwise.model_io.saving import (
     reserve_output,
     run_inputs,
 )
-from layerwise.model_io.streaming.stream import StreamingError, choose_streaming
+from layerwise.model_io.streaming.stream import (
+    StreamingError,
+    choose_streaming,
+    seal_streamed_model,
+)
 from layerwise.reports.run_report import CompressionReport
 from layerwise.runtime import distributed
 from layerwise.runtime.accounting import Accounting
@@ -133,7 +137,8 @@ def compress(
     Every other setting is in ``options`` (:class:`~layerwise.verbs.options.CompressOptions`:
     calibration, placement, output and safety groups, each field documented there); the everyday
     arguments above, when given, override their fields. The run's summary is
-    ``model.layerwise_report``.
+    ``model.layerwise_report``. A run whose weights streamed from disk returns a model without them:
+    calling it raises, naming the output folder to load instead.
     """
     start = time.perf_counter()
     options = with_everyday(options or CompressOptions(), num_calibration_samples, max_seq_length, device, overwrite)
@@ -294,6 +299,7 @@ def compress(
             report.accounting = state.accounting.as_dict()  # the saved summary's stops before saving
         if stream is not None:
             stream.close()
+            seal_streamed_model(model, output_dir if writes else None)
         report.seconds = time.perf_counter() - start
         model.layerwise_report = report  # type: ignore[attr-defined]
         return model

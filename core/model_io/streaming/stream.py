@@ -282,6 +282,19 @@ _CHECK_CHUNK = 2**24
 _COPY_BATCH_BYTES = 256 * 2**20
 
 
+def seal_streamed_model(model: nn.Module, output_dir: str | os.PathLike | None) -> None:
+    """Make the model a streamed run returns refuse to run: its weights went to ``output_dir`` piece by piece
+    and are placeholders now (NaN), so a forward would compute NaN without a word."""
+    where = f"were written to {str(output_dir)!r}: load them with layerwise.load_compressed({str(output_dir)!r})" \
+        if output_dir is not None else "were not kept (no output folder was given)"
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise StreamingError(f"this model's weights were streamed from disk (weights='stream') and are not in "
+                             f"memory: they {where}, or compress with weights='memory' to keep them")
+
+    model.register_forward_pre_hook(refuse)
+
+
 def trim_heap() -> None:
     """Hand the memory freed by a finished piece back to the system (glibc keeps freed heap otherwise,
     and a streamed run's peak is what one piece needs on top of what earlier ones left)."""

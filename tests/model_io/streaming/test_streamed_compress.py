@@ -80,6 +80,9 @@ def test_only_one_piece_is_loaded_at_a_time_and_nothing_stays_loaded(tmp_path, m
     # a decoder layer holds 9 of the model's 30 parameters; never more than one layer's (and a neighbour's)
     assert 0 < max(loaded_at_each_read) <= 12 < total
     assert all(is_unloaded(p) for p in model.parameters())  # every piece was written and dropped
+    # so the returned model refuses to run (it computed NaN without a word), naming where its weights went
+    with pytest.raises(StreamingError, match=r"streamed from disk.*load_compressed\(.*out'\)"):
+        model(torch.tensor([[1, 2, 3]]))
 
 
 def test_rebuilt_buffers_match_from_pretrained(tmp_path):
@@ -225,6 +228,8 @@ def test_a_streamed_dry_run_writes_nothing_and_still_reports(tmp_path):
     assert report.weights.startswith("stream") and len(report.compressed_modules) == 21
     assert 0 < report.bytes_after < report.bytes_before
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(StreamingError, match="were not kept"):
+        model(torch.tensor([[1, 2, 3]]))
 
 
 @pytest.mark.parametrize("recipe", ["NVFP4A16", "GPTQ_MXFP4A16", "NVFP4"])
