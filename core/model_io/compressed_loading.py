@@ -33,7 +33,7 @@ import torch
 from layerwise.algorithms.quantization.float_formats import e8m0_values, fp4_values, unpack_fp4
 from layerwise.algorithms.sparsity.bitmask import DECODERS, PARTS, SparseFormatError
 from layerwise.algorithms.sparsity.masks import parse_mask_structure
-from layerwise.algorithms.sparsity.storage import mark_sparse
+from layerwise.algorithms.sparsity.storage import PRUNED_ONLY_KEY, mark_sparse
 from layerwise.common.quiet import quiet_transformers
 from layerwise.common.user_warnings import warn_user
 from layerwise.errors import ModelLoadError
@@ -55,8 +55,11 @@ def quantization_config(config: Any) -> dict[str, Any]:
 
 
 def sparsity_config(config: Any) -> dict[str, Any] | None:
-    """``quantization_config.sparsity_config`` of a transformers config (or config.json dict), if any."""
+    """``quantization_config.sparsity_config`` of a transformers config (or config.json dict), if any; for a
+    model pruned and not quantized, the one layerwise writes beside (:data:`PRUNED_ONLY_KEY`)."""
     sparse = quantization_config(config).get("sparsity_config")
+    if not sparse:
+        sparse = config.get(PRUNED_ONLY_KEY) if isinstance(config, dict) else getattr(config, PRUNED_ONLY_KEY, None)
     return sparse if isinstance(sparse, dict) and sparse else None
 
 

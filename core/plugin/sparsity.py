@@ -16,6 +16,7 @@ from layerwise.algorithms.sparsity.masks import (
 )
 from layerwise.algorithms.sparsity.sparsegpt import sparsegpt_prune
 from layerwise.algorithms.sparsity.storage import (
+    PRUNED_ONLY_KEY,
     SPARSITY_ATTR,
     mark_sparse,
     pruned_mask,
@@ -23,7 +24,7 @@ from layerwise.algorithms.sparsity.storage import (
 )
 
 __all__ = [
-    "BITMASK", "ENCODERS", "SPARSE_24", "SPARSITY_ATTR", "MaskStructure", "SparseFormatError", "check_sparsity",
+    "BITMASK", "ENCODERS", "PRUNED_ONLY_KEY", "SPARSE_24", "SPARSITY_ATTR", "MaskStructure", "SparseFormatError", "check_sparsity",
     "encoded_bytes", "magnitude_mask", "mark_sparse", "parse_mask_structure", "pruned_mask", "score_mask",
     "sparse_modules", "sparsegpt_prune",
 ]

@@ -37,7 +37,9 @@ initializes and vLLM reads. A model whose only quantization is its KV cache is s
 A pruned model (layers marked by :func:`layerwise.algorithms.sparsity.mark_sparse`) also gets
 ``quantization_config.sparsity_config`` with format ``dense``: the pruned weights are stored as they
 are (dense, zeros included; packed as above when quantized) and the config only says what the zeros
-are. Details, and why not the bitmask layouts: :mod:`.sparse`.
+are. Pruned and not quantized, it gets no ``quantization_config`` (compressed-tensors 0.19 writes none,
+and transformers with 0.19 fails on one without a config group): the sparsity_config goes under
+``layerwise_sparsity_config``. Details, and why not the bitmask layouts: :mod:`.sparse`.
 
 What plain ``AutoModelForCausalLM.from_pretrained(folder)`` reads (transformers 5.24.0,
 compressed-tensors 0.20.0, measured in ``tests/plugins/savers/test_plain_transformers.py``): every
@@ -96,7 +98,7 @@ from layerwise.plugin.saving import (
     run_inputs,
     skipped_prefixes,
 )
-from layerwise.plugin.sparsity import sparse_modules
+from layerwise.plugin.sparsity import PRUNED_ONLY_KEY, sparse_modules
 
 from .ct_config import args_json, config_json, scheme_json
 from .errors import SaveError
@@ -169,10 +171,15 @@ def save_streamed(model: torch.nn.Module, stream: Any, output_dir: str | os.Path
 
 def _write_beside(tmp: Path, quant_config: dict[str, Any], tokenizer: Any, recipe: dict | str | None,
                   extra_files: dict[str, str | bytes] | None) -> None:
-    """``quantization_config`` into config.json, and the tokenizer, recipe and extra files next to it."""
+    """``quantization_config`` into config.json, and the tokenizer, recipe and extra files next to it. A model
+    pruned and not quantized gets none (as compressed-tensors 0.19 writes it: a dense model, which every loader
+    and vLLM take); its ``sparsity_config`` goes under :data:`PRUNED_ONLY_KEY`, for layerwise's loader."""
     config_path = tmp / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = quant_config
+    if quant_config.get("config_groups") or quant_config.get("kv_cache_scheme") or "sparsity_config" not in quant_config:
+        config["quantization_config"] = quant_config
+    else:
+        config[PRUNED_ONLY_KEY] = quant_config["sparsity_config"]
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -251,7 +251,7 @@ def test_a_pruned_run_saves_a_folder_plain_transformers_reloads_to_the_same_outp
 
     out = tmp_path / "pruned"
     model = prune_tiny_llama(recipe, output_dir=out)
-    config = json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    config = json.loads((out / "config.json").read_text())["layerwise_sparsity_config"]  # no quantization_config
     assert config["format"] == "dense" and config["sparsity_structure"] == structure
     assert abs(config["global_sparsity"] - 0.5) < 1e-6
     summary = out / summary_file

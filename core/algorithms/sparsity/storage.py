@@ -14,6 +14,9 @@ from torch import nn
 from layerwise.algorithms.sparsity.masks import MaskStructure
 
 SPARSITY_ATTR = "sparsity_structure"
+#: config.json's key for the sparsity_config of a model pruned and not quantized: compressed-tensors 0.19 writes no
+#: quantization_config for such a model, and transformers with it fails to load one that has no config group
+PRUNED_ONLY_KEY = "layerwise_sparsity_config"
 
 
 def mark_sparse(module: nn.Module, structure: MaskStructure) -> None:

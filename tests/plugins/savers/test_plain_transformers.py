@@ -18,6 +18,7 @@ import torch
 import layerwise
 from layerwise.algorithms.quantization.storage import quantized_modules
 from layerwise.algorithms.sparsity import sparse_modules
+from layerwise.algorithms.sparsity.storage import PRUNED_ONLY_KEY
 from layerwise.testing import token_batches
 from tests.conftest import build_tiny_llama
 
@@ -99,9 +100,13 @@ def test_every_pruning_recipe_loads_in_plain_transformers(name, tmp_path):
     model = compressed(PRUNING[name], tmp_path / "out")
     pruned = sparse_modules(model)
     assert pruned
-    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    assert config["sparsity_config"]["format"] == "dense"
-    assert config["sparsity_config"]["targets"] == list(pruned)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    if quantized_modules(model):
+        sparsity = config["quantization_config"]["sparsity_config"]
+    else:  # a dense model to every loader, as compressed-tensors 0.19 writes it
+        assert "quantization_config" not in config
+        sparsity = config[PRUNED_ONLY_KEY]
+    assert sparsity["format"] == "dense" and sparsity["targets"] == list(pruned)
     reloaded = check_plain_load(model, tmp_path / "out")
     for layer, module in pruned.items():  # the zeros are the pruned ones
         assert torch.equal(reloaded.get_submodule(layer).weight == 0, module.weight == 0), layer
