@@ -4,7 +4,10 @@
 (same file system, so the final step is a rename). On success the temporary
 folder is renamed into place; on any error or KeyboardInterrupt it is removed
 and an existing target folder is left exactly as it was, as are the folders above it
-(parents created for the output are removed again).
+(parents created for the output are removed again). A finished folder is never removed:
+when the last step cannot happen (a folder appeared at the target while the run worked),
+it is kept as ``OUT.complete-<time>`` beside the target (:class:`OutputKeptAsideError` says
+where). A target that is a symbolic link is written where the link points.
 
 :func:`check_output_dir` runs before any work (``compress()`` calls it before loading
 the model): an existing folder without ``overwrite``, or a location that cannot be
@@ -30,6 +33,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +54,17 @@ class OutputIsInputError(LayerwiseError, ValueError):
     """The output folder is, holds or lies inside one of the run's inputs: writing it could destroy them."""
 
 
+class OutputKeptAsideError(LayerwiseError, OSError):
+    """The run finished but its folder could not be put in place: it is kept, complete, beside the target.
+
+    ``kept``: where the finished output is; ``target``: where it was meant to go.
+    """
+
+    def __init__(self, message: str, kept: Path, target: Path) -> None:
+        super().__init__(message)
+        self.kept, self.target = kept, target
+
+
 #: ``False``: refuse a non-empty folder; ``True``: replace one layerwise wrote; ``"any"``: replace any folder
 Overwrite = bool | Literal["any"]
 
@@ -60,6 +75,13 @@ OWNER_MARK = "layerwise_summary.json"
 def written_by_layerwise(folder: Path) -> bool:
     """Whether ``folder`` is a layerwise output (it holds :data:`OWNER_MARK`)."""
     return (folder / OWNER_MARK).is_file()
+
+
+def output_target(path: str | os.PathLike) -> Path:
+    """The folder ``path`` names, as an absolute path; a symbolic link is followed, so the output is written
+    where it points and the link keeps working (replacing the link would put it beside the link instead)."""
+    target = Path(path).expanduser().absolute()
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
 
 
 def check_overwrite(overwrite: object) -> None:
@@ -78,7 +100,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: Overwrite = False,
     ``owned`` says whether an existing folder is one ``overwrite=True`` may replace.
     """
     check_overwrite(overwrite)
-    target = Path(path).expanduser().absolute()
+    target = output_target(path)
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"output path '{target}' exists and is not a folder; choose another output_dir")
     if target.is_dir() and any(target.iterdir()):
@@ -207,7 +229,7 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
     it fails in seconds (:class:`OutputLockedError`); :func:`atomic_output_dir` inside the
     claim writes into the same folder. Parents created for it are removed again on failure.
     """
-    target = Path(path).expanduser().absolute()
+    target = output_target(path)
     if target in _RESERVED:  # claimed (and checked) further up this call stack
         yield _RESERVED[target]
         return
@@ -220,8 +242,8 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
         keep = False
         try:
             yield tmp
-        except BaseException:
-            keep = _keep_checkpoint(tmp)
+        except BaseException as exc:  # a finished output kept aside is the user's now, as is a checkpoint
+            keep = isinstance(exc, OutputKeptAsideError) or _keep_checkpoint(tmp)
             raise
         finally:
             del _RESERVED[target]
@@ -261,7 +283,7 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> 
         yield tmp
         release(tmp)
         give_default_modes(tmp)
-        _move_into_place(tmp, Path(path).expanduser().absolute(), overwrite)
+        _move_into_place(tmp, output_target(path), overwrite)
 
 
 def give_default_modes(folder: Path) -> None:
@@ -291,7 +313,20 @@ def _remove_empty_parents(folder: Path, stop: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
-    check_output_dir(target, overwrite)  # something may have appeared while we wrote
+    """Make the finished ``tmp`` the output; when that cannot be done, keep it aside (it is never deleted)."""
+    try:
+        check_output_dir(target, overwrite)  # something may have appeared while we wrote
+        _replace_target(tmp, target)
+    except (LayerwiseError, OSError) as exc:
+        kept = _keep_finished(tmp, target)
+        raise OutputKeptAsideError(
+            f"the run finished, but its output could not be put in place: {_why_not_in_place(target, exc)}. "
+            f"Nothing was deleted: the finished output is kept, complete, in '{kept}'. Use it from there, or "
+            f"move '{target}' out of the way and put it in place (e.g. mv '{kept}' '{target}'); running again "
+            f"with --overwrite would compute it all again", kept, target) from exc
+
+
+def _replace_target(tmp: Path, target: Path) -> None:
     if not target.exists():
         os.rename(tmp, target)
         return
@@ -308,7 +343,44 @@ def _move_into_place(tmp: Path, target: Path, overwrite: Overwrite) -> None:
     except BaseException:
         os.rename(old, target)  # put the previous folder back
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_replaced(old)
+
+
+def _remove_replaced(old: Path) -> None:
+    """Delete the folder the new output replaced; what cannot be deleted is named, never left unnoticed."""
+    if old.is_symlink() or not old.is_dir():
+        old.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(old):
+        import logging
+
+        logging.getLogger("layerwise").warning("layerwise: the replaced output could not be deleted completely; "
+                                               "delete '%s' yourself", old)
+
+
+def _why_not_in_place(target: Path, exc: BaseException) -> str:
+    if isinstance(exc, OutputExistsError) and target.is_dir():
+        return f"'{target}' appeared or filled while the run worked (it holds {_some_entries(target)})"
+    if isinstance(exc, OutputExistsError):
+        return f"'{target}' appeared while the run worked and is not a folder"
+    return f"'{target}' could not be written ({getattr(exc, 'strerror', None) or exc})"
+
+
+def _keep_finished(tmp: Path, target: Path) -> Path:
+    """Rename a finished folder to ``OUT.complete-<time>`` beside the target; where even that fails it stays
+    where it is (unlocked: no later run removes a folder without a lock)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(100):
+        kept = target.parent / (f"{target.name}.complete-{stamp}" + (f"-{attempt}" if attempt else ""))
+        if os.path.lexists(kept):
+            continue
+        try:
+            os.rename(tmp, kept)
+        except OSError:
+            return tmp
+        return kept
+    return tmp
 
 
 def _carry_user_readme(target: Path, tmp: Path) -> None:

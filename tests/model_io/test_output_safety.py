@@ -136,3 +136,36 @@ def test_an_eval_file_inside_the_output_folder_is_refused_before_any_work(projec
     code, err = compress(capsys, "--model", "model", "--output-dir", "out", "--overwrite", "--eval", "out/heldout.txt")
     assert code == 2 and "holds the evaluation file 'out/heldout.txt'" in err
     assert snapshot(project) == before
+
+
+@pytest.mark.parametrize("weights", ["memory", "stream"])
+def test_a_folder_made_at_the_output_during_the_run_keeps_the_finished_model_aside(project, capsys, monkeypatch,
+                                                                                   weights):
+    from layerwise.model_io import saving
+
+    monkeypatch.chdir(project)
+    finish = saving.give_default_modes
+
+    def user_makes_the_folder(folder):  # the last moment before the finished folder is put in place
+        (project / "late").mkdir()
+        (project / "late" / "notes.txt").write_text("mine")
+        finish(folder)
+
+    monkeypatch.setattr(saving, "give_default_modes", user_makes_the_folder)
+    code, err = compress(capsys, "--model", "model", "--output-dir", "late", "--weights", weights)
+    (kept,) = project.glob("late.complete-*")
+    assert code != 0 and "the finished output is kept, complete, in" in err and kept.name in err
+    assert (kept / "layerwise_summary.json").is_file() and (kept / "config.json").is_file()
+    assert not (kept / ".layerwise-resume").exists() and not (kept / ".layerwise.lock").exists()
+    assert [p.name for p in (project / "late").iterdir()] == ["notes.txt"]
+    assert list(project.glob(".late.*")) == []
+
+
+def test_overwrite_through_a_symlinked_output_keeps_the_link(project, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(project)
+    assert compress(capsys, "--model", "model", "--output-dir", str(tmp_path / "real_out"))[0] == 0
+    Path("outlink").symlink_to(tmp_path / "real_out", target_is_directory=True)
+    assert compress(capsys, "--model", "model", "--output-dir", "outlink", "--overwrite")[0] == 0
+    assert Path("outlink").is_symlink() and (tmp_path / "real_out" / "config.json").is_file()
+    assert [p.name for p in project.iterdir() if "outlink" in p.name] == ["outlink"]
+    assert [p.name for p in tmp_path.iterdir() if "real_out" in p.name] == ["real_out"]

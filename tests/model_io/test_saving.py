@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 
 from layerwise.model_io.saving import (
@@ -197,3 +199,67 @@ def test_every_saved_file_and_folder_gets_the_umask_s_mode(tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
     assert modes == {"out": 0o755, "model.safetensors": 0o644, "sub": 0o755, "f.txt": 0o644}
+
+
+def _finished_output_while_a_folder_appears(target, overwrite=False):
+    """Write a finished output while a user creates a non-empty folder at ``target``."""
+    with atomic_output_dir(target, overwrite=overwrite) as tmp:
+        (tmp / "model.safetensors").write_text("hours of calibration")
+        (tmp / OWNER_MARK).write_text("{}")
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+
+
+def test_a_folder_appearing_at_the_output_while_the_run_works_keeps_the_finished_output_aside(tmp_path):
+    from layerwise.model_io.output_lock import claim
+    from layerwise.model_io.saving import OutputKeptAsideError
+
+    target = tmp_path / "out"
+    with pytest.raises(OutputKeptAsideError, match=r"/out' appeared or filled while the run worked .*notes\.txt"
+                                                    r".*kept, complete, in .*out\.complete-.*mv ") as caught:
+        _finished_output_while_a_folder_appears(target)
+    kept = caught.value.kept
+    assert kept.parent == tmp_path and kept.name.startswith("out.complete-")
+    assert (kept / "model.safetensors").read_text() == "hours of calibration"
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]  # the user's folder is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", kept.name])
+    # a later run's clean-up of stale temporary folders never touches it
+    claim(tmp_path / "out")
+    assert (kept / "model.safetensors").is_file()
+
+
+def test_a_finished_output_kept_aside_gets_a_name_of_its_own(tmp_path):
+    from layerwise.model_io.saving import OutputKeptAsideError
+
+    kept = []
+    for _ in range(2):
+        target = tmp_path / "out"
+        with pytest.raises(OutputKeptAsideError) as caught:
+            _finished_output_while_a_folder_appears(target, overwrite=True)  # the folder is not layerwise's
+        kept.append(caught.value.kept)
+        shutil.rmtree(target)
+    assert len(set(kept)) == 2 and all((k / "model.safetensors").is_file() for k in kept)
+
+
+def test_overwrite_through_a_symlink_writes_where_it_points_and_leaves_nothing_behind(tmp_path):
+    real = tmp_path / "disk" / "real_out"
+    real.mkdir(parents=True)
+    (real / OWNER_MARK).write_text("{}")
+    (real / "old.txt").write_text("old")
+    link = tmp_path / "outlink"
+    link.symlink_to(real, target_is_directory=True)
+    with atomic_output_dir(link, overwrite=True) as tmp:
+        assert tmp.parent == real.parent  # beside what the link points to: the rename stays on that disk
+        (tmp / "new.txt").write_text("new")
+    assert link.is_symlink() and link.resolve() == real
+    assert sorted(p.name for p in real.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "outlink"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["real_out"]
+
+
+def test_a_dangling_symlink_is_written_where_it_points(tmp_path):
+    link = tmp_path / "outlink"
+    link.symlink_to(tmp_path / "later", target_is_directory=True)
+    with atomic_output_dir(link) as tmp:
+        (tmp / "f.txt").write_text("x")
+    assert link.is_symlink() and (link / "f.txt").read_text() == "x"
