@@ -32,7 +32,7 @@ import torch
 
 from layerwise.common.user_warnings import warn_user
 from layerwise.errors import LayerwiseError
-from layerwise.model_io.streaming.shards import PART_PREFIX
+from layerwise.model_io.streaming.shards import PART_PREFIX, missing_files
 
 STATE_FOLDER = ".layerwise-resume"
 STATE_FILE = "state.pt"
@@ -138,9 +138,12 @@ class PieceCheckpoint:
         self.earlier_seconds = 0.0
         #: the first piece this process ran after restoring a checkpoint (0-based); None: not resumed
         self.resumed_from: int | None = None
+        #: the pieces of the interrupted run (``None``: not resumed, or a checkpoint that did not record them)
+        self.pieces: int | None = None
         if resume and self.path.is_file():
             self.saved = torch.load(self.path, weights_only=False)
             check_fingerprint(self.saved["fingerprint"], fingerprint, self.folder)
+            _check_parts(self.folder, self.saved["writer"]["parts"])
             self.earlier_seconds = float(self.saved.get("seconds", 0.0))
         elif resume:
             warn_user(f"resume=True, but no interrupted run of this output left a checkpoint (no "
@@ -156,7 +159,7 @@ class PieceCheckpoint:
         modules = {name: {a: getattr(m, a) for a in MODULE_ATTRIBUTES if a in vars(m)}
                    for name, m in state.model.named_modules() if name in stream.retired}
         payload = {
-            "fingerprint": self.fingerprint, "finished": finished, "cache": values, "dropped": sorted(dropped),
+            "fingerprint": self.fingerprint, "finished": finished, "pieces": pieces, "cache": values, "dropped": sorted(dropped),
             "reference": None if reference is None else _cached_values(reference, num_batches),
             "stream": {"retired": sorted(stream.retired), "covered": sorted(stream.covered),
                        "sparsity_counts": dict(stream.sparsity_counts), "final_bytes": stream.final_bytes},
@@ -185,9 +188,10 @@ class PieceCheckpoint:
         stream.final_bytes = saved["stream"].get("final_bytes", 0)  # the pieces written before, counted once
         writer = saved["writer"]
         stream.writer.restore(writer["parts"], writer["weight_map"], writer["total_bytes"])
-        for part in self.folder.glob(f"{PART_PREFIX}*.safetensors"):  # written after the last checkpoint: redone
-            if part.name not in writer["parts"]:
-                part.unlink()
+        if not stream.writer.complete_merge():  # an interrupted final merge is finished from what is there
+            for part in self.folder.glob(f"{PART_PREFIX}*.safetensors"):  # written after the last checkpoint: redone
+                if part.name not in writer["parts"]:
+                    part.unlink()
         _refill(cache, saved["cache"])
         if reference is not None:
             _refill(reference, saved.get("reference") or {})
@@ -197,12 +201,21 @@ class PieceCheckpoint:
         model = lifecycle.state.model
         for name, attributes in saved["modules"].items():
             vars(model.get_submodule(name)).update(attributes)
-        self.resumed_from = saved["finished"] + 1
+        self.resumed_from, self.pieces = saved["finished"] + 1, saved.get("pieces")
         return saved["finished"] + 1, set(saved["dropped"])
 
     def discard(self) -> None:
         """Remove the checkpoint (the run is complete; it must not end up in the output)."""
         shutil.rmtree(self.folder / STATE_FOLDER, ignore_errors=True)
+
+
+def _check_parts(folder: Path, parts: list[str]) -> None:
+    """A checkpoint whose part files are gone cannot be continued: say so before any work, naming the folder."""
+    missing = missing_files(folder, parts)
+    if missing:
+        raise ResumeError(f"the checkpoint in '{folder}' cannot be continued: {len(missing)} of the part files it "
+                          f"lists are gone ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}). "
+                          f"Delete '{folder}' and run again without --resume (resume=True) to start over")
 
 
 def _cached_values(cache: Any, num_batches: int) -> dict[int, dict[str, Any]]:

@@ -243,7 +243,7 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
         try:
             yield tmp
         except BaseException as exc:  # a finished output kept aside is the user's now, as is a checkpoint
-            keep = isinstance(exc, OutputKeptAsideError) or _keep_checkpoint(tmp)
+            keep = isinstance(exc, OutputKeptAsideError) or _keep_checkpoint(tmp, exc)
             raise
         finally:
             del _RESERVED[target]
@@ -254,14 +254,17 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
         raise
 
 
-def _keep_checkpoint(tmp: Path) -> bool:
-    """A failed run's folder holding a resume checkpoint stays (unlocked) for ``resume=True`` to continue."""
+def _keep_checkpoint(tmp: Path, exc: BaseException) -> bool:
+    """A failed run's folder holding a resume checkpoint stays (unlocked) for ``resume=True`` to continue
+    (a checkpoint that cannot be continued too: its error says what to do, never to resume it)."""
     from layerwise.model_io.output_lock import LOCK_FILE
-    from layerwise.model_io.resume import describe, has_checkpoint
+    from layerwise.model_io.resume import ResumeError, describe, has_checkpoint
 
     if not has_checkpoint(tmp):
         return False
     (tmp / LOCK_FILE).write_text("0\n")  # no live owner: the next run reports it, or takes it over
+    if isinstance(exc, ResumeError):
+        return True
     import logging
 
     logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': the "

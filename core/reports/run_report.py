@@ -57,6 +57,8 @@ class CompressionReport:
     #: the piece (1-based) an interrupted run was resumed from; ``None``: run from the start in one go.
     #: ``seconds`` and the sizes then count the interrupted run's work too
     resumed_from_piece: int | None = None
+    #: the interrupted run had finished every piece (it stopped while writing the output): only that was redone
+    resumed_after_last_piece: bool = False
     #: every setting of the run by name (``CompressOptions.as_dict()``): what a rerun needs to match it
     options: dict[str, Any] = field(default_factory=dict)
     #: the model's class (``LlamaForCausalLM``; a model-free run: its config's ``architectures``): the class the

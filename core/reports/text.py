@@ -260,7 +260,9 @@ def summary_text(report: Any, ascii_only: bool = True) -> str:
     if getattr(report, "placement", ""):
         lines.append(f"placement:          {report.placement}")
     if getattr(report, "resumed_from_piece", None):
-        lines.append(f"resumed:            from piece {report.resumed_from_piece} (an interrupted run's checkpoint; "
+        where = ("after the last piece (only the output was written again)"
+                 if getattr(report, "resumed_after_last_piece", False) else f"from piece {report.resumed_from_piece}")
+        lines.append(f"resumed:            {where} (an interrupted run's checkpoint; "
                      f"time and size count the whole run)")
     lines.append(f"modules compressed: {len(report.compressed_modules)}")
     lines += [f"{'note:':<20}{note}" for note in getattr(report, "notes", ())]

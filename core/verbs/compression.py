@@ -292,6 +292,7 @@ def compress(
         _record_peaks(report)
         if checkpoint is not None and checkpoint.resumed_from is not None:
             report.resumed_from_piece = checkpoint.resumed_from + 1
+            report.resumed_after_last_piece = checkpoint.resumed_from == checkpoint.pieces
             start -= checkpoint.earlier_seconds  # the report's time is the whole run's, interruptions aside
         if writes:  # several ranks: rank 0 writes
             with state.accounting.timed("save"):

@@ -75,7 +75,10 @@ def test_a_killed_run_resumes_after_its_last_piece_and_equals_an_uninterrupted_o
     report, uninterrupted = model.layerwise_report, json.loads((reference / "layerwise_summary.json").read_text())
     assert report.resumed_from_piece == KILLED_AFTER + 1
     assert report.bytes_after == uninterrupted["bytes_after"]
-    assert f"resumed:            from piece {KILLED_AFTER + 1}" in str(report)
+    # the subgraph cut of a 3-layer model has 4 pieces: that run was killed after its last one
+    assert report.resumed_after_last_piece == (total == KILLED_AFTER)
+    where = "after the last piece" if total == KILLED_AFTER else f"from piece {KILLED_AFTER + 1}"
+    assert f"resumed:            {where}" in str(report)
     assert report.accounting["before the resume"]["seconds"] > 0  # the interrupted run's time, named
     assert sum(work["seconds"] for work in report.accounting.values()) <= report.seconds
     assert json.loads((out / "layerwise_summary.json").read_text())["resumed_from_piece"] == KILLED_AFTER + 1
@@ -119,3 +122,62 @@ def test_resume_needs_a_folder_and_an_output(tmp_path):
         layerwise.compress(str(source), "W4A16", options=layerwise.CompressOptions.of(resume=True), device="cpu")
     with pytest.raises(InvalidArgumentError, match="weights streamed"):
         layerwise.compress(str(source), "W4A16", output_dir=tmp_path / "o", options=layerwise.CompressOptions.of(resume=True, weights="memory"), device="cpu")
+
+
+def _interrupt_the_merge(monkeypatch, source: Path, out: Path) -> Path:
+    """A run whose final shard merge fails (a full disk) after its first file; returns the folder it keeps."""
+    from layerwise.model_io.streaming.shards import ShardWriter
+
+    merge, unlink = ShardWriter.finish, Path.unlink
+
+    def merge_until_the_disk_fills(self, *args, **kwargs):
+        def unlink_then_fail(path, *a, **k):
+            unlink(path, *a, **k)
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(Path, "unlink", unlink_then_fail)
+            return merge(self, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ShardWriter, "finish", merge_until_the_disk_fills)
+        with pytest.raises(OSError, match="No space left"):
+            layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False,
+                               options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
+    (left,) = list(out.parent.glob(f".{out.name}.incomplete-*"))
+    return left
+
+
+@pytest.mark.filterwarnings("ignore:4 calibration samples")
+@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 100_000])  # one shard; several (single-part ones too)
+def test_a_run_interrupted_during_its_final_merge_resumes_and_equals_an_uninterrupted_one(tmp_path, monkeypatch,
+                                                                                         shard_bytes):
+    from layerwise.model_io.streaming.shards import ShardWriter
+
+    monkeypatch.setattr(ShardWriter.finish, "__defaults__", (shard_bytes,))
+    source = _save(tmp_path / "model")
+    reference = tmp_path / "reference"
+    layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=reference, show_progress=False,
+                       options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
+    out = tmp_path / "out"
+    left = _interrupt_the_merge(monkeypatch, source, out)
+    model = layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False,
+                               options=layerwise.CompressOptions.of(resume=True), device="cpu")
+    assert "resumed:            after the last piece" in str(model.layerwise_report)
+    expected, got = _saved(reference), _saved(out)
+    assert sorted(expected) == sorted(got)
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert shard_bytes > 2**20 or len(list(out.glob("model-*.safetensors"))) > 2
+    assert not left.exists()
+
+
+@pytest.mark.filterwarnings("ignore:4 calibration samples")
+def test_a_checkpoint_whose_parts_are_gone_is_refused_naming_the_folder_to_delete(tmp_path):
+    source = _save(tmp_path / "model")
+    out = tmp_path / "out"
+    left = _kill_midway(tmp_path, source, out, "GPTQ_W4A16")
+    (left / "part-00000.safetensors").unlink()
+    with pytest.raises(ResumeError, match=rf"cannot be continued: 1 of the part files .*part-00000.*Delete '{left}'"):
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False,
+                           options=layerwise.CompressOptions.of(resume=True), device="cpu")
