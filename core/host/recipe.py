@@ -25,6 +25,7 @@ that scheme and targets (:mod:`layerwise.algorithms.quantization.config_groups`)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -248,8 +249,19 @@ def _expand_config_groups(cls: type, name: str, fields: dict[str, Any], where: s
             group_fields["attention_scheme"] = group.attention.to_dict()
         if i == kv_owner and kv_cache is not None:
             group_fields["kv_cache_scheme"] = kv_cache
-        built.append(_build(name, group_fields, f"{where}.config_groups.{group.name}"))
+        built.append(_build(name, group_fields, f"{where}.config_groups.{group.name}",
+                            own=(where, lambda exc: _own_fault(cls, fields, exc))))
     return built
+
+
+def _own_fault(cls: type, fields: dict[str, Any], exc: Exception) -> bool:
+    """Does building ``cls`` from the modifier's own fields alone (no config group) fail the same way? Then
+    the error is the modifier's (``GPTQModifier.actorder``), not the group's, and is labelled so."""
+    try:
+        cls(**fields)
+    except (TypeError, ValueError, KeyError) as alone:
+        return str(alone) == str(exc)
+    return False
 
 
 def _default(cls: type, name: str) -> Any:
@@ -262,7 +274,11 @@ def _default(cls: type, name: str) -> Any:
     return None
 
 
-def _build(name: str, fields: Any, where: str) -> Modifier:
+def _build(name: str, fields: Any, where: str,
+           own: tuple[str, Callable[[Exception], bool]] | None = None) -> Modifier:
+    """``name`` built from ``fields``; an error is labelled ``where``. A config group's modifier also gets
+    ``own``: the modifier's place, and whether an error is the modifier's own fields' (then labelled there,
+    as an unknown field always is: a group adds only known ones)."""
     cls = registry("modifiers").get(name)
     if not isinstance(fields, dict):
         raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
@@ -272,10 +288,13 @@ def _build(name: str, fields: Any, where: str) -> Modifier:
     if unknown:
         named = ", ".join(f"{k!r}" + (f" ({hint.strip()})" if (hint := did_you_mean(k, valid)) else "")
                           for k in unknown)
-        raise RecipeError(f"{where}: unknown field(s) {named} for {name}; valid fields: {', '.join(valid)}")
+        raise RecipeError(f"{where if own is None else own[0]}: unknown field(s) {named} for {name}; valid fields: "
+                          f"{', '.join(valid)}")
     try:
         return cls(**fields)
     except (TypeError, ValueError, KeyError) as exc:
+        if own is not None and own[1](exc):
+            where = own[0]
         raise RecipeError(f"{where}: cannot build {name}: {exc}") from exc
 
 

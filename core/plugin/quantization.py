@@ -1,6 +1,11 @@
 """Quantization for plugins: schemes, the math, storage on a module, solvers and smoothing mappings."""
 
-from layerwise.algorithms.quantization.args import ACTORDERS, QuantizationArgs, QuantizationScheme
+from layerwise.algorithms.quantization.args import (
+    ACTORDERS,
+    QuantizationArgs,
+    QuantizationScheme,
+    recipe_actorder,
+)
 from layerwise.algorithms.quantization.attention import (
     AttentionError,
     attach,
@@ -141,6 +146,7 @@ __all__ = [
     "quantized_attention",
     "quantized_modules",
     "read_config_groups",
+    "recipe_actorder",
     "recipe_mappings",
     "replace_data",
     "resolve_scheme",

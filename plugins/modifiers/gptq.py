@@ -44,13 +44,13 @@ from layerwise.plugin import (
 )
 from layerwise.plugin.calibration import Reducer, gptq_solve_flops, is_finite, spread, world_size
 from layerwise.plugin.quantization import (
-    ACTORDERS,
     GPTQError,
     GPTQResult,
     QuantizationArgs,
     global_scales,
     gptq_quantize,
     linear_weight,
+    recipe_actorder,
     rtn_quantize,
     set_quantized_weight,
 )
@@ -64,8 +64,15 @@ from .quantization import QuantizationModifier, _in_piece
 log = logging.getLogger("layerwise")
 
 SUMMARY_FILE = "gptq_summary.json"
+
+
+class _DefaultActorder(str):
+    """The activation order GPTQModifier gets when none is written, told apart from ``static`` written (``is``):
+    only the default yields to the scheme's."""
+
+
 #: GPTQModifier's activation order unless the scheme names one (static costs nothing at inference)
-DEFAULT_ACTORDER = "static"
+DEFAULT_ACTORDER = _DefaultActorder("static")
 
 
 class GPTQFallbackWarning(AlgorithmFallbackWarning):
@@ -78,12 +85,11 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
 
     * ``block_size``: columns per lazy-update block (speed only; 128 suits CPUs and GPUs);
     * ``dampening_frac``: added to the Hessian diagonal, as a fraction of its mean;
-    * ``actorder``: ``"static"`` (the default: solve the columns in order of decreasing
-      input energy; same checkpoint format, no group index), ``None`` (original order)
-      or ``"group"`` (groups formed in that order; needs a group index, which
-      compressed-tensors cannot load back, so such a model stays in memory only).
-      A scheme that names an ``actorder`` takes precedence over the default; a
-      different, explicitly given one is an error;
+    * ``actorder``: ``"static"`` (the default; compressed-tensors' ``"weight"``: solve the columns in
+      order of decreasing input energy; same checkpoint format, no group index) or ``None``
+      (original order). ``"group"`` (``"dynamic"``) is refused, as llm-compressor 0.14 does: its
+      group index cannot be saved. A scheme or config group that names an ``actorder`` takes
+      precedence over the default; a different, explicitly given one is an error;
     * ``gptaq``: GPTAQ (GPTQ v2): fit each layer to the *uncompressed* model's outputs, so it also
       corrects the error earlier layers left in its inputs (:mod:`.gptaq`); the pipeline then carries
       a second stream of activations (twice the cache) and cuts at blocks; ``gptaq_alpha`` (0.25)
@@ -115,14 +121,15 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
 
     def __post_init__(self) -> None:
         self._check_solver_fields()
-        if self.actorder not in ACTORDERS:
-            raise RecipeError(f"unknown actorder {self.actorder!r}; valid actorders: None, static, group")
+        if self.actorder is not DEFAULT_ACTORDER:
+            self.actorder = recipe_actorder(self.actorder, "GPTQModifier.actorder")
         if not isinstance(self.gptaq, bool):
             raise RecipeError(f"GPTQModifier.gptaq must be true or false, got {self.gptaq!r}")
         alpha = self.gptaq_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise RecipeError(f"GPTQModifier.gptaq_alpha must be a number in [0, 1] (0.25 usual), got {alpha!r}")
         super().__post_init__()
+        self.actorder = self.args.actorder  # what runs, as plain data: a saved recipe rebuilds the same
         self._asymmetric = AsymmetricTerms()
         #: one record per quantized layer: name, method, loss, seconds, samples, dampening_frac
         self.summary: list[dict[str, Any]] = []
@@ -133,12 +140,14 @@ class GPTQModifier(HessianHooks, QuantizationModifier):
         if args.strategy == "block":
             raise RecipeError("GPTQModifier solves column by column: weight strategy 'block' (FP8_BLOCK) is "
                               "round-to-nearest only; use QuantizationModifier")
-        if args.actorder is None or args.actorder == self.actorder:
-            return args.replace(actorder=self.actorder) if self.actorder != args.actorder else args
-        if self.actorder == DEFAULT_ACTORDER:  # the field's default yields to the scheme's choice
-            return args
-        raise RecipeError(f"GPTQModifier.actorder {self.actorder!r} contradicts the scheme's actorder "
-                          f"{args.actorder!r}; give it in one place only")
+        scheme_order = recipe_actorder(args.actorder, "GPTQModifier: the scheme's actorder")
+        if self.actorder is DEFAULT_ACTORDER:  # the field's default yields to the scheme's choice
+            return args.replace(actorder=scheme_order or str(DEFAULT_ACTORDER))
+        if scheme_order is not None and scheme_order != self.actorder:
+            raise RecipeError(f"GPTQModifier.actorder {self.actorder!r} contradicts the scheme's actorder "
+                              f"{scheme_order!r}; give it in one place only (leave GPTQModifier.actorder out, or "
+                              f"the config group's weights.actorder)")
+        return args.replace(actorder=self.actorder)
 
     # -- events ------------------------------------------------------------------------
     def on_initialize(self, state: CompressionState) -> None:

@@ -208,3 +208,15 @@ def test_a_python_modifier_with_several_config_groups_says_how_to_build_them():
         QuantizationModifier(config_groups=groups)
     with pytest.raises(RecipeError, match="give config_groups or scheme, not both"):
         QuantizationModifier(scheme="W8A16", config_groups={"a": groups["a"]})
+
+
+def test_an_error_in_the_modifiers_own_field_is_labelled_the_modifier_not_its_config_group():
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 128}}
+    for fields, fragment in (({"block_size": 0}, "block_size"), ({"actorder": "group"}, "GPTQModifier.actorder"),
+                             ({"actorderr": "weight"}, "unknown field")):
+        with pytest.raises(RecipeError, match=fragment) as info:
+            parse_recipe({"GPTQModifier": {**fields, "config_groups": {"group_0": group}}})
+        assert str(info.value).startswith("recipe.GPTQModifier: "), str(info.value)
+    with pytest.raises(RecipeError, match="config_groups.group_0: .*contradicts"):  # both places: the group's
+        parse_recipe({"GPTQModifier": {"actorder": None, "config_groups": {"group_0": {
+            **group, "weights": {**group["weights"], "actorder": "weight"}}}}})

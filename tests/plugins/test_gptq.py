@@ -260,20 +260,29 @@ def test_static_actorder_stores_no_group_index_and_saves(tmp_path):
     assert next(iter(config["config_groups"].values()))["weights"]["actorder"] == "weight"
 
 
-def test_group_actorder_keeps_g_idx_in_memory_and_refuses_to_save(tmp_path):
-    from layerwise.algorithms.quantization.qmath import fake_quantize_weight
-    from layerwise.plugins.savers.compressed_tensors import SaveError
+@pytest.mark.parametrize("recipe", [
+    {"GPTQModifier": {"scheme": "W4A16", "actorder": "group"}},
+    {"GPTQModifier": {"scheme": "W4A16", "actorder": "dynamic"}},
+    {"GPTQModifier": {"scheme": {"preset": "W4A16", "actorder": "group"}}},
+    {"GPTQModifier": {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "group_size": 128, "actorder": "group"}}}}},
+])
+def test_group_actorder_is_refused_when_the_recipe_is_read_naming_the_alternatives(recipe):
+    """As llm-compressor 0.14 does: its group index cannot be saved, so it used to fail only after calibrating."""
+    with pytest.raises(RecipeError, match="group activation order") as info:
+        parse_recipe(recipe)
+    assert "actorder: weight" in str(info.value) and "actorder: null" in str(info.value)
 
-    model = build_tiny_llama()
-    run_pipeline(model, gptq(scheme="W4A16", group_size=32, actorder="group"), "sequential")
-    layer = model.model.layers[1].mlp.down_proj
-    g_idx = layer.weight_g_idx
-    assert g_idx.dtype == torch.int32 and torch.equal(torch.bincount(g_idx.long()), torch.full((4,), 32))
-    assert torch.equal(fake_quantize_weight(layer.weight, layer.weight_scale, layer.weight_zero_point,
-                                            layer.quantization_args, g_idx), layer.weight)
-    with pytest.raises(SaveError, match="actorder"):
-        registry("savers").get("compressed-tensors")(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+
+@pytest.mark.parametrize("where", ["modifier", "config group"])
+def test_weight_actorder_is_static_on_the_modifier_as_in_a_config_group(where):
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 128}}
+    if where == "config group":
+        group["weights"]["actorder"] = "weight"
+    fields = {"actorder": "weight"} if where == "modifier" else {}
+    (modifier,) = parse_recipe({"GPTQModifier": {**fields, "config_groups": {"group_0": group}}})
+    assert modifier.args.actorder == "static" and modifier.actorder == "static"
+    assert gptq(actorder="weight").args.actorder == "static"
 
 
 # -- fallbacks -------------------------------------------------------------------------------------
@@ -442,7 +451,7 @@ def test_unknown_recipe_field_lists_the_gptq_fields():
     (dict(block_size="big"), "block_size"),
     (dict(dampening_frac=-0.1), "dampening_frac"),
     (dict(actorder="dynamic"), "actorder.*static"),
-    (dict(actorder="group", strategy="channel"), "actorder 'group' needs strategy 'group'"),
+    (dict(actorder="random"), "'random' is not an activation order; valid: static"),
 ])
 def test_bad_fields_are_recipe_errors(fields, match):
     with pytest.raises(RecipeError, match=match):
@@ -458,10 +467,24 @@ def test_recipe_round_trip_and_actorder_from_the_scheme():
 
 def test_actorder_defaults_to_static_unless_the_scheme_names_one():
     assert gptq().requires_data and gptq().args.actorder == "static"
-    assert gptq(scheme={"preset": "W4A16", "actorder": "group"}).args.actorder == "group"
+    assert gptq(scheme={"preset": "W4A16", "actorder": None}).args.actorder == "static"
     assert gptq(scheme={"preset": "W4A16", "actorder": "static"}, actorder="static").args.actorder == "static"
+    assert gptq(scheme={"preset": "W4A16", "actorder": None}, actorder=None).args.actorder is None
     with pytest.raises(RecipeError, match="contradicts"):
-        gptq(scheme={"preset": "W4A16", "actorder": "group"}, actorder=None)
+        gptq(scheme={"preset": "W4A16", "actorder": "static"}, actorder=None)
+
+
+def test_an_explicit_static_actorder_is_told_from_the_default():
+    """Only the field's default yields to the scheme; ``static`` written is the user's and must agree with it."""
+    from layerwise.algorithms.quantization.args import QuantizationArgs, QuantizationScheme
+
+    grouped = QuantizationScheme(weights=QuantizationArgs(num_bits=4, group_size=32, actorder="group"))
+    with pytest.raises(RecipeError, match="group activation order"):
+        gptq(scheme=grouped)  # the default does not make a removed ordering run
+    with pytest.raises(RecipeError, match="group activation order"):
+        gptq(scheme=grouped, actorder="static")  # it used to yield to the scheme's, as if not written
+    (saved,) = parse_recipe(recipe_to_yaml([gptq(scheme={"preset": "W4A16", "actorder": "static"})]))
+    assert saved.actorder == "static" and saved.args.actorder == "static"  # a saved default rebuilds
 
 
 def test_sequential_skips_the_tail_unless_a_layer_in_it_is_calibrated():
@@ -536,7 +559,7 @@ class ThreeReaders(torch.nn.Module):
 
 
 @pytest.mark.parametrize("fields", [dict(scheme="W4A16", group_size=32), dict(scheme="W4A16", strategy="channel"),
-                                    dict(scheme="W4A16_ASYM", group_size=16, actorder="group")])
+                                    dict(scheme="W4A16_ASYM", group_size=16, actorder=None)])
 def test_layers_reading_one_input_are_solved_stacked_as_each_alone(fields):
     """One solve for q/k/v (one Hessian) gives each layer what solving it alone with that Hessian gives."""
     model, batches = ThreeReaders(), correlated()

@@ -25,6 +25,12 @@ UNGROUPED = ("tensor", "channel", "block", "token", "attn_head")
 BITS = (2, 3, 4, 8)
 FLOAT_BITS = (4, 8)
 ACTORDERS = (None, "static", "group")
+#: a recipe's activation orders -> layerwise's: compressed-tensors calls ``static`` ``weight``
+RECIPE_ACTORDERS = {"static": "static", "weight": "static"}
+#: the group ordering under its names (``true`` was its old spelling): removed from compressed-tensors, refused
+#: by llm-compressor 0.14 when the recipe is built; its group index cannot be saved in a compressed-tensors
+#: checkpoint, so a recipe cannot ask for it (the solver still takes ``"group"`` for code that keeps the model)
+REMOVED_ACTORDERS = ("group", "dynamic", True)
 #: how block scales are stored: ``None`` in the weight's dtype; ``float8_e4m3fn`` (NVFP4's block scales, with a
 #: global scale); ``e8m0`` power-of-two exponents (the MX formats; compressed-tensors spells it ``uint8``)
 SCALE_DTYPES = (None, "float8_e4m3fn", "e8m0")
@@ -229,3 +235,21 @@ class QuantizationScheme:
             object.__setattr__(self, "targets", (self.targets,))
         else:
             object.__setattr__(self, "targets", tuple(self.targets))
+
+
+def recipe_actorder(value: Any, where: str) -> str | None:
+    """A recipe's ``actorder`` (``where`` names the field) as layerwise's: ``static`` / ``weight`` -> ``"static"``,
+    ``null`` / ``false`` -> ``None``. The group ordering is refused here, when the recipe is read, as in
+    llm-compressor 0.14, instead of after a whole calibration when the checkpoint cannot hold it."""
+    if value is None or value is False:
+        return None
+    spelled = "true" if value is True else repr(value)
+    if value is True or (isinstance(value, str) and value.lower() in REMOVED_ACTORDERS):
+        raise RecipeError(f"{where} {spelled} is the group activation order, which compressed-tensors removed "
+                          f"(a checkpoint cannot load its group index back) and llm-compressor refuses; write "
+                          f"actorder: weight (layerwise's static, the default: the same format, no group index) "
+                          f"or actorder: null (the original column order)")
+    if not isinstance(value, str) or value.lower() not in RECIPE_ACTORDERS:
+        raise RecipeError(f"{where} {spelled} is not an activation order; valid: static (compressed-tensors' "
+                          f"weight, the default) or null")
+    return RECIPE_ACTORDERS[value.lower()]

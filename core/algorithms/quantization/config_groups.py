@@ -36,7 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from layerwise.algorithms.quantization.args import BITS, QuantizationArgs, QuantizationScheme
+from layerwise.algorithms.quantization.args import (
+    BITS,
+    QuantizationArgs,
+    QuantizationScheme,
+    recipe_actorder,
+)
 from layerwise.common.user_warnings import warn_user
 from layerwise.errors import RecipeError
 
@@ -57,8 +62,6 @@ OBSERVERS = {
     "mse": ("mse", "mse"),
     "memoryless_mse": ("mse", "mse"),
 }
-#: actorder values compressed-tensors writes -> layerwise's
-ACTORDERS = {"weight": "static", "static": "static", "group": "group", "dynamic": "group"}
 #: how specific a target is, compressed-tensors' order: a qualified name, a ``re:`` pattern, a class name
 _EXACT, _REGEX, _CLASS = 0, 1, 2
 
@@ -201,16 +204,7 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
         raise RecipeError(f"{where}.strategy {strategy!r} cannot be expressed in layerwise; nearest: strategy: channel")
     if strategy == "group" and group_size == -1:
         raise RecipeError(f"{where}: group_size -1 means one scale per channel: write strategy: channel")
-    actorder = data.get("actorder")
-    if actorder is True:
-        raise RecipeError(f"{where}.actorder true is the removed 'group' ordering in compressed-tensors; write "
-                          f"actorder: weight (layerwise's static: same format, no group index) or leave it out")
-    if actorder is False:
-        actorder = None
-    if actorder is not None:
-        if str(actorder).lower() not in ACTORDERS:
-            raise RecipeError(f"{where}.actorder {actorder!r}: valid are {', '.join(ACTORDERS)} (or null)")
-        actorder = ACTORDERS[str(actorder).lower()]
+    actorder = recipe_actorder(data.get("actorder"), f"{where}.actorder")
     observer = data.get("observer")
     static = role == "weights" or not dynamic
     if observer is None:
