@@ -73,8 +73,8 @@ class AWQModifier(QuantizationModifier):
     Scheme, targets, ignore and the ``num_bits`` / ``symmetric`` / ``strategy`` / ``group_size`` /
     ``observer`` overrides are :class:`QuantizationModifier`'s (default scheme ``W4A16_ASYM``). AWQ adds:
 
-    * ``mappings``: ``[[balance patterns...], smoothed pattern]`` pairs; ``None``: the model
-      patch's ``smoothing_mappings``;
+    * ``mappings``: ``[[balance patterns...], smoothed pattern]`` pairs or llm-compressor's
+      ``{smooth_layer, balance_layers}``; ``None``: the model patch's ``smoothing_mappings``;
     * ``duo_scaling``: divide the activation term by the weights' relative magnitude
       (``s = x_mean ** a / w_mean ** (1 - a)``) instead of ``s = x_mean ** a``;
     * ``n_grid``: how many ``a`` in ``[0, 1)`` are tried;

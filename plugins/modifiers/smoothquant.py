@@ -65,8 +65,8 @@ class SmoothQuantModifier(Modifier):
 
     * ``smoothing_strength``: ``a`` in ``[0, 1]``, the share of the activations' range moved into
       the weights (0.5 suits most models; higher for models with larger activation outliers);
-    * ``mappings``: ``[[balance patterns...], smoothed pattern]`` pairs; ``None`` (the default):
-      the model patch's ``smoothing_mappings``.
+    * ``mappings``: ``[[balance patterns...], smoothed pattern]`` pairs (llm-compressor's form) or
+      ``{smooth_layer, balance_layers}``; ``None`` (the default): the model patch's ``smoothing_mappings``.
     """
 
     requires_data: ClassVar[bool] = True

@@ -266,3 +266,21 @@ def test_a_group_size_that_does_not_divide_a_layer_names_the_layer_and_the_fix()
                                           r"'model.layers.0.self_attn.q_proj' \(and 11 more: .*\); use strategy: "
                                           r"channel, or group_size 64, or add them to ignore"):
         layerwise.compress(tiny_llama(), "AWQ_W4A16_ASYM", dataset=calibration(), show_progress=False, device="cpu")
+
+
+def test_llm_compressors_awq_recipe_with_keyed_mappings_is_read():
+    from layerwise.host.recipe import parse_recipe
+
+    recipe = """
+AWQModifier:
+  ignore: [lm_head]
+  scheme: W4A16_ASYM
+  mappings:
+    - smooth_layer: "re:.*input_layernorm$"
+      balance_layers: ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
+      activation_hook_target: null
+    - {smooth_layer: "re:.*post_attention_layernorm$", balance_layers: ["re:.*gate_proj$", "re:.*up_proj$"]}
+"""
+    (modifier,) = parse_recipe(recipe)
+    assert modifier.mappings == [[["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"], "re:.*input_layernorm$"],
+                                 [["re:.*gate_proj$", "re:.*up_proj$"], "re:.*post_attention_layernorm$"]]

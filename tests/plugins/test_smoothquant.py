@@ -227,3 +227,11 @@ def test_rescaled_hessians_equal_those_of_the_scaled_inputs():
     rescaled, direct = hessians(scale_first=False), hessians(scale_first=True)
     for key in [(1, "q"), (0, "k"), (1, "k"), (0, "o"), (1, "o")]:
         torch.testing.assert_close(rescaled[key], direct[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_a_keyed_mapping_is_read_and_a_malformed_one_shows_both_forms():
+    keyed = {"smooth_layer": "re:.*post_attention_layernorm", "balance_layers": ["re:.*gate_proj", "re:.*up_proj"]}
+    assert SmoothQuantModifier(mappings=[keyed]).mappings == [[["re:.*gate_proj", "re:.*up_proj"],
+                                                                "re:.*post_attention_layernorm"]]
+    with pytest.raises(MappingError, match=r"\{smooth_layer: smoothed pattern, balance_layers"):
+        SmoothQuantModifier(mappings=[{"balance_layers": ["re:.*q_proj"]}])

@@ -5,6 +5,8 @@ recipe's ``mappings``) says: the module matching ``smoothed`` produces the input
 layers. Dividing the smoothed module's output channels by ``s`` and multiplying the balance
 layers' input columns by ``s`` leaves the model's function unchanged; SmoothQuant and AWQ choose
 ``s``. Patterns use :mod:`layerwise.common.matching` syntax (class name, qualified name, ``re:``).
+A recipe may also write a mapping as llm-compressor's AWQ does, ``{smooth_layer: ..., balance_layers:
+[...]}`` (SmoothQuant's ``smooth_layers`` too); it is read as the pair.
 
 Each smoothed module is paired with the balance layers nearest to it: those under its parent (the
 block), else under the grandparent, and so on (a pattern may pick several, e.g. every expert's
@@ -28,7 +30,7 @@ import torch
 
 from layerwise.algorithms.quantization.storage import linear_weight
 from layerwise.common.matching import find_modules, unmatched
-from layerwise.errors import RecipeError
+from layerwise.errors import RecipeError, did_you_mean
 
 Mapping = tuple[tuple[str, ...], str]
 log = logging.getLogger("layerwise")
@@ -62,18 +64,52 @@ def check_mappings(mappings: Sequence[Mapping], owner: str, patch_name: str | No
         raise MappingError(f"{owner}: no smoothing mappings: {where}. Pass mappings in the recipe, e.g. "
                            f"mappings: [[[\"re:.*q_proj\", \"re:.*k_proj\", \"re:.*v_proj\"], \"re:.*input_layernorm\"]], "
                            f"or add smoothing_mappings to the patch (GUIDE.md, 'Smoothing mappings')")
-    checked = []
-    for mapping in mappings:
-        try:
-            balance, smoothed = mapping
-            balance = (balance,) if isinstance(balance, str) else tuple(balance)
-        except (TypeError, ValueError):
-            raise MappingError(f"{owner}: a mapping is [[balance patterns...], smoothed pattern], got {mapping!r}") \
-                from None
-        if not balance or not isinstance(smoothed, str) or not all(isinstance(b, str) for b in balance):
-            raise MappingError(f"{owner}: a mapping is [[balance patterns...], smoothed pattern], got {mapping!r}")
-        checked.append((balance, smoothed))
-    return checked
+    return [_as_pair(mapping, owner) for mapping in mappings]
+
+
+#: how a mapping may be written, shown by every error about one
+FORMS = ("[[balance patterns...], smoothed pattern] (SmoothQuant's and layerwise's pair), or "
+         "{smooth_layer: smoothed pattern, balance_layers: [balance patterns...]} (llm-compressor's AWQ form)")
+#: the keys of llm-compressor's mapping objects: AWQMapping's, and SmoothQuant's LayerMap's ``smooth_layers``
+_SMOOTHED_KEYS = ("smooth_layer", "smooth_layers")
+_MAPPING_KEYS = (*_SMOOTHED_KEYS, "balance_layers", "activation_hook_target")
+
+
+def _as_pair(mapping: Any, owner: str) -> Mapping:
+    """One mapping as ``((balance...), smoothed)``, from a pair or from llm-compressor's keyed form (a mapping,
+    or an ``AWQMapping`` object); anything else is an error showing both forms."""
+    if not isinstance(mapping, (dict, list, tuple, str)) and hasattr(mapping, "balance_layers"):
+        mapping = {key: getattr(mapping, key) for key in _MAPPING_KEYS if hasattr(mapping, key)}
+    if isinstance(mapping, dict):
+        balance, smoothed = _keyed(mapping, owner)
+    elif isinstance(mapping, (list, tuple)) and len(mapping) == 2:
+        balance, smoothed = mapping
+    else:
+        raise MappingError(f"{owner}: a mapping is {FORMS}; got {mapping!r}")
+    balance = (balance,) if isinstance(balance, str) else tuple(balance) if isinstance(balance, (list, tuple)) \
+        else ()
+    if not balance or not isinstance(smoothed, str) or not all(isinstance(b, str) for b in balance):
+        raise MappingError(f"{owner}: a mapping is {FORMS}; got {mapping!r}")
+    return balance, smoothed
+
+
+def _keyed(mapping: dict[str, Any], owner: str) -> tuple[Any, Any]:
+    """llm-compressor's ``{smooth_layer, balance_layers}``. Its ``activation_hook_target`` (null: the first
+    balance layer, what layerwise samples) cannot be honoured otherwise: layerwise samples the first balance
+    layer's input, so a mapping whose first one sees only some tokens (an expert) would search on them."""
+    unknown = [key for key in mapping if key not in _MAPPING_KEYS]
+    smoothed = [key for key in _SMOOTHED_KEYS if key in mapping]
+    if unknown or len(smoothed) != 1 or "balance_layers" not in mapping:
+        hints = [hint for key in unknown if (hint := did_you_mean(str(key), _MAPPING_KEYS))]
+        raise MappingError(f"{owner}: a mapping is {FORMS}; got {mapping!r}"
+                           + (f" (unknown key(s) {', '.join(map(repr, unknown))}{''.join(hints)})" if unknown else ""))
+    target = mapping.get("activation_hook_target")
+    if target is not None:
+        raise MappingError(f"{owner}: mapping {mapping!r}: activation_hook_target {target!r} cannot be honoured: "
+                           f"layerwise samples the input of the mapping's first balance layer. List first a balance "
+                           f"layer every token reaches (e.g. the q_proj, not an expert) and leave "
+                           f"activation_hook_target out (or null)")
+    return mapping["balance_layers"], mapping[smoothed[0]]
 
 
 def resolve_mappings(model: torch.nn.Module, mappings: Sequence[Mapping], *, owner: str,
@@ -210,12 +246,13 @@ def mappings_for_run(model: torch.nn.Module, patch: Any, mappings: Sequence[Mapp
 
 def recipe_mappings(mappings: Sequence[Any] | None, owner: str) -> list[list[Any]] | None:
     """A modifier's ``mappings`` field checked when the recipe is read: ``None`` stays (the patch's are
-    used), an empty list is an error, pairs become ``[[balance...], smoothed]`` (what YAML writes back)."""
+    used), an empty list is an error, pairs and llm-compressor's ``{smooth_layer, balance_layers}`` become
+    ``[[balance...], smoothed]`` (what YAML writes back)."""
     if mappings is None:
         return None
     if not mappings:
         raise MappingError(f"{owner}.mappings is empty; leave it out to use the model patch's "
-                           f"smoothing_mappings, or give [[balance patterns...], smoothed pattern] pairs")
+                           f"smoothing_mappings, or give mappings: each {FORMS}")
     return [[list(balance), smoothed] for balance, smoothed in check_mappings(mappings, owner, None)]
 
 

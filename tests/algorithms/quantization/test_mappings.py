@@ -109,3 +109,62 @@ def test_bad_scales_are_refused():
         apply_smoothing(model, mapping, torch.zeros(64))
     with pytest.raises(ValueError, match="produces 64 channels"):
         apply_smoothing(model, mapping, torch.ones(32))
+
+
+# -- the forms a recipe writes -----------------------------------------------------------------------
+QKV = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
+
+
+@pytest.mark.parametrize("mapping", [
+    {"smooth_layer": "re:.*input_layernorm$", "balance_layers": QKV},  # llm-compressor's AWQ form
+    {"smooth_layer": "re:.*input_layernorm$", "balance_layers": QKV, "activation_hook_target": None},
+    {"balance_layers": QKV, "smooth_layers": "re:.*input_layernorm$"},  # SmoothQuant's LayerMap keys
+    [QKV, "re:.*input_layernorm$"],
+])
+def test_llm_compressors_keyed_mapping_reads_as_the_pair(mapping):
+    """It used to be unpacked as its two key names, which then matched no module."""
+    from layerwise.algorithms.quantization.mappings import recipe_mappings
+
+    assert recipe_mappings([mapping], "AWQModifier") == [[QKV, "re:.*input_layernorm$"]]
+    resolution = resolve_mappings(tiny_llama(), recipe_mappings([mapping], "T"), owner="T")
+    assert [m.smoothed for m in resolution.mappings] == [f"model.layers.{i}.input_layernorm" for i in (0, 1)]
+
+
+def test_an_awq_mapping_object_reads_as_the_pair():
+    from dataclasses import dataclass
+
+    from layerwise.algorithms.quantization.mappings import recipe_mappings
+
+    @dataclass
+    class AWQMapping:  # llm-compressor's, as its scripts build them
+        smooth_layer: str
+        balance_layers: list[str]
+        activation_hook_target: str | None = None
+
+    assert recipe_mappings([AWQMapping("re:.*up_proj$", ["re:.*down_proj$"])], "T") == [
+        [["re:.*down_proj$"], "re:.*up_proj$"]]
+
+
+def test_an_activation_hook_target_layerwise_cannot_honour_is_refused_with_the_fix():
+    from layerwise.algorithms.quantization.mappings import recipe_mappings
+
+    with pytest.raises(MappingError, match="activation_hook_target 'mlp' cannot be honoured: layerwise samples the "
+                                           "input of the mapping's first balance layer. List first"):
+        recipe_mappings([{"smooth_layer": "re:.*input_layernorm$", "balance_layers": QKV,
+                          "activation_hook_target": "mlp"}], "AWQModifier")
+
+
+@pytest.mark.parametrize("mapping, fragment", [
+    ({"smooth_layr": "re:.*input_layernorm$", "balance_layers": QKV}, "unknown key.*'smooth_layr'.*'smooth_layer'"),
+    ({"smooth_layer": "re:.*input_layernorm$"}, "got"),
+    (["re:.*q_proj"], "got"),
+    ("re:.*q_proj", "got"),
+    ([QKV, "re:.*input_layernorm$", "extra"], "got"),
+])
+def test_a_malformed_mapping_is_an_error_showing_both_forms(mapping, fragment):
+    from layerwise.algorithms.quantization.mappings import recipe_mappings
+
+    with pytest.raises(MappingError, match=fragment) as info:
+        recipe_mappings([mapping], "AWQModifier")
+    assert "[[balance patterns...], smoothed pattern]" in str(info.value)
+    assert "{smooth_layer: smoothed pattern, balance_layers: [balance patterns...]}" in str(info.value)
