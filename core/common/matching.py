@@ -118,6 +118,42 @@ def find_modules(model: torch.nn.Module, targets: Iterable[str], ignore: Iterabl
     return found
 
 
+def has_weight(module: torch.nn.Module) -> bool:
+    """Does ``module`` hold a weight of its own (a layer), rather than only submodules that do (a block)?"""
+    return isinstance(module._parameters.get("weight"), torch.Tensor)
+
+
+def layers_within(model: torch.nn.Module, selected: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """``selected`` with each module that holds no weight (a block, an attention module) replaced by the
+    Linear-like layers inside it, by qualified name: llm-compressor's SparseGPT and Wanda prune "the layers
+    containing targets", so their targets may name blocks (``re:model.layers.\\d*$``)."""
+    containers = {name for name, module in selected.items() if not has_weight(module)}
+    found = {}
+    for name, module in walk_modules(model):
+        itself = name in selected and name not in containers
+        if itself or (is_linear_like(module) and _under_any(name, containers)):
+            found[name] = module
+    return found
+
+
+def _under_any(name: str, containers: set[str]) -> bool:
+    """Is ``name`` inside one of ``containers`` (``""``: the model)?"""
+    if "" in containers:
+        return True
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in containers for i in range(1, len(parts)))
+
+
+def inside_pattern(entry: str) -> str:
+    """The entry rewritten to select the layers inside what ``entry`` selects (``re:.*mlp`` ->
+    ``re:.*mlp\\..*``; a class name -> ``Linear``): the fix for an entry that selects only blocks."""
+    if entry.startswith("re:"):
+        return f"re:{entry.removeprefix('re:').removesuffix('$')}\\..*"
+    if "." in entry:  # a qualified name
+        return f"re:{re.escape(entry)}\\..*"
+    return "Linear"
+
+
 def unmatched(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
     """Patterns that select nothing in ``model`` (a likely typo in a recipe)."""
     named = walk_modules(model)

@@ -43,6 +43,10 @@ from .quantization import _in_piece, target_lists, targeted_modules
 log = logging.getLogger("layerwise")
 
 
+#: llm-compressor's SparseGPT / Wanda target for every layer of the model
+ALL_TARGET = "__ALL__"
+#: the pattern that selects the model itself (named ``""``)
+_WHOLE_MODEL = "re:"
 #: fields left out of the saved recipe when unset (their defaults are derived, not literal)
 _OPTIONAL = ("sparsity", "owl_m", "owl_lmbda")
 
@@ -115,7 +119,9 @@ class PruningModifier(Modifier):
     # -- layers ------------------------------------------------------------------------
     def resolve_modules(self, state: CompressionState) -> dict[str, torch.nn.Module]:
         """The layers to prune; errors for a target matching nothing or a width N:M cannot cut."""
-        modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
+        # a target may name a block (its Linear layers are pruned); __ALL__, the model: every layer in it
+        targets = [_WHOLE_MODEL if target == ALL_TARGET else target for target in self.targets]
+        modules = targeted_modules(type(self).__name__, state, targets, self.ignore, within=True)
         for name, module in modules.items():
             self.structure.check_columns(linear_weight(module).shape[-1], name)
         return modules

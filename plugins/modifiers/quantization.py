@@ -31,6 +31,9 @@ from layerwise.plugin import (
     Modifier,
     RecipeError,
     find_modules,
+    inside_pattern,
+    layers_within,
+    matches,
     registry,
     unmatched,
     warn_unmatched_ignore,
@@ -434,25 +437,44 @@ def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list
     return targets, ignore
 
 
-def targeted_modules(owner: str, state: CompressionState, targets: list[str],
-                     ignore: list[str]) -> dict[str, torch.nn.Module]:
+def targeted_modules(owner: str, state: CompressionState, targets: list[str], ignore: list[str], *,
+                     within: bool = False) -> dict[str, torch.nn.Module]:
     """The modules with a weight that ``targets`` select minus ``ignore`` and the run's ignore list;
-    a target matching nothing is an error listing what the model has."""
+    a target matching nothing is an error listing what the model has. ``within`` (the pruners, as
+    llm-compressor's): a selected module without a weight (a block) stands for the Linear layers inside it."""
     model = state.model
     missing = unmatched(model, targets)
     if missing:
         raise RecipeError(_missing_target_message(owner, missing, model))
-    modules = find_modules(model, targets, [*ignore, *(state.ignore or [])])
+    ignored = list(dict.fromkeys([*ignore, *(state.ignore or [])]))  # the run's list repeats the defaults
+    selected = find_modules(model, targets)
+    if within:
+        selected = layers_within(model, selected)
     unmatched_ignore = unmatched(model, [entry for entry in ignore if entry not in DEFAULT_IGNORE])  # lm_head: no walk
     if unmatched_ignore:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
         warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
-    found = {n: m for n, m in modules.items() if isinstance(weight_of(m), torch.Tensor)}
-    if not found and find_modules(model, targets):
-        raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore "
-                          f"{[*ignore, *(state.ignore or [])]}), so it would compress nothing: drop or narrow an "
-                          f"ignore entry (recipe ignore:, CLI --ignore)")
-    return found
+    weighted = {n: m for n, m in selected.items() if isinstance(weight_of(m), torch.Tensor)}
+    found = {n: m for n, m in weighted.items() if not matches(n, m, ignored)}
+    if found or not selected:
+        return found
+    if not weighted:
+        raise RecipeError(_blocks_message(owner, targets, selected))
+    raise RecipeError(f"{owner}: every layer its targets {list(targets)} select is ignored (ignore {ignored}), so "
+                      f"it would compress nothing: drop or narrow an ignore entry (recipe ignore:, CLI --ignore)")
+
+
+def _blocks_message(owner: str, targets: list[str], selected: dict[str, torch.nn.Module]) -> str:
+    """Targets that select only blocks: say so (not that everything is ignored), with what they select and each
+    target rewritten to select the layers inside (``re:`` entries match the whole name, unlike
+    llm-compressor's, which match its start)."""
+    kinds = sorted({type(module).__name__ for module in selected.values()})
+    names = list(selected)
+    shown = ", ".join(map(repr, names[:3])) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    fixes = ", ".join(f"{target!r} -> {inside_pattern(target)!r}" for target in targets)
+    return (f"{owner}: these targets select modules without a weight (blocks): {list(targets)} select {shown} "
+            f"({', '.join(kinds)}), which hold no weight to compress: use Linear or the layers inside ({fixes}; "
+            f"an 're:' entry matches the whole qualified name)")
 
 
 def _in_piece(name: str, modules: list[str]) -> bool:

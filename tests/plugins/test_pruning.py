@@ -379,3 +379,24 @@ def test_wanda_leaves_out_an_input_that_is_not_finite_or_whose_square_overflows(
         calibrate(model, wanda, [good[0], bad, good[2]], pieces=[["first", "second"]])
     assert torch.equal(model.first.weight, reference.first.weight)  # as if the bad sample had not been there
     assert [r.get("non_finite_inputs") for r in wanda.summary if r["name"] == "first"] == [1]
+
+
+# -- targets naming blocks, as llm-compressor's pruners take them ---------------------------------
+def resolved(name, **fields):
+    """The layers a pruning modifier would prune in a tiny Llama (resolved as a run starts, no data)."""
+    model = build_tiny_llama()
+    state = CompressionState(model, [modifier(name, **fields)], ignore=["lm_head"])
+    return set(state.modifiers[0].resolve_modules(state)), model
+
+
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaModifier"])
+@pytest.mark.parametrize("targets", [[r"re:model.layers.\d*$"], ["LlamaDecoderLayer"], "__ALL__", ["__ALL__"]])
+def test_a_target_naming_blocks_prunes_the_linear_layers_inside_them(name, targets):
+    """llm-compressor's 2:4 example form; it was refused, blaming an ignore list that ignored nothing."""
+    layers, model = resolved(name, targets=targets, mask_structure="2:4")
+    assert layers == set(linears(model))
+
+
+def test_a_block_target_keeps_the_ignore_list_and_can_name_one_part():
+    layers, _ = resolved("SparseGPTModifier", targets=["re:.*self_attn"], ignore=[r"re:.*o_proj"])
+    assert layers == {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkv"}

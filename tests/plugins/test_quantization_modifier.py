@@ -155,3 +155,25 @@ def test_every_layer_a_group_size_does_not_divide_is_named_at_once():
     message = str(raised.value)
     assert "does not divide in_features 64 of layer 'model.layers.0.self_attn.q_proj' (and 13 more:" in message
     assert "add them to ignore" in message and "group_size 64" in message  # the largest that divides every width
+
+
+@pytest.mark.parametrize("targets", [["LlamaDecoderLayer"], ["re:.*self_attn"]])
+def test_targets_selecting_only_blocks_say_so_instead_of_blaming_ignore(targets):
+    from layerwise.host.state import CompressionState
+    from layerwise.plugins.modifiers.quantization import targeted_modules
+
+    state = CompressionState(build_tiny_llama(), [], ignore=["lm_head"])
+    with pytest.raises(RecipeError) as info:
+        targeted_modules("QuantizationModifier", state, targets, ["lm_head"])
+    message = str(info.value)
+    assert "these targets select modules without a weight (blocks)" in message
+    assert "use Linear or the layers inside" in message and "ignore" not in message
+
+
+def test_the_all_ignored_error_lists_each_ignore_entry_once():
+    from layerwise.host.state import CompressionState
+    from layerwise.plugins.modifiers.quantization import targeted_modules
+
+    state = CompressionState(build_tiny_llama(), [], ignore=["lm_head"])
+    with pytest.raises(RecipeError, match=r"is ignored \(ignore \['lm_head', 're:.*proj'\]\)"):
+        targeted_modules("QuantizationModifier", state, ["Linear"], ["lm_head", "re:.*proj"])
