@@ -4,7 +4,9 @@ One syntax everywhere (recipes, targets, ignore lists, the CLI):
 
 * ``Linear`` / ``LlamaDecoderLayer`` -- a module class name;
 * ``model.layers.0.mlp.down_proj`` -- an exact qualified module name;
-* ``re:.*mlp.*`` -- a regular expression matched in full against the qualified name.
+* ``re:.*mlp.*`` -- a regular expression matched in full against the qualified name (llm-compressor's
+  match only the start, so its ``re:.*mlp`` also selects the layers inside each MLP; here an entry
+  that matches only such blocks is warned about, or for targets refused, with the pattern to write).
 """
 
 from __future__ import annotations
@@ -94,6 +96,39 @@ def warn_unmatched_ignore(owner: str, missing: Sequence[str], names: Sequence[st
     warn_user(f"{owner}.ignore: {', '.join(map(repr, missing))} match{'es' if one else ''} no {what}, so nothing is "
               f"kept out by {'it' if one else 'them'}" + (f"; did you mean {', '.join(map(repr, hints))}?" if hints
                                                           else ""), IgnoreWarning)
+
+
+def warn_block_ignore(owner: str, blocks: dict[str, list[str]]) -> None:
+    """Warn that ignore entries (``blocks``: entry -> the names it matches) match only modules without a weight
+    whose layers inside have one, so they keep nothing out: an ``re:`` entry matches the whole qualified name
+    here, where llm-compressor's ``re.match`` matches its start (its ``re:.*mlp`` keeps every MLP layer out).
+    Each warning names the entry, what it matched and the pattern that keeps the layers inside out."""
+    if not blocks:
+        return
+    from layerwise.common.user_warnings import warn_user
+
+    for entry, names in blocks.items():
+        shown = ", ".join(map(repr, names[:3])) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        fix = inside_pattern(entry if entry.startswith("re:") or "." in entry else names[0])
+        warn_user(f"{owner}.ignore: {entry!r} matches only modules without a weight ({shown}), so it keeps no "
+                  f"layer out: an 're:' entry matches the whole qualified name in layerwise (llm-compressor's "
+                  f"matches its start). To keep the layers inside them out, write '{fix}'", IgnoreWarning)
+
+
+def block_entries(model: torch.nn.Module, entries: Iterable[str]) -> dict[str, list[str]]:
+    """The entries that match only modules without a weight (blocks) holding layers that have one, with the
+    names each matches: an ignore or target written for llm-compressor's prefix matching."""
+    entries = [entry for entry in entries if entry not in DEFAULT_IGNORE]
+    if not entries:
+        return {}
+    named = walk_modules(model)
+    found = {}
+    for entry in entries:
+        hits = [(name, module) for name, module in named if matches(name, module, [entry])]
+        if hits and not any(has_weight(module) for _, module in hits) and any(
+                has_weight(inner) for _, module in hits for inner in module.modules()):
+            found[entry] = [name for name, _ in hits]
+    return found
 
 
 def is_linear_like(module: torch.nn.Module) -> bool:

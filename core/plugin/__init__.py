@@ -21,12 +21,14 @@ working (and warning) for that release.
 from layerwise.common.matching import (
     DEFAULT_IGNORE,
     IgnoreWarning,
+    block_entries,
     find_modules,
     has_weight,
     inside_pattern,
     layers_within,
     matches,
     unmatched,
+    warn_block_ignore,
     warn_unmatched_ignore,
 )
 from layerwise.common.user_warnings import AlgorithmFallbackWarning, warn_user
@@ -74,6 +76,7 @@ __all__ = [
     "UnknownNameError",
     "applied_patch",
     "apply_patch",
+    "block_entries",
     "check_choice",
     "did_you_mean",
     "find_modules",
@@ -87,6 +90,7 @@ __all__ = [
     "opaque",
     "registry",
     "unmatched",
+    "warn_block_ignore",
     "warn_unmatched_ignore",
     "warn_user",
 ]

@@ -30,12 +30,14 @@ from layerwise.plugin import (
     ForeignField,
     Modifier,
     RecipeError,
+    block_entries,
     find_modules,
     inside_pattern,
     layers_within,
     matches,
     registry,
     unmatched,
+    warn_block_ignore,
     warn_unmatched_ignore,
 )
 from layerwise.plugin.calibration import Reducer
@@ -454,6 +456,7 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str], ig
     if unmatched_ignore:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
         warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
+    warn_block_ignore(owner, block_entries(model, ignore))
     weighted = {n: m for n, m in selected.items() if isinstance(weight_of(m), torch.Tensor)}
     found = {n: m for n, m in weighted.items() if not matches(n, m, ignored)}
     if found or not selected:
@@ -471,7 +474,7 @@ def _blocks_message(owner: str, targets: list[str], selected: dict[str, torch.nn
     kinds = sorted({type(module).__name__ for module in selected.values()})
     names = list(selected)
     shown = ", ".join(map(repr, names[:3])) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
-    fixes = ", ".join(f"{target!r} -> {inside_pattern(target)!r}" for target in targets)
+    fixes = ", ".join(f"{target!r} -> '{inside_pattern(target)}'" for target in targets)
     return (f"{owner}: these targets select modules without a weight (blocks): {list(targets)} select {shown} "
             f"({', '.join(kinds)}), which hold no weight to compress: use Linear or the layers inside ({fixes}; "
             f"an 're:' entry matches the whole qualified name)")

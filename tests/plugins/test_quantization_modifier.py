@@ -177,3 +177,21 @@ def test_the_all_ignored_error_lists_each_ignore_entry_once():
     state = CompressionState(build_tiny_llama(), [], ignore=["lm_head"])
     with pytest.raises(RecipeError, match=r"is ignored \(ignore \['lm_head', 're:.*proj'\]\)"):
         targeted_modules("QuantizationModifier", state, ["Linear"], ["lm_head", "re:.*proj"])
+
+
+def test_an_ignore_entry_matching_only_blocks_is_warned_about_with_the_pattern_to_write():
+    """llm-compressor's re: entries match a name's start, so its 're:.*mlp' keeps 20 layers out; layerwise's match
+    the whole name, so the same entry keeps nothing out: say so, with the pattern that does."""
+    from layerwise.common.matching import IgnoreWarning
+    from layerwise.host.state import CompressionState
+    from layerwise.plugins.modifiers.quantization import targeted_modules
+
+    state = CompressionState(build_tiny_llama(), [], ignore=["lm_head"])
+    with pytest.warns(IgnoreWarning) as record:
+        found = targeted_modules("QuantizationModifier", state, ["Linear"], ["lm_head", "re:.*mlp", "re:model.layers.0"])
+    messages = [str(w.message) for w in record]
+    assert any("'re:.*mlp' matches only modules without a weight ('model.layers.0.mlp', 'model.layers.1.mlp')"
+               in m and r"write 're:.*mlp\..*'" in m for m in messages), messages
+    assert any("'re:model.layers.0' matches only modules without a weight ('model.layers.0')" in m
+               and r"write 're:model.layers.0\..*'" in m for m in messages), messages
+    assert "model.layers.0.mlp.up_proj" in found  # layerwise's documented full match is kept

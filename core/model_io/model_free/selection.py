@@ -6,7 +6,8 @@ ignore entries match, with the syntax recipes use everywhere (:mod:`layerwise.co
 * ``Linear`` -- every layer but embeddings (a module name whose last part names an embedding:
   ``embed_tokens``, ``wte``, ``word_embeddings``, ...): without the model class, an embedding table
   and a Linear weight look alike, and these names are how checkpoints spell them;
-* ``re:<regex>`` -- matched in full against the module name;
+* ``re:<regex>`` -- matched in full against the module name (an entry matching only a block holding
+  layers, written for llm-compressor's prefix match, is warned about or refused with the pattern to write);
 * an exact module name (``lm_head``).
 
 Any other class name cannot be told from a name: it is an error that says to write a pattern.
@@ -18,7 +19,13 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from layerwise.common.matching import DEFAULT_IGNORE, closest_entries, regex
+from layerwise.common.matching import (
+    DEFAULT_IGNORE,
+    closest_entries,
+    inside_pattern,
+    regex,
+    warn_block_ignore,
+)
 from layerwise.common.matching import warn_unmatched_ignore as warn_unmatched
 from layerwise.model_io.streaming.safetensors_io import StoredTensor
 
@@ -77,17 +84,34 @@ def check_patterns(patterns: Iterable[str], modules: list[str], owner: str, kind
                                  f"'re:.*mlp\\..*_proj' (or 'Linear' for every layer but embeddings)")
         if allow_unmatched or any(matches(m, pattern) for m in modules):
             continue
+        blocks = block_names(pattern, modules)
         close = closest_entries(pattern, modules, n=3)
         hint = f" did you mean {', '.join(map(repr, close))}?" if close else ""
+        if blocks:
+            fix = inside_pattern(pattern if "." in pattern or pattern.startswith("re:") else blocks[0])
+            hint = (f" it matches only blocks holding layers ({blocks[0]!r}, ...): an 're:' entry matches the whole "
+                    f"module name (llm-compressor's its start), so write '{fix}';")
         shown = ", ".join(modules[:4]) + (f", ... ({len(modules)} layers)" if len(modules) > 4 else "")
         raise SelectionError(f"{owner}: {kind} {pattern!r} matches no layer of the checkpoint;{hint} layers (module "
                              f"names of its 2-D weights): {shown or '(none)'}")
 
 
+def block_names(pattern: str, modules: list[str]) -> list[str]:
+    """The names of modules holding layers (``model.layers.0.mlp``, the dotted prefixes of layer names) that
+    ``pattern`` matches, when it matches no layer itself: an entry written for llm-compressor's prefix match."""
+    if any(matches(m, pattern) for m in modules):
+        return []
+    prefixes = dict.fromkeys(".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 1))
+    return [p for p in prefixes if (regex(pattern).fullmatch(p) if pattern.startswith("re:") else p == pattern)]
+
+
 def warn_unmatched_ignore(ignore: Iterable[str], modules: list[str], owner: str) -> None:
-    """A recipe's ignore entries matching no layer, warned about as in memory."""
+    """A recipe's ignore entries matching no layer, warned about as in memory (one matching only blocks, with
+    the pattern that keeps their layers out)."""
     missing = [entry for entry in ignore if entry not in DEFAULT_IGNORE and not any(matches(m, entry) for m in modules)]
-    warn_unmatched(owner, missing, modules, "layer of the checkpoint")
+    blocks = {entry: found for entry in missing if (found := block_names(entry, modules))}
+    warn_block_ignore(owner, blocks)
+    warn_unmatched(owner, [entry for entry in missing if entry not in blocks], modules, "layer of the checkpoint")
 
 
 def select(all_layers: Mapping[str, Layer], targets: list[str], ignore: list[str], owner: str) -> list[str]:

@@ -351,3 +351,20 @@ def test_loading_the_plugins_imports_no_modeling_code():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, after = done.stdout.strip().splitlines()
     assert before == "[]" and after == "True"  # imported once a trace reads them
+
+
+def test_entries_written_for_llm_compressors_prefix_match_get_the_pattern_to_write():
+    """llm-compressor's 're:.*mlp' keeps each MLP's layers out (re.match matches the start); here it matches only
+    the block, which holds no tensor: the ignore entry is warned about and the target refused, each with the fix."""
+    from layerwise.common.matching import IgnoreWarning
+    from layerwise.model_io.model_free.selection import SelectionError, warn_unmatched_ignore
+    from layerwise.model_io.model_free.selection import select as select_layers
+
+    modules = [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up", "down")] + ["lm_head"]
+    with pytest.warns(IgnoreWarning, match=r"'re:\.\*mlp' matches only modules without a weight "
+                                           r"\('model.layers.0.mlp', 'model.layers.1.mlp'\).*write 're:\.\*mlp\\\.\.\*'"):
+        warn_unmatched_ignore(["re:.*mlp"], modules, "QuantizationModifier")
+    layers = dict.fromkeys(modules)
+    with pytest.raises(SelectionError, match=r"target 're:\.\*mlp' matches no layer.*only blocks holding layers "
+                                             r"\('model.layers.0.mlp', ...\).*write 're:\.\*mlp\\\.\.\*'"):
+        select_layers(layers, ["re:.*mlp"], [], "QuantizationModifier")
