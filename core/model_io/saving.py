@@ -25,12 +25,20 @@ Two rules keep a user's data safe, whatever the flags:
   ``overwrite="any"`` (CLI: ``--overwrite-any``). A ``README.md`` the user wrote into a layerwise
   output (one that is not layerwise's model card, :mod:`layerwise.reports.model_card`) is carried
   into the folder that replaces it, in place of the new card.
+
+A write the operating system refuses while the folder is written (disk full, a file over the
+size limit, a read-only disk, no permission) is an :class:`OutputNotWritableError` that names
+the folder, the reason and the fix (:func:`write_failures_named`): the raw ``OSError`` or
+``SafetensorError`` reads like a bug in layerwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -64,6 +72,19 @@ class OutputKeptAsideError(LayerwiseError, OSError):
         super().__init__(message)
         self.kept, self.target = kept, target
 
+#: why the operating system refused a write, by ``errno``, and the fix
+WRITE_FAILURES: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("the disk is full", "free space on that disk, or choose a folder on a disk with room"),
+    errno.EDQUOT: ("the disk quota is used up", "free space within your quota, or choose a folder on another disk"),
+    errno.EFBIG: ("a file grew past the largest size this process or its file system allows, e.g. `ulimit -f` or "
+                  "a FAT32 disk's 4 GiB", "raise the limit (`ulimit -f unlimited`), or choose a folder on another "
+                                          "file system"),
+    errno.EROFS: ("the file system is read-only", "choose a folder on a writable disk"),
+    errno.EACCES: ("permission denied", "choose a folder you can write to, or change that folder's permissions"),
+    errno.EPERM: ("operation not permitted", "choose a folder you can write to, or change that folder's permissions"),
+}
+#: how safetensors (Rust) reports an I/O error: ``... I/O error: File too large (os error 27)``
+_RUST_IO_ERROR = re.compile(r"I/O error: (.*?) \(os error (\d+)\)")
 
 #: ``False``: refuse a non-empty folder; ``True``: replace one layerwise wrote; ``"any"``: replace any folder
 Overwrite = bool | Literal["any"]
@@ -254,23 +275,51 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
         raise
 
 
-def _keep_checkpoint(tmp: Path, exc: BaseException) -> bool:
+def _keep_checkpoint(tmp: Path, failure: BaseException) -> bool:
     """A failed run's folder holding a resume checkpoint stays (unlocked) for ``resume=True`` to continue
-    (a checkpoint that cannot be continued too: its error says what to do, never to resume it)."""
+    (a checkpoint that cannot be continued too: its error says what to do, never to resume it).
+
+    Never raises: it runs while the run's own error is on its way to the user (a full disk, most
+    likely), and that error is the one they must see.
+    """
     from layerwise.model_io.output_lock import LOCK_FILE
     from layerwise.model_io.resume import ResumeError, describe, has_checkpoint
 
-    if not has_checkpoint(tmp):
+    log = logging.getLogger("layerwise")
+    try:
+        if not has_checkpoint(tmp):
+            return False
+    except OSError:
         return False
-    (tmp / LOCK_FILE).write_text("0\n")  # no live owner: the next run reports it, or takes it over
-    if isinstance(exc, ResumeError):
+    try:  # through a rename: a failed write leaves the lock naming this process, which ends now
+        replace_file(tmp / LOCK_FILE, "0\n")  # no live owner: the next run reports it, or takes it over
+    except OSError as exc:
+        log.warning("layerwise: could not mark the checkpoint in '%s' as free (%s); its lock names this process, "
+                    "which a later run finds ended", tmp, exc.strerror or exc)
+    if isinstance(failure, ResumeError):  # its own error says what to do with it
         return True
-    import logging
-
-    logging.getLogger("layerwise").warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': the "
-                                           "command that made it, run again with resume=True (CLI: --resume), "
-                                           "continues it", describe(tmp), tmp)
+    log.warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': the command that made it, run "
+                "again with resume=True (CLI: --resume), continues it", describe(tmp), tmp)
     return True
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``: whole or not at all."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+#: the output folders this process has written (renamed into place), in order
+_WRITTEN: list[Path] = []
+
+
+def outputs_written() -> list[Path]:
+    """The output folders this process has written, in order: what an interruption after them leaves complete."""
+    return list(_WRITTEN)
 
 
 @contextlib.contextmanager
@@ -280,13 +329,53 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> 
     An existing non-empty ``path`` is refused unless ``overwrite`` allows it (``True``: a
     layerwise output; ``"any"``: any folder), in which case it is replaced only after
     everything was written. The output gets the
-    user's default folder mode (umask), not the 0700 of a temporary folder.
+    user's default folder mode (umask), not the 0700 of a temporary folder. A write the operating
+    system refuses is an :class:`OutputNotWritableError` (:func:`write_failures_named`).
     """
-    with reserve_output(path, overwrite) as tmp:
+    target = output_target(path)
+    with write_failures_named(target), reserve_output(path, overwrite) as tmp:
         yield tmp
         release(tmp)
         give_default_modes(tmp)
-        _move_into_place(tmp, output_target(path), overwrite)
+        _move_into_place(tmp, target, overwrite)
+        _WRITTEN.append(target)
+
+
+@contextlib.contextmanager
+def write_failures_named(target: Path) -> Iterator[None]:
+    """Inside, a write to ``target`` (or its temporary sibling) that the operating system refuses becomes an
+    :class:`OutputNotWritableError` with the reason and the fix; anything else passes unchanged."""
+    try:
+        yield
+    except LayerwiseError:
+        raise
+    except Exception as exc:
+        failure = write_failure(exc, target.parent)
+        if failure is None:
+            raise
+        reason, fix = failure
+        raise OutputNotWritableError(
+            f"cannot write output folder '{target}': {reason}; it was not written (a folder there before is left "
+            f"as it was). Fix: {fix}, then run again") from exc
+
+
+def write_failure(exc: BaseException, where: Path) -> tuple[str, str] | None:
+    """``(reason, fix)`` when ``exc`` is the operating system refusing a write below ``where``, else ``None``.
+
+    An ``OSError`` naming a file elsewhere (a model file being read) is not the output's.
+    """
+    if isinstance(exc, OSError):
+        code, text = exc.errno, exc.strerror or str(exc)
+        if exc.filename and not _real(exc.filename).is_relative_to(_real(where)):
+            return None
+    elif type(exc).__name__ == "SafetensorError" and (found := _RUST_IO_ERROR.search(str(exc))):
+        code, text = int(found.group(2)), found.group(1)
+    else:
+        return None
+    if code not in WRITE_FAILURES:
+        return None
+    reason, fix = WRITE_FAILURES[code]
+    return f"{reason} ({text})", fix
 
 
 def give_default_modes(folder: Path) -> None:

@@ -263,3 +263,59 @@ def test_a_dangling_symlink_is_written_where_it_points(tmp_path):
     with atomic_output_dir(link) as tmp:
         (tmp / "f.txt").write_text("x")
     assert link.is_symlink() and (link / "f.txt").read_text() == "x"
+
+
+# -- a write the operating system refuses: a named error, never "unexpected OSError ... report it" ---------
+def test_a_full_disk_while_writing_names_the_folder_the_reason_and_the_fix(tmp_path):
+    import errno
+
+    target = tmp_path / "out"
+    with pytest.raises(OutputNotWritableError) as info, atomic_output_dir(target) as tmp:
+        (tmp / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
+    message = str(info.value)
+    assert f"'{target}'" in message and "the disk is full (No space left on device)" in message
+    assert "free space" in message and isinstance(info.value.__cause__, OSError)
+    assert list(tmp_path.iterdir()) == []  # written whole or not at all
+
+
+def test_a_file_size_limit_while_saving_is_a_named_error_with_nothing_left(tiny_llama_dir, tmp_path):
+    """``ulimit -f``: safetensors reports EFBIG as a SafetensorError, not an OSError."""
+    import resource
+
+    import layerwise
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: writes fail, EFBIG
+    try:
+        with pytest.raises(OutputNotWritableError) as info:
+            layerwise.compress(tiny_llama_dir, "W8A16", output_dir=tmp_path / "out", show_progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "a file grew past the largest size" in str(info.value) and "ulimit -f unlimited" in str(info.value)
+    assert type(info.value.__cause__).__name__ == "SafetensorError"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+
+
+def test_an_os_error_about_a_file_elsewhere_is_not_called_an_output_failure(tmp_path):
+    import errno
+
+    with pytest.raises(PermissionError) as info, atomic_output_dir(tmp_path / "out"):
+        raise PermissionError(errno.EACCES, "Permission denied", "/elsewhere/model.safetensors")
+    assert not isinstance(info.value, OutputNotWritableError)
+
+
+def test_a_checkpoint_that_cannot_be_unlocked_leaves_the_runs_own_error(tmp_path, caplog):
+    """Marking a kept checkpoint free can fail too (a full disk); the user must still see why the run stopped."""
+    from layerwise.model_io.output_lock import LOCK_FILE
+    from layerwise.model_io.resume import STATE_FILE, STATE_FOLDER
+    from layerwise.model_io.saving import reserve_output
+
+    with pytest.raises(RuntimeError, match="the run's own error"), reserve_output(tmp_path / "out") as tmp:
+        (tmp / STATE_FOLDER).mkdir()
+        (tmp / STATE_FOLDER / STATE_FILE).write_bytes(b"checkpoint")
+        (tmp / LOCK_FILE).unlink()
+        (tmp / LOCK_FILE).mkdir()  # the lock cannot be rewritten
+        raise RuntimeError("the run's own error")
+    assert (tmp / STATE_FOLDER / STATE_FILE).is_file()  # the checkpoint is kept all the same
+    assert "could not mark the checkpoint" in caplog.text and "is kept in" in caplog.text
