@@ -1,7 +1,8 @@
 """Why a model folder did not load, in words a user can act on.
 
 transformers, safetensors and torch report a corrupt weights file, a refused pickle or a
-config that asks to run its own code as long tracebacks from deep inside. :func:`explain`
+config that asks to run its own code as long tracebacks from deep inside, and a config.json
+that is not JSON as a bare ``OSError``. :func:`explain`
 turns the failures layerwise recognises into a :class:`ModelLoadError` that says what was
 wrong (or refused, and why) and the fix; anything else it returns ``None`` for, and the
 caller lets the original error through.
@@ -51,6 +52,27 @@ def explain(where: str, exc: BaseException) -> ModelLoadError | None:
         return _remote_code_refused(where)
     if isinstance(exc, ValueError) and "does not recognize this architecture" in text:
         return _unknown_model_type(where)
+    if isinstance(exc, OSError) and not isinstance(exc, ModelLoadError):  # transformers' way to say most things
+        return _config_not_json(where) or not_loadable(where, text)
+    return None
+
+
+def not_loadable(where: str, text: str) -> ModelLoadError:
+    """transformers' own reason (its ``OSError``: no weights, an unknown hub id, ...) with what layerwise loads."""
+    return ModelLoadError(f"cannot load model {where!r}: {text.rstrip('.')}. Pass a local folder with config.json "
+                          f"and weights, or a hub id reachable from this machine")
+
+
+def _config_not_json(where: str) -> ModelLoadError | None:
+    """The error for a local config.json that does not parse (cut short, edited by hand), with where it breaks."""
+    config_file = Path(where).expanduser() / "config.json"
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    except ValueError as exc:
+        return ModelLoadError(f"cannot load model {where!r}: its config file '{config_file}' is not valid JSON "
+                              f"({exc}); repair it, or copy or download the model's config.json again")
     return None
 
 

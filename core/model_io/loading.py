@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from layerwise.errors import ModelLoadError
 from layerwise.host.model_patch import ModelPatch
 from layerwise.host.patch_selection import apply_patch, resolve_patch
 from layerwise.model_io.heads import checkpoint_class, dropped_keys_error
@@ -39,22 +38,16 @@ def load_model(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = 
     where = str(path_or_id)
     check_model_path(where)
     trust = kwargs.pop("trust_remote_code", False)
-    try:
-        with explained(where):  # what is recognised is explained, the rest re-raised as it was
-            config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
-            if sparse_format(config) is not None:
-                model, info = load_sparse(Path(where).expanduser(), config, dtype=dtype, trust_remote_code=trust,
-                                          output_loading_info=True, **kwargs)
-            else:
-                cls = checkpoint_class(config, Path(where).expanduser())
-                model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
-                                                  output_loading_info=True, **kwargs)
-                mark_dense_sparse(model, config)
-    except ModelLoadError:
-        raise
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load model {where!r}: {str(exc).rstrip('.')}. Pass a local folder with "
-                             f"config.json and weights, or a hub id reachable from this machine") from exc
+    with explained(where):  # what is recognised (an OSError too) is explained, the rest re-raised as it was
+        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=trust)
+        if sparse_format(config) is not None:
+            model, info = load_sparse(Path(where).expanduser(), config, dtype=dtype, trust_remote_code=trust,
+                                      output_loading_info=True, **kwargs)
+        else:
+            cls = checkpoint_class(config, Path(where).expanduser())
+            model, info = cls.from_pretrained(where, dtype=dtype, trust_remote_code=trust,
+                                              output_loading_info=True, **kwargs)
+            mark_dense_sparse(model, config)
     dropped = list(info.get("unexpected_keys") or [])
     if dropped:  # weights the class does not use would be missing from the saved model
         raise dropped_keys_error(where, type(model), dropped)

@@ -111,6 +111,13 @@ def unknown_model_type(model_dir: Path, tmp_path: Path) -> Path:
     return folder
 
 
+def config_not_json(model_dir: Path, tmp_path: Path) -> Path:
+    folder = _copy(model_dir, tmp_path)
+    config = folder / "config.json"
+    config.write_text(config.read_text()[:300])  # cut short, as `head -c 300` leaves it
+    return folder
+
+
 def nan_weight(model_dir: Path, tmp_path: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -176,6 +183,8 @@ CASES = [
     ("pickle that runs code", malicious_pickle, ["--recipe", "W8A16"],
      ["refused to load", "pytorch_model.bin", "asks to call", "system", "weights-only",
       "never runs code", "convert it to safetensors"]),
+    ("config.json that is not JSON", config_not_json, ["--recipe", "W8A16"],
+     ["config.json' is not valid JSON (", "repair it, or copy or download the model's config.json again"]),
     ("corrupt pytorch_model.bin", garbage_pickle, ["--recipe", "W8A16"],
      ["pytorch_model.bin' is truncated or corrupt"]),
     ("config that needs trust_remote_code", remote_code, ["--recipe", "W8A16"],
@@ -429,6 +438,17 @@ def test_layerwise_trace_names_a_corrupt_model_like_compress(breaker, model_dir,
     assert run_cli(["trace", "--model", str(folder), "--verify"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors' is truncated or corrupt" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["plan"], ["trace"], ["compress", "--no-save"]])
+def test_a_config_that_is_not_json_is_the_same_named_error_for_plan_trace_and_compress(command, model_dir, tmp_path,
+                                                                                        capsys):
+    folder = config_not_json(model_dir, tmp_path)
+    assert run_cli([command[0], "--model", str(folder), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"layerwise: error: cannot load model '{folder}': its config file '{folder / 'config.json'}' is not valid " \
+           f"JSON (" in err
+    assert "unexpected" not in err and "Traceback" not in err
 
 
 def _cli_in_a_process(argv: list[str], stdin: str, cwd: Path) -> subprocess.CompletedProcess:
