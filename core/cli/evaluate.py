@@ -18,13 +18,6 @@ from typing import Any
 
 from layerwise.cli.arguments import positive_int
 from layerwise.common.quiet import command_line_bars
-from layerwise.errors import LayerwiseError
-
-
-class EvalOutputError(LayerwiseError):
-    """A file asked for (``--svg``) cannot be written."""
-
-
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -76,13 +69,14 @@ def run(args: argparse.Namespace) -> int:
     from layerwise.verbs.evaluation import evaluate
 
     command_line_bars(not args.quiet)  # transformers' bars too (a log gets a line per redraw)
+    svg = _check_svg(args) if args.svg else None  # before the windows run: minutes, then the path refused
     quality = evaluate(args.original, args.compressed, args.dataset, window_length=args.window_length,
                        stride=args.stride, max_windows=args.max_windows, batch_size=args.batch_size,
                        device=args.device, placement=args.placement, tasks=args.tasks, task_path=args.task_path,
                        task_limit=args.task_limit, num_fewshot=args.num_fewshot, show_progress=not args.quiet,
                        trust_remote_code=args.trust_remote_code)
-    if args.svg:
-        _write_svg(quality, Path(args.svg))
+    if svg is not None:
+        _write_svg(quality, svg)
     notes = [] if args.no_record else record_if_ours(args.compressed, quality, args.original)
     if args.json:
         print(json.dumps(quality.to_dict(), indent=1))
@@ -133,14 +127,23 @@ def _other_local_folder(source: str, original: str) -> bool:
     return first.is_dir() and second.is_dir() and first.resolve() != second.resolve()
 
 
+#: what ``eval --svg`` writes, in its errors
+KL_PICTURE = "the KL picture"
+
+
+def _check_svg(args: argparse.Namespace) -> Path:
+    """``--svg FILE`` must be a new file outside both model folders (a file there changes what the folder holds)."""
+    from layerwise.model_io.output_file import check_output_file
+
+    return check_output_file(args.svg, KL_PICTURE, [("original model folder", args.original),
+                                                    ("compressed model folder", args.compressed)])
+
+
 def _write_svg(quality: Any, path: Path) -> None:
+    from layerwise.model_io.output_file import write_output_file
     from layerwise.reports.kl_svg import kl_svg
 
-    try:
-        path.write_text(kl_svg(quality), encoding="utf-8")
-    except OSError as exc:
-        raise EvalOutputError(f"cannot write the KL picture to '{path}': {exc.strerror or exc}; choose a path in "
-                              f"a folder you can write to") from None
+    write_output_file(path, kl_svg(quality), KL_PICTURE)
 
 
 # -- compress --eval FILE ------------------------------------------------------------------------------

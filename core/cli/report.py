@@ -2,7 +2,7 @@
 
 Prints a header (model, recipe, pipeline, fallbacks, guards re-traced, time, size), the
 per-layer table and the loss chart, and the report card when the folder was evaluated; ``--json`` prints the saved summary as it is, ``--svg FILE``
-also writes the per-layer loss as an SVG bar chart. A folder without a readable summary is a
+also writes the per-layer loss as an SVG bar chart, to a new file only (never over one). A folder without a readable summary is a
 :class:`~layerwise.reports.run_summary.SummaryError` (exit status 2, one line that says the fix).
 """
 
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerwise.errors import LayerwiseError
 from layerwise.reports.run_summary import SUMMARY_FILE, RunSummary, read_summary
 from layerwise.reports.text import (
     layer_table,
@@ -28,10 +26,6 @@ from layerwise.reports.text import (
 
 if TYPE_CHECKING:
     from layerwise.reports.svg import Scale
-
-
-class ReportOutputError(LayerwiseError):
-    """The SVG file asked for cannot be written."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +72,7 @@ def header_lines(summary: RunSummary) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     summary = read_summary(args.output_dir)
     if args.svg:  # first: a path that cannot be written is an error before any output
-        _write_svg(summary, Path(args.svg), args.scale)
+        _write_svg(summary, args.svg, args.scale)
     if args.json:
         assert summary.path is not None
         print(summary.path.read_text(encoding="utf-8"), end="")
@@ -120,12 +114,11 @@ def _print_quality(summary: RunSummary, ascii_only: bool) -> None:
         print("\n".join(charts))
 
 
-def _write_svg(summary: RunSummary, path: Path, scale: Scale) -> None:
+def _write_svg(summary: RunSummary, path: str, scale: Scale) -> None:
+    """The loss chart into a new file: never over one, the folder's own files included (its weights, its summary)."""
+    from layerwise.model_io.output_file import check_output_file, write_output_file
     from layerwise.reports.svg import loss_svg
 
+    target = check_output_file(path, "the SVG chart")
     title = f"{'/'.join(summary.report.modifiers) or 'per-layer'} loss, {summary.report.model or 'model'}"
-    try:
-        path.write_text(loss_svg(summary.report.layer_log, scale=scale, title=title), encoding="utf-8")
-    except OSError as exc:
-        raise ReportOutputError(f"cannot write the SVG chart to '{path}': {exc.strerror or exc}; "
-                                f"choose a path in a folder you can write to") from None
+    write_output_file(target, loss_svg(summary.report.layer_log, scale=scale, title=title), "the SVG chart")

@@ -9,11 +9,13 @@ import argparse
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from layerwise.errors import LayerwiseError
 from layerwise.model_io.load_errors import explained
 from layerwise.tracing.targets import (
     TargetChoice,
@@ -119,6 +121,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from layerwise.tracing.samples import default_modality, sample_inputs
 
     out = out or sys.stdout
+    # before the model loads and traces: the file --graph writes is new and outside the model folder
+    graph = graph_file(args.graph, args.model) if args.graph else None
     command_line_bars(True)  # transformers' loading bar: a line per redraw in a pipe or a log
     warn_if_untested()
     model = load_for_tracing(args.model, materialise=args.verify)
@@ -175,8 +179,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         outermost = [n for n in result.unvisited_modules
                      if not any(n.startswith(other + ".") for other in names)]
         print("Never called (with what they hold): " + ", ".join(outermost), file=out)
-    if args.graph:
-        print(write_graph(result, args.graph), file=out)
+    if graph is not None:
+        print(write_graph(result, graph), file=out)
     if args.suggest_patch:
         from layerwise.tracing.suggest import suggest_patch
 
@@ -208,21 +212,68 @@ def _targets_line(model: torch.nn.Module, choice: TargetChoice) -> str:
     return f"Targets ({_SOURCE_LABELS[choice.source]}): {', '.join(choice.targets)}"
 
 
-def write_graph(result: Any, path: str | Path) -> str:
-    """Write DOT, or render SVG/PNG with graphviz's ``dot``; returns what was written."""
-    path = Path(path)
-    dot = result.to_dot()
+#: what ``--graph`` writes, in its errors
+GRAPH = "the graph"
+
+
+@dataclass(frozen=True)
+class GraphFile:
+    """Where ``--graph`` writes and how, settled before tracing."""
+
+    #: the file written: the one asked for, or its ``.dot`` sibling when graphviz cannot render it
+    path: Path
+    #: ``dot`` (the DOT text itself), ``svg`` or ``png`` (rendered by graphviz's ``dot``)
+    fmt: str
+    #: the SVG/PNG asked for when graphviz is missing (``None`` otherwise)
+    instead_of: Path | None = None
+
+
+def graph_file(requested: str, model_folder: str) -> GraphFile:
+    """The file ``--graph`` will write, checked now: never an existing file, never inside the model folder.
+
+    An SVG or PNG needs graphviz's ``dot``; without it the DOT text goes to the ``.dot`` name beside it,
+    which is checked the same way.
+    """
+    path = Path(requested)
     fmt = path.suffix.lstrip(".").lower()
-    if fmt in ("svg", "png"):
-        exe = shutil.which("dot")
-        if exe is not None:
-            subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot.encode(), check=True)
-            return f"Graph written to {path}"
-        fallback = path.with_suffix(".dot")
-        fallback.write_text(dot)
-        return f"graphviz 'dot' not found (apt install graphviz); DOT written to {fallback} instead"
-    path.write_text(dot)
-    return f"Graph written to {path}"
+    if fmt not in ("svg", "png"):
+        fmt = "dot"
+    elif shutil.which("dot") is None:
+        return GraphFile(_checked(path.with_suffix(".dot"), model_folder), "dot", instead_of=path)
+    return GraphFile(_checked(path, model_folder), fmt)
+
+
+def _checked(path: Path, model_folder: str) -> Path:
+    from layerwise.model_io.output_file import check_output_file
+
+    return check_output_file(path, GRAPH, [("model folder", model_folder)])
+
+
+def write_graph(result: Any, graph: GraphFile) -> str:
+    """Write DOT, or render SVG/PNG with graphviz's ``dot``; returns what was written, and where."""
+    from layerwise.model_io.output_file import write_output_file
+
+    dot = result.to_dot()
+    content: str | bytes = dot if graph.fmt == "dot" else _render(dot, graph.fmt)
+    write_output_file(graph.path, content, GRAPH)
+    if graph.instead_of is not None:
+        return (f"graphviz 'dot' not found (apt install graphviz), so {graph.instead_of} was not drawn; "
+                f"the graph's DOT text was written to {graph.path} instead")
+    return f"Graph written to {graph.path}"
+
+
+def _render(dot: str, fmt: str) -> bytes:
+    """The graph drawn by graphviz's ``dot`` as ``fmt`` (``svg``, ``png``)."""
+    done = subprocess.run([shutil.which("dot") or "dot", f"-T{fmt}"], input=dot.encode(), capture_output=True)
+    if done.returncode != 0:
+        raise GraphRenderError(f"graphviz 'dot' could not draw the graph as {fmt} (exit status {done.returncode}: "
+                               f"{done.stderr.decode(errors='replace').strip()[:300]}); write DOT instead "
+                               f"(--graph FILE.dot) and render it yourself")
+    return done.stdout
+
+
+class GraphRenderError(LayerwiseError):
+    """graphviz's ``dot`` failed to draw the traced graph."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,8 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def test_config_only_folder_verify_and_dot(tmp_path) -> None:
-    models.build("LlamaForCausalLM").config.save_pretrained(tmp_path)
-    code, text = _run(["trace", "--model", str(tmp_path), "--verify", "--graph", str(tmp_path / "g.dot")])
+    models.build("LlamaForCausalLM").config.save_pretrained(tmp_path / "model")
+    code, text = _run(["trace", "--model", str(tmp_path / "model"), "--verify", "--graph", str(tmp_path / "g.dot")])
     assert code == 0, text
     assert "Traced LlamaForCausalLM into 3 subgraphs" in text
     assert "model.layers.1" in text and "max abs diff: 0.000e+00" in text
@@ -71,9 +71,9 @@ def test_vision_language_model_uses_its_patch_and_an_svg_falls_back_to_dot(tmp_p
     from layerwise.model_zoo.qwen2_vl import QWEN2_VL
 
     skip_unless_verified(QWEN2_VL)
-    _tiny_qwen2_vl_config().save_pretrained(tmp_path)
+    _tiny_qwen2_vl_config().save_pretrained(tmp_path / "model")  # the graph goes beside, never into the model
     monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # as on a machine without graphviz
-    code, text = _run(["trace", "--model", str(tmp_path), "--modality", "image", "--verify",
+    code, text = _run(["trace", "--model", str(tmp_path / "model"), "--modality", "image", "--verify",
                        "--graph", str(tmp_path / "g.svg")])
     assert code == 0, text
     assert "patch: qwen2_vl" in text and "Inputs (image): input_ids" in text
@@ -81,7 +81,9 @@ def test_vision_language_model_uses_its_patch_and_an_svg_falls_back_to_dot(tmp_p
     rows = [line.split()[1] for line in text.splitlines() if line[:1].isdigit()]
     assert rows == ["model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0",
                     "model.language_model.layers.1", "(rest)"]
-    assert "graphviz 'dot' not found" in text and (tmp_path / "g.dot").read_text().startswith("digraph")
+    assert f"graphviz 'dot' not found (apt install graphviz), so {tmp_path / 'g.svg'} was not drawn; the graph's " \
+           f"DOT text was written to {tmp_path / 'g.dot'} instead" in text
+    assert (tmp_path / "g.dot").read_text().startswith("digraph")
     assert "/site-packages/" not in text  # wrapped statements name files from the package root
     assert "max abs diff: 0.000e+00" in text and "ok, tolerance" in text
 
