@@ -10,6 +10,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from layerwise import __version__
@@ -270,7 +271,8 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
     """Run the command; an error is one ``layerwise: error: ...`` line (and its traceback with --debug).
 
     Exit status: 0 done, 2 a usage error (a LayerwiseError or a bad flag), 1 an unexpected
-    error (a bug: the line says how to get the traceback), 130 interrupted. ``process_ends``: the process
+    error (a bug: the line says how to get the traceback), 130 interrupted (the line says whether an output
+    folder was written before). ``process_ends``: the process
     exits after the command (the executable), so a command may leave its garbage to the exit.
     """
     argv, debug = _pop_debug(sys.argv[1:] if argv is None else argv)
@@ -287,14 +289,14 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
         return 2
     default_format = warnings.formatwarning
     warnings.formatwarning = _plain_warnings(default_format)
+    written_before = len(_outputs_written())
     try:
         return args.func(args)
     except LayerwiseError as exc:
         _report(exc, debug, str(exc))
         return 2
     except KeyboardInterrupt:
-        print("layerwise: interrupted; no output folder was written (a --resume checkpoint, where one was kept, "
-              "says so above)", file=sys.stderr)
+        print(interrupted_message(args, _outputs_written()[written_before:]), file=sys.stderr)
         return 130
     except BrokenPipeError:  # `layerwise report out | head`: the reader had enough
         _silence_stdout()
@@ -306,6 +308,27 @@ def main(argv: Sequence[str] | None = None, process_ends: bool = False) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
+
+
+def _outputs_written() -> list[Path]:
+    from layerwise.model_io.saving import outputs_written
+
+    return outputs_written()
+
+
+def interrupted_message(args: argparse.Namespace, written: Sequence[Path]) -> str:
+    """What a Ctrl-C left: nothing, or an output folder already complete (``compress --eval`` evaluates after
+    saving), and how to run what did not finish."""
+    if not written:
+        return ("layerwise: interrupted; no output folder was written (a --resume checkpoint, where one was kept, "
+                "says so above)")
+    folder = written[-1]
+    if getattr(args, "eval", None) and getattr(args, "model", None):
+        rest = (f"the evaluation did not finish: `layerwise eval {args.model} {folder} --dataset {args.eval}` "
+                f"runs it again")
+    else:
+        rest = "what came after it did not finish"
+    return f"layerwise: interrupted after the output folder '{folder}' was written (it is complete); {rest}"
 
 
 def unrecognized_arguments(args: argparse.Namespace, unknown: Sequence[str]) -> str:

@@ -173,3 +173,32 @@ def test_a_memory_size_of_nothing_or_nonsense_is_refused(text):
 
     with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
         memory_size(text)
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_compress_eval_says_the_output_was_written(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """``compress --eval`` evaluates after saving: a Ctrl-C then leaves a complete output folder, and says so."""
+    from layerwise.cli import evaluate
+
+    heldout, out_dir = tmp_path / "heldout.txt", tmp_path / "out"
+    heldout.write_text("w1 w2 w3 w4 w5\n")
+    monkeypatch.setattr(evaluate, "evaluate_after_compress", _interrupt)
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W8A16", "--output-dir", str(out_dir),
+                 "--eval", str(heldout), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted after the output folder '{out_dir}' was written (it is complete)" in err
+    assert f"`layerwise eval {tiny_llama_dir} {out_dir} --dataset {heldout}` runs it again" in err
+    assert "no output folder was written" not in err and (out_dir / "model.safetensors").is_file()
+
+
+def test_ctrl_c_before_saving_says_nothing_was_written(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    from layerwise.verbs import compression
+
+    monkeypatch.setattr(compression, "load_model", _interrupt)
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W8A16", "--output-dir",
+                 str(tmp_path / "out"), "--quiet"]) == 130
+    assert "interrupted; no output folder was written" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
