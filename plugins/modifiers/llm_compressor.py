@@ -25,7 +25,9 @@ QUANTIZATION = {
         "divide in ignore, or use strategy: channel", ignored=False),
 }
 GPTQ = {**QUANTIZATION, "sequential_update": _SEQUENTIAL_UPDATE, "offload_hessians": _OFFLOAD_HESSIANS,
-        "sequential_targets": _SEQUENTIAL_TARGETS}
+        "sequential_targets": _SEQUENTIAL_TARGETS, "batched_quantization": ForeignField(
+            "llm-compressor's speed setting (same-shape layers solved as one batch); layerwise solves each layer "
+            "on its own Hessian, which gives the same result")}
 AWQ = {**QUANTIZATION, "sequential_targets": _SEQUENTIAL_TARGETS, "offload_device": ForeignField(
     "layerwise keeps one block's search samples in memory at a time (search_tokens caps them), on the "
     "device calibration runs on")}
@@ -60,5 +62,8 @@ PRUNING = {
     "sequential_targets": _SEQUENTIAL_TARGETS,
     "preserve_sparsity_mask": ForeignField(
         "a layer layerwise pruned keeps its zeros through every later modifier (GPTQ quantizes them to 0)"),
+    "sparsity_profile": ForeignField(
+        "layerwise's OWL is on exactly when owl_m and owl_lmbda are given (llm-compressor's sparsity_profile: owl, "
+        "which it requires beside them); there is no other profile"),
 }
 SPARSEGPT = {**PRUNING, "offload_hessians": _OFFLOAD_HESSIANS}

@@ -40,6 +40,18 @@ def logits(model):
         return model(**BATCHES[0]).logits
 
 
+def test_speed_settings_and_the_owl_profile_are_read_and_ignored_with_the_reason():
+    """batched_quantization (GPTQ) and sparsity_profile: owl (beside owl_m / owl_lmbda, which llm-compressor
+    requires with it) were bare 'unknown field' errors: every llm-compressor OWL recipe failed."""
+    with pytest.warns(ForeignFieldWarning, match="batched_quantization is ignored: llm-compressor's speed setting"):
+        (gptq,) = parse_recipe({"GPTQModifier": {"scheme": "W4A16", "batched_quantization": "auto"}})
+    assert gptq.args.num_bits == 4
+    with pytest.warns(ForeignFieldWarning, match="sparsity_profile is ignored: layerwise's OWL is on exactly when"):
+        (owl,) = parse_recipe({"SparseGPTModifier": {"sparsity": 0.5, "sparsity_profile": "owl", "owl_m": 5,
+                                                     "owl_lmbda": 0.08}})
+    assert (owl.owl_m, owl.owl_lmbda) == (5, 0.08)
+
+
 def test_a_config_groups_gptq_recipe_is_the_gptq_w4a16_preset():
     with pytest.warns(ForeignFieldWarning, match=r"sequential_update is ignored: layerwise always calibrates"):
         (modifier,) = parse_recipe(LLMC_GPTQ_W4A16)
