@@ -124,7 +124,8 @@ def render_card(summary: RunSummary, quality: Mapping[str, Any] | None, name: st
     """The card's text: YAML front matter, :data:`CARD_MARK`, then the markdown body."""
     report = summary.report
     front = front_matter(report, quality, name)
-    body = [f"# {name}", "", _what_was_done(summary), "", *_loading(name, quality, _low_bit_float(report), report.architecture),
+    body = [f"# {name}", "", _what_was_done(summary), "",
+            *_loading(name, quality, _low_bit_float(report), report.architecture, _rotates_online(report)),
             *_online_rotation_note(report, name), *_serving(report, name)]
     if quality:
         body += ["## Quality against the original", "", *metrics_table(quality), "", _measured_on(quality), ""]
@@ -241,7 +242,10 @@ def _low_bit_float(report: CompressionReport) -> bool:
 
 
 def _loading(name: str, quality: Mapping[str, Any] | None, low_bit_float: bool = False,
-             architecture: str = "") -> list[str]:
+             architecture: str = "", online_rotations: bool = False) -> list[str]:
+    if online_rotations:  # plain from_pretrained drops the rotations: the block to copy must be layerwise's
+        return ["## How to load", "", "```python", "import layerwise", "",
+                f'model = layerwise.load_compressed("{name}")', "```", ""]
     causal = (quality or {}).get("kind") == "causal-lm" or architecture.endswith("ForCausalLM")
     auto = "AutoModelForCausalLM" if causal else "AutoModel"
     dtype = ", dtype=torch.bfloat16" if low_bit_float else ""
@@ -271,11 +275,15 @@ def _serving(report: CompressionReport, name: str) -> list[str]:
 def _online_rotation_note(report: CompressionReport, name: str) -> list[str]:
     """A folder with online rotations (``transform_config``) must not be loaded by plain transformers, which
     drops them: say so, and what loads it."""
-    if not re.search(r"^\s*online:\s*true\s*$", report.recipe, re.MULTILINE):
+    if not _rotates_online(report):
         return []
     return [f"**This model rotates some layers' inputs online** (a Hadamard, in `quantization_config."
             f"transform_config`): transformers ignores that key, so `from_pretrained` alone gives wrong outputs. "
-            f'Load it with `layerwise.load_compressed("{name}")`, which puts the rotations back.', ""]
+            f'`layerwise.load_compressed("{name}")` puts the rotations back.', ""]
+
+
+def _rotates_online(report: CompressionReport) -> bool:
+    return re.search(r"^\s*online:\s*true\s*$", report.recipe, re.MULTILINE) is not None
 
 
 def _measured_on(quality: Mapping[str, Any]) -> str:

@@ -151,7 +151,9 @@ def test_quarot_gptq_w4a4_saves_transform_config_and_load_compressed_reproduces_
     expected = _logits(model, ids)
     reloaded = layerwise.load_compressed(out).eval()
     assert sorted(online_hadamards(reloaded)) == sorted(online_hadamards(model))
-    assert "rotates some layers' inputs online" in (out / "README.md").read_text()  # the model card warns
+    card = (out / "README.md").read_text()
+    assert "rotates some layers' inputs online" in card  # the model card warns, and its code block to copy loads
+    assert f'model = layerwise.load_compressed("{out.name}")' in card and "from_pretrained(" not in card  # it right
     assert torch.equal(_logits(reloaded, ids), expected)  # bit for bit
     # transformers 5.x drops transform_config: a plain load has no online rotation and other outputs
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
