@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from layerwise.common.files import replace_file
 from layerwise.model_io.saving import (
     OutputExistsError,
     OutputIsInputError,
@@ -47,20 +48,13 @@ def check_output_file(path: str | os.PathLike, what: str,
 def write_output_file(path: Path, content: str | bytes, what: str) -> None:
     """Write ``content`` to ``path`` whole or not at all; a path that appeared since it was checked stays."""
     check_output_file(path, what)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        if isinstance(content, bytes):
-            temporary.write_bytes(content)
-        else:
-            temporary.write_text(content, encoding="utf-8")
-        os.replace(temporary, path)
+        replace_file(path, content)
     except OSError as exc:
         reason, fix = write_failure(exc, path.parent) or (exc.strerror or str(exc), "choose a path in a folder you "
                                                                                     "can write to")
         raise OutputNotWritableError(f"cannot write {what} to '{path}': {reason}; nothing was written. Fix: {fix}"
                                      ) from exc
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _check_folder_writable(target: Path, what: str) -> None:

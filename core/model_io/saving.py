@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from layerwise.common.files import replace_file
 from layerwise.errors import LayerwiseError
 from layerwise.model_io.output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
 
@@ -301,16 +302,6 @@ def _keep_checkpoint(tmp: Path, failure: BaseException) -> bool:
     log.warning("layerwise: the run stopped %s; its checkpoint is kept in '%s': the command that made it, run "
                 "again with resume=True (CLI: --resume), continues it", describe(tmp), tmp)
     return True
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``: whole or not at all."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 #: the output folders this process has written (renamed into place), in order

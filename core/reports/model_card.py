@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from layerwise.common.files import replace_file
 from layerwise.reports.quality_text import as_document, task_text, window_text
 from layerwise.reports.run_report import CompressionReport
 from layerwise.reports.run_summary import RunSummary, read_summary
@@ -102,7 +103,7 @@ def write_card(folder: str | os.PathLike, summary: RunSummary | None = None, qua
     for file_name, text in files.items():
         if file_name == CARD_FILE and keep:
             continue
-        _write_atomically(folder / file_name, text)
+        replace_file(folder / file_name, text)
         if file_name.endswith(".svg"):
             png_beside(folder / file_name)
     return None if keep else readme
@@ -351,11 +352,4 @@ def _number(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
