@@ -108,6 +108,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             result = load(**kwargs)
             mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
             attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
+            warn_unquantized_expert_inputs(result[0] if isinstance(result, tuple) else result, loaded, where)
             return result
         model, info = _quietly(load, kwargs)
         decoded = decode_float_formats(model, folder)
@@ -115,6 +116,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         _warn_disagreement(info, decoded)
         mark_dense_sparse(model, loaded)
         attach_online_transforms(model, loaded)
+        warn_unquantized_expert_inputs(model, loaded, where)
         return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
@@ -183,6 +185,32 @@ def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any)
     for file in _weight_files(folder):
         state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
     return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
+
+
+def warn_unquantized_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
+    """Warn when a config group quantizes layer inputs and the loaded model holds MoE experts fused (3-D
+    ``gate_up_proj`` / ``down_proj``, as transformers 5 loads them): those run without their inputs quantized,
+    so the model computes neither what layerwise had in memory nor what vLLM serves. Returns the experts
+    modules concerned."""
+    from layerwise.common.matching import matches
+
+    quant = quantization_config(config)
+    groups = [g for g in (quant.get("config_groups") or {}).values()
+              if isinstance(g, dict) and g.get("input_activations")]
+    if not groups:
+        return []
+    ignore = list(quant.get("ignore") or [])
+    fused = [name for name, module in model.named_modules()
+             if all(isinstance(getattr(module, key, None), torch.Tensor) and getattr(module, key).dim() == 3
+                    for key in ("gate_up_proj", "down_proj"))
+             and not matches(f"{name}.0.gate_proj", torch.nn.Linear(1, 1, device="meta"), ignore)]
+    if fused:
+        warn_user(f"{where!r}: transformers loads the MoE experts fused ({fused[0]}"
+                  f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}) and runs them without the input "
+                  f"quantization the checkpoint's config groups give them, so this model's outputs differ from "
+                  f"the compressed model's (vLLM's fused MoE kernels quantize the expert inputs); the dense layers "
+                  f"and the weights are as saved")
+    return fused
 
 
 def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
