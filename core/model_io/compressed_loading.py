@@ -108,7 +108,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             result = load(**kwargs)
             mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
             attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
-            warn_unquantized_expert_inputs(result[0] if isinstance(result, tuple) else result, loaded, where)
+            restore_expert_inputs(result[0] if isinstance(result, tuple) else result, loaded, where)
             return result
         model, info = _quietly(load, kwargs)
         decoded = decode_float_formats(model, folder)
@@ -116,7 +116,7 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         _warn_disagreement(info, decoded)
         mark_dense_sparse(model, loaded)
         attach_online_transforms(model, loaded)
-        warn_unquantized_expert_inputs(model, loaded, where)
+        restore_expert_inputs(model, loaded, where)
         return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
@@ -187,30 +187,55 @@ def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any)
     return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
 
 
-def warn_unquantized_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
-    """Warn when a config group quantizes layer inputs and the loaded model holds MoE experts fused (3-D
-    ``gate_up_proj`` / ``down_proj``, as transformers 5 loads them): those run without their inputs quantized,
-    so the model computes neither what layerwise had in memory nor what vLLM serves. Returns the experts
-    modules concerned."""
-    from layerwise.common.matching import matches
+def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
+    """When a config group quantizes layer inputs and transformers loaded the MoE experts fused (3-D
+    ``gate_up_proj`` / ``down_proj``, as transformers 5 loads them), they would run without that input
+    quantization: neither the compressed model nor what vLLM serves. The experts are unfused again by the model's
+    patch (their weights are the saved ones) and their Linear layers quantize their inputs as the group says.
+    Static input scales cannot be put back (transformers dropped them): warned. Returns the layers restored."""
+    from layerwise.algorithms.quantization.config_groups import read_config_groups
+    from layerwise.algorithms.quantization.storage import set_input_quantization
+    from layerwise.common.matching import find_modules, matches
+    from layerwise.host.patch_selection import apply_patch, resolve_patch
 
     quant = quantization_config(config)
-    groups = [g for g in (quant.get("config_groups") or {}).values()
-              if isinstance(g, dict) and g.get("input_activations")]
-    if not groups:
+    saved = {key: {k: v for k, v in group.items() if k != "format"}
+             for key, group in (quant.get("config_groups") or {}).items()}
+    if not saved or not any(_fused_experts(module) for module in model.modules()):
         return []
+    groups = [g for g in read_config_groups(saved, "quantization_config.config_groups")
+              if g.scheme is not None and g.scheme.input_activations is not None]
     ignore = list(quant.get("ignore") or [])
-    fused = [name for name, module in model.named_modules()
-             if all(isinstance(getattr(module, key, None), torch.Tensor) and getattr(module, key).dim() == 3
-                    for key in ("gate_up_proj", "down_proj"))
-             and not matches(f"{name}.0.gate_proj", torch.nn.Linear(1, 1, device="meta"), ignore)]
-    if fused:
+    layer = torch.nn.Linear(1, 1, device="meta")  # what a group's targets and ignore say of an expert's layer
+    fused = [name for name, module in model.named_modules() if _fused_experts(module)
+             and any(matches(f"{name}.0.gate_proj", layer, g.targets) for g in groups)
+             and not matches(f"{name}.0.gate_proj", layer, ignore)]
+    if not fused:
+        return []
+    static = [g for g in groups if not g.scheme.input_activations.dynamic
+              or g.scheme.input_activations.strategy == "tensor_group"]  # NVFP4's calibrated global scale too
+    if not static:
+        apply_patch(model, resolve_patch(model))
+    left = [name for name, module in model.named_modules() if _fused_experts(module)]
+    if static or left:
+        why = ("their calibrated input scales were dropped on load" if static else "no model patch unfuses them")
         warn_user(f"{where!r}: transformers loads the MoE experts fused ({fused[0]}"
                   f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}) and runs them without the input "
-                  f"quantization the checkpoint's config groups give them, so this model's outputs differ from "
-                  f"the compressed model's (vLLM's fused MoE kernels quantize the expert inputs); the dense layers "
-                  f"and the weights are as saved")
-    return fused
+                  f"quantization the checkpoint's config groups give them ({why}), so this model's outputs differ "
+                  f"from the compressed model's and vLLM's; the dense layers and the weights are as saved")
+        return []
+    restored = []
+    for group in groups:
+        for name, module in find_modules(model, group.targets, ignore).items():
+            if ".experts." in f".{name}" and getattr(module, "input_quantization_args", None) is None:
+                set_input_quantization(module, group.scheme.input_activations)
+                restored.append(name)
+    return restored
+
+
+def _fused_experts(module: torch.nn.Module) -> bool:
+    return all(isinstance(getattr(module, key, None), torch.Tensor) and getattr(module, key).dim() == 3
+               for key in ("gate_up_proj", "down_proj"))
 
 
 def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
