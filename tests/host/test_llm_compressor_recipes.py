@@ -52,6 +52,13 @@ def test_speed_settings_and_the_owl_profile_are_read_and_ignored_with_the_reason
     assert (owl.owl_m, owl.owl_lmbda) == (5, 0.08)
 
 
+def test_num_bits_written_as_a_string_is_read_as_compressed_tensors_reads_it():
+    """compressed-tensors' pydantic args read num_bits "4" as 4; layerwise said 'nearest: num_bits: 8'."""
+    group = {"targets": ["Linear"], "weights": {"num_bits": "4", "strategy": "group", "group_size": 32}}
+    (modifier,) = parse_recipe({"QuantizationModifier": {"config_groups": {"g": group}}})
+    assert modifier.args.num_bits == 4 and modifier.args.group_size == 32
+
+
 def test_a_config_groups_gptq_recipe_is_the_gptq_w4a16_preset():
     with pytest.warns(ForeignFieldWarning, match=r"sequential_update is ignored: layerwise always calibrates"):
         (modifier,) = parse_recipe(LLMC_GPTQ_W4A16)

@@ -161,6 +161,8 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
                           f"quantization args are {', '.join(ARGS_FIELDS)}")
     kind = str(data.get("type", "int")).lower()
     bits = data.get("num_bits", 8)
+    if isinstance(bits, str) and bits.strip().isdigit():  # "4": compressed-tensors' pydantic args read it as 4
+        bits = int(bits)
     if kind not in ("int", "float"):
         raise RecipeError(f"{where}.type {data['type']!r}: layerwise quantizes to int or float (float8 e4m3)")
     if kind == "float" and bits not in (4, 8):
