@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from layerwise.reports.run_summary import SUMMARY_FILE, RunSummary, read_summary
@@ -116,9 +117,9 @@ def _print_quality(summary: RunSummary, ascii_only: bool) -> None:
 
 def _write_svg(summary: RunSummary, path: str, scale: Scale) -> None:
     """The loss chart into a new file: never over one, the folder's own files included (its weights, its summary)."""
-    from layerwise.model_io.output_file import check_output_file, write_output_file
+    from layerwise.model_io.output_file import write_output_file
     from layerwise.reports.svg import loss_svg
 
-    target = check_output_file(path, "the SVG chart")
     title = f"{'/'.join(summary.report.modifiers) or 'per-layer'} loss, {summary.report.model or 'model'}"
-    write_output_file(target, loss_svg(summary.report.layer_log, scale=scale, title=title), "the SVG chart")
+    write_output_file(Path(path).expanduser(), loss_svg(summary.report.layer_log, scale=scale, title=title),
+                      "the SVG chart")  # checked there first: never over a file

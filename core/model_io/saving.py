@@ -73,6 +73,7 @@ class OutputKeptAsideError(LayerwiseError, OSError):
         super().__init__(message)
         self.kept, self.target = kept, target
 
+
 #: why the operating system refused a write, by ``errno``, and the fix
 WRITE_FAILURES: dict[int, tuple[str, str]] = {
     errno.ENOSPC: ("the disk is full", "free space on that disk, or choose a folder on a disk with room"),
@@ -86,6 +87,8 @@ WRITE_FAILURES: dict[int, tuple[str, str]] = {
 }
 #: how safetensors (Rust) reports an I/O error: ``... I/O error: File too large (os error 27)``
 _RUST_IO_ERROR = re.compile(r"I/O error: (.*?) \(os error (\d+)\)")
+
+log = logging.getLogger("layerwise")
 
 #: ``False``: refuse a non-empty folder; ``True``: replace one layerwise wrote; ``"any"``: replace any folder
 Overwrite = bool | Literal["any"]
@@ -286,7 +289,6 @@ def _keep_checkpoint(tmp: Path, failure: BaseException) -> bool:
     from layerwise.model_io.output_lock import LOCK_FILE
     from layerwise.model_io.resume import ResumeError, describe, has_checkpoint
 
-    log = logging.getLogger("layerwise")
     try:
         if not has_checkpoint(tmp):
             return False
@@ -436,10 +438,7 @@ def _remove_replaced(old: Path) -> None:
     else:
         shutil.rmtree(old, ignore_errors=True)
     if os.path.lexists(old):
-        import logging
-
-        logging.getLogger("layerwise").warning("layerwise: the replaced output could not be deleted completely; "
-                                               "delete '%s' yourself", old)
+        log.warning("layerwise: the replaced output could not be deleted completely; delete '%s' yourself", old)
 
 
 def _why_not_in_place(target: Path, exc: BaseException) -> str:

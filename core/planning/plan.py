@@ -307,8 +307,8 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
 def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers: list, state: CompressionState) -> None:
     """Each modifier's layers (its own ``resolve_modules``) and smoothing mappings, as a run resolves them."""
     from layerwise.algorithms.quantization.mappings import mappings_for_run
-    from layerwise.algorithms.quantization.storage import linear_weight, weight_of
-    from layerwise.common.matching import find_modules, unmatched
+    from layerwise.algorithms.quantization.storage import linear_weight
+    from layerwise.common.matching import find_modules, has_weight, unmatched
     from layerwise.tracing.smoothing_layout import discover_mappings
 
     caches = []  # one per modifier that calibrates the KV cache (its kv_cache_scheme, or its attention_scheme)
@@ -335,7 +335,7 @@ def _resolve_modifiers(plan: Plan, model: torch.nn.Module, patch: Any, modifiers
                                     f"{type(model).__name__}")
                 modules = {n: m for n, m in find_modules(model, modifier.targets,
                                                          [*getattr(modifier, "ignore", []), *state.ignore]).items()
-                           if isinstance(weight_of(m), torch.Tensor)}
+                           if has_weight(m)}
             else:
                 continue
             weights, inputs = getattr(modifier, "args", None), getattr(modifier, "input_args", None)
@@ -459,10 +459,9 @@ def _memory(plan: Plan, model: torch.nn.Module, info: CheckpointInfo | None, pla
     plan.chosen = next((c for c in plan.choices if c.weights == weights and c.offload == offload), None)
     if plan.chosen is not None and not plan.chosen.fits:
         fitting = [f"weights={c.weights} offload={c.offload}" for c in plan.choices if c.fits]
-        need = f"~{_gib(plan.chosen.host_peak)} of memory ({_gib(plan.host_memory)} {plan.host_memory_source})"
-        if plan.disk_free is not None and plan.chosen.disk > plan.disk_free:
-            need = f"~{_gib(plan.chosen.disk)} of disk ({_gib(plan.disk_free)} free)"
         short_of_disk = plan.disk_free is not None and plan.chosen.disk > plan.disk_free
+        need = (f"~{_gib(plan.chosen.disk)} of disk ({_gib(plan.disk_free)} free)" if short_of_disk else
+                f"~{_gib(plan.chosen.host_peak)} of memory ({_gib(plan.host_memory)} {plan.host_memory_source})")
         fixes = ("free disk there, or another output folder" if short_of_disk else
                  "fewer samples or shorter ones, or a larger machine" if needs_data else
                  "a larger machine, or a model-free run (--model-free: one shard at a time, from safetensors)")

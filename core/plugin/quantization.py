@@ -87,7 +87,6 @@ from layerwise.algorithms.quantization.storage import (
     set_quantized_weight,
     take_packed_weight_codes,
     take_weight_codes,
-    weight_of,
 )
 from layerwise.tracing.smoothing_layout import discover_mappings
 
@@ -166,6 +165,5 @@ __all__ = [
     "transform_config",
     "tune_block",
     "weight_global_scale",
-    "weight_of",
     "weight_qparams",
 ]

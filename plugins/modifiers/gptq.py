@@ -59,20 +59,15 @@ from layerwise.plugin.sparsity import pruned_mask
 from . import llm_compressor
 from .gptaq import AsymmetricTerms
 from .hessians import HessianHooks
-from .quantization import QuantizationModifier, _in_piece
+from .quantization import QuantizationModifier, Unwritten, _in_piece
 
 log = logging.getLogger("layerwise")
 
 SUMMARY_FILE = "gptq_summary.json"
 
-
-class _DefaultActorder(str):
-    """The activation order GPTQModifier gets when none is written, told apart from ``static`` written (``is``):
-    only the default yields to the scheme's."""
-
-
-#: GPTQModifier's activation order unless the scheme names one (static costs nothing at inference)
-DEFAULT_ACTORDER = _DefaultActorder("static")
+#: GPTQModifier's activation order unless the scheme names one (static costs nothing at inference); only this
+#: default, not ``static`` written, yields to the scheme's
+DEFAULT_ACTORDER = Unwritten("static")
 
 
 class GPTQFallbackWarning(AlgorithmFallbackWarning):

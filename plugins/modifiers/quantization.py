@@ -32,6 +32,7 @@ from layerwise.plugin import (
     RecipeError,
     block_entries,
     find_modules,
+    has_weight,
     inside_pattern,
     layers_within,
     matches,
@@ -56,7 +57,6 @@ from layerwise.plugin.quantization import (
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
-    weight_of,
     weight_qparams,
 )
 
@@ -64,12 +64,13 @@ from . import llm_compressor
 from .kv_cache import KVCacheCalibration
 
 
-class _DefaultScheme(str):
-    """The scheme a modifier gets when none is written, told apart from the same name written (``is``)."""
+class Unwritten(str):
+    """A field's default, told apart (``is``) from the same value written in a recipe: a default may yield
+    where a written value may not (the scheme to a KV-cache-only modifier, GPTQ's actorder to the scheme's)."""
 
 
 #: ``W4A16``, unless the modifier only sets a KV cache (see ``QuantizationModifier._only_kv_cache``)
-DEFAULT_SCHEME = _DefaultScheme("W4A16")
+DEFAULT_SCHEME = Unwritten("W4A16")
 
 
 @dataclass
@@ -457,7 +458,7 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str], ig
         warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
     warn_block_ignore(owner, block_entries(model, ignore))
-    weighted = {n: m for n, m in selected.items() if isinstance(weight_of(m), torch.Tensor)}
+    weighted = {n: m for n, m in selected.items() if has_weight(m)}
     found = {n: m for n, m in weighted.items() if not matches(n, m, ignored)}
     if found or not selected:
         return found

@@ -80,17 +80,10 @@ def is_transposed(module: nn.Module) -> bool:
 
 def linear_weight(module: nn.Module) -> Tensor:
     """The module's weight in the ``nn.Linear`` layout ``(out, in)`` (a view, not a copy)."""
-    weight = module._parameters.get("weight")  # see weight_of
+    weight = module._parameters.get("weight")  # not module.weight first: nn.Module's lookup is slow (has_weight)
     if weight is None:
         weight = module.weight
     return weight.t() if is_transposed(module) else weight
-
-
-def weight_of(module: nn.Module) -> Any:
-    """``module.weight`` (``None`` when it has none), read from ``_parameters`` first: ``nn.Module``'s attribute
-    lookup costs more than the rest of a plan's per-layer work on DeepSeek-V3's 45,032 layers."""
-    weight = module._parameters.get("weight")
-    return weight if weight is not None else getattr(module, "weight", None)
 
 
 @torch.no_grad()

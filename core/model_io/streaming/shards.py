@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from layerwise.common.files import replace_file
 from layerwise.model_io.streaming.safetensors_io import StoredTensor, read_header, write_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,6 +29,8 @@ SINGLE_FILE = "model.safetensors"
 PART_PREFIX = "part-"
 #: the merge's plan, present while :meth:`ShardWriter.finish` turns parts into shards
 MERGE_PLAN = ".layerwise-merge.json"
+#: the largest shard a streamed run writes (as transformers' ``save_pretrained`` shards: 5 GiB)
+MAX_SHARD_BYTES = 5 * 2**30
 
 
 def missing_files(folder: Path, parts: list[str]) -> list[str]:
@@ -45,9 +48,6 @@ def _read_plan(folder: Path) -> dict | None:
     except FileNotFoundError:
         return None
 
-
-#: the largest shard a streamed run writes (as transformers' ``save_pretrained`` shards: 5 GiB)
-MAX_SHARD_BYTES = 5 * 2**30
 
 class ShardWriter:
     """Writes groups of tensors into ``folder`` as numbered part files, then names them as shards."""
@@ -111,9 +111,7 @@ class ShardWriter:
         if self.merged:
             return list(self.parts)
         plan = {"shards": self._plan(max_shard_bytes), "weight_map": self.weight_map, "total_bytes": self.total_bytes}
-        tmp = self.folder / (MERGE_PLAN + ".tmp")
-        tmp.write_text(json.dumps(plan))
-        os.replace(tmp, self.folder / MERGE_PLAN)
+        replace_file(self.folder / MERGE_PLAN, json.dumps(plan))
         return self._merge(plan)
 
     def complete_merge(self) -> bool:
