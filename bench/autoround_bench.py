@@ -160,8 +160,11 @@ def timed_layerwise(recipe, args: argparse.Namespace, with_data: bool = True) ->
     if recipe is not None:
         start = time.perf_counter()
         model = compress(model, recipe, dataset=calib if with_data else None, max_seq_length=512,
-                         num_calibration_samples=len(calib), show_progress=False)
+                         num_calibration_samples=len(calib), show_progress=False, device=args.device)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         result["seconds"] = time.perf_counter() - start
+        model = model.to("cpu")
     result.update(quality(model, load_model(TINY_LLAMA), _windows(tokenizer, EVAL, args.eval)))
     return result
 
@@ -313,7 +316,8 @@ def run(config: str, scheme: str, args: argparse.Namespace) -> dict:
     python = os.environ["LLMCOMPRESSOR_PYTHON"] if config in (LLMC, AUTO_ROUND) else sys.executable
     cmd = [python, __file__, "--child", config, "--scheme", scheme, "--iters", str(args.iters),
            "--batch-size", str(args.batch_size), "--samples", str(args.samples), "--eval", str(args.eval),
-           "--case", args.case, "--minilm-data", args.minilm_data] + (["--quick"] if args.quick else [])
+           "--case", args.case, "--minilm-data", args.minilm_data, "--device", args.device] + (
+               ["--quick"] if args.quick else [])
     if config in (LLMC, AUTO_ROUND) and args.case == "minilm":
         from gptq_bench import case_model_path
 
@@ -436,6 +440,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--eval", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu",
+                        help="tiny-llama: layerwise's compress device (cuda on a GPU host); llm-compressor's "
+                             "AutoRound runs each block where its sequential pipeline puts it: the GPU when "
+                             "there is one")
     parser.add_argument("--schemes", default=None, help="comma-separated: " + ", ".join(SCHEMES)
                         + " (default: both for tiny-llama, W3A16 g128 for minilm)")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -455,6 +463,8 @@ def main() -> None:
         vars(args).update(QUICK)
     if args.case == "minilm" and args.w4a8:
         parser.error("--w4a8 is tiny-llama's only")
+    if args.case == "minilm" and args.device != "cpu":
+        parser.error("--device is tiny-llama's only (the MiniLM children run on the CPU)")
     if args.auto_round and args.case != "minilm":
         parser.error("--auto-round is minilm's only (tiny-llama compares with llm-compressor's AutoRound)")
     if args.child:
