@@ -1,11 +1,14 @@
-"""One run per output folder: a lock file with the owner's PID in its temporary sibling.
+"""One run per output folder: a lock file naming the owner process in its temporary sibling.
 
 A run claims ``out`` by creating ``.out.incomplete-XXXX/`` next to it with a
-:data:`LOCK_FILE` that holds its PID. Another run aiming at the same ``out`` sees a
+:data:`LOCK_FILE` that holds its PID, then its host, boot, PID namespace and start time
+(:func:`~layerwise.common.processes.process_identity`). Another run aiming at the same ``out`` sees a
 sibling whose owner is alive and fails at once (:class:`OutputLockedError`), instead of
 calibrating for an hour and then racing the first run's rename. A sibling whose owner is
-dead is debris of a killed run and is removed. The new folder is created *before* the
-others are looked at, so two runs starting together cannot both miss each other.
+dead is debris of a killed run and is removed. An owner on another machine or in another
+container (a shared file system) cannot be checked from here: it counts as alive, never removed.
+The new folder is created *before* the others are looked at, so two runs starting together
+cannot both miss each other.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
-from layerwise.common.processes import pid_alive
+from layerwise.common.processes import owner_state, process_identity
 from layerwise.errors import LayerwiseError
 
 #: the lock inside a temporary output folder; removed before the folder becomes the output
@@ -32,12 +35,24 @@ def incomplete_prefix(target: Path) -> str:
     return f".{target.name}.incomplete-"
 
 
+def lock_text() -> str:
+    """This process's lock: its PID on the first line, then ``key=value`` lines saying where it runs."""
+    return "".join([f"{os.getpid()}\n", *(f"{key}={value}\n" for key, value in process_identity().items())])
+
+
 def lock_owner(folder: Path) -> int | None:
     """The PID in ``folder``'s lock file; ``None`` without a readable one."""
+    return _read_lock(folder)[0]
+
+
+def _read_lock(folder: Path) -> tuple[int | None, dict[str, str]]:
+    """The PID and the identity lines of ``folder``'s lock file (none in a lock holding the PID alone)."""
     try:
-        return int((folder / LOCK_FILE).read_text().split()[0])
+        first, *rest = (folder / LOCK_FILE).read_text().splitlines()
+        pid = int(first.split()[0])
     except (OSError, ValueError, IndexError):
-        return None
+        return None, {}
+    return pid, dict(line.split("=", 1) for line in rest if "=" in line)
 
 
 def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Path:
@@ -52,25 +67,32 @@ def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Pa
 
     tmp = Path(tempfile.mkdtemp(prefix=incomplete_prefix(target), dir=target.parent))
     try:
-        (tmp / LOCK_FILE).write_text(f"{os.getpid()}\n")
+        (tmp / LOCK_FILE).write_text(lock_text())
         for other in sorted(target.parent.glob(incomplete_prefix(target) + "*")):
             if other == tmp or other in held or not other.is_dir():
                 continue
-            owner = lock_owner(other)
+            owner, where = _read_lock(other)
             if owner is None:  # written by a version without locks, or being created now: leave it
                 continue
-            if pid_alive(owner):
+            state = owner_state(owner, where)
+            if state == "alive":
                 raise OutputLockedError(
                     f"output folder '{target}' is being written by another run (process {owner}, "
                     f"temporary folder '{other}'); wait for it to finish, or choose another output_dir "
                     f"(CLI: --output-dir). If process {owner} is not layerwise, delete '{other}'")
+            if state == "elsewhere":
+                raise OutputLockedError(
+                    f"output folder '{target}' is being written by process {owner} on "
+                    f"{where.get('host', 'another machine')!r} (another machine or container: whether it still "
+                    f"runs cannot be checked from here; temporary folder '{other}'); wait for it to finish, "
+                    f"or choose another output_dir (CLI: --output-dir). If that run is over, delete '{other}'")
             if has_checkpoint(other):
                 if not resume:
                     raise ResumeError(
                         f"an interrupted run of output folder '{target}' left a checkpoint in '{other}' "
                         f"({describe(other) or 'unreadable progress'}): pass resume=True (CLI: --resume) to "
                         f"continue it, or delete that folder to start over")
-                (other / LOCK_FILE).write_text(f"{os.getpid()}\n")  # taken over: this run continues it
+                (other / LOCK_FILE).write_text(lock_text())  # taken over: this run continues it
                 shutil.rmtree(tmp, ignore_errors=True)
                 return other
             shutil.rmtree(other, ignore_errors=True)  # its run was killed before it could clean up

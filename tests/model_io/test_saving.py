@@ -319,3 +319,29 @@ def test_a_checkpoint_that_cannot_be_unlocked_leaves_the_runs_own_error(tmp_path
         raise RuntimeError("the run's own error")
     assert (tmp / STATE_FOLDER / STATE_FILE).is_file()  # the checkpoint is kept all the same
     assert "could not mark the checkpoint" in caplog.text and "is kept in" in caplog.text
+
+
+def test_a_temporary_folder_written_from_another_machine_is_never_removed(tmp_path):
+    from layerwise.common.processes import process_identity
+    from layerwise.model_io.output_lock import LOCK_FILE, OutputLockedError
+
+    target = tmp_path / "out"
+    other = _sibling_of(target, _dead_pid())  # dead here, but the PID is another machine's
+    identity = {**process_identity(), "host": "gpu-node-7"}
+    (other / LOCK_FILE).write_text(f"{_dead_pid()}\n" + "".join(f"{k}={v}\n" for k, v in identity.items()))
+    with pytest.raises(OutputLockedError, match=r"on 'gpu-node-7' \(another machine or container.*"
+                                                r"If that run is over, delete"), atomic_output_dir(target):
+        raise AssertionError("the second run must not start writing")
+    assert (other / "model.safetensors").read_text() == "half written"  # the other run's work is kept
+
+
+def test_a_lock_names_its_process_and_where_it_runs(tmp_path):
+    import os
+
+    from layerwise.common.processes import process_identity
+    from layerwise.model_io.output_lock import LOCK_FILE, lock_owner
+
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        assert lock_owner(tmp) == os.getpid()
+        lines = (tmp / LOCK_FILE).read_text().splitlines()
+        assert dict(line.split("=", 1) for line in lines[1:]) == process_identity()
