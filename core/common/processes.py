@@ -90,3 +90,20 @@ def owner_state(pid: int, recorded: Mapping[str, str]) -> OwnerState:
     if start and (now := _start_time(pid)) and now != start:
         return "dead"  # the number now belongs to another process
     return "alive"
+
+
+def owner_record() -> str:
+    """This process as an owner file holds it: the PID on the first line, then :func:`process_identity`'s
+    ``key=value`` lines."""
+    return "".join([f"{os.getpid()}\n", *(f"{key}={value}\n" for key, value in process_identity().items())])
+
+
+def read_owner_record(text: str) -> tuple[int | None, dict[str, str]]:
+    """The PID and identity of an owner file's ``text`` (no identity in a file holding the PID alone);
+    ``(None, {})`` when it names no PID."""
+    try:
+        first, *rest = text.splitlines()
+        pid = int(first.split()[0])
+    except (ValueError, IndexError):
+        return None, {}
+    return pid, dict(line.split("=", 1) for line in rest if "=" in line)

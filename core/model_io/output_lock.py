@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
-from layerwise.common.processes import owner_state, process_identity
+from layerwise.common.processes import owner_record, owner_state, read_owner_record
 from layerwise.errors import LayerwiseError
 
 #: the lock inside a temporary output folder; removed before the folder becomes the output
@@ -35,11 +35,6 @@ def incomplete_prefix(target: Path) -> str:
     return f".{target.name}.incomplete-"
 
 
-def lock_text() -> str:
-    """This process's lock: its PID on the first line, then ``key=value`` lines saying where it runs."""
-    return "".join([f"{os.getpid()}\n", *(f"{key}={value}\n" for key, value in process_identity().items())])
-
-
 def lock_owner(folder: Path) -> int | None:
     """The PID in ``folder``'s lock file; ``None`` without a readable one."""
     return _read_lock(folder)[0]
@@ -48,11 +43,9 @@ def lock_owner(folder: Path) -> int | None:
 def _read_lock(folder: Path) -> tuple[int | None, dict[str, str]]:
     """The PID and the identity lines of ``folder``'s lock file (none in a lock holding the PID alone)."""
     try:
-        first, *rest = (folder / LOCK_FILE).read_text().splitlines()
-        pid = int(first.split()[0])
-    except (OSError, ValueError, IndexError):
+        return read_owner_record((folder / LOCK_FILE).read_text())
+    except OSError:
         return None, {}
-    return pid, dict(line.split("=", 1) for line in rest if "=" in line)
 
 
 def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Path:
@@ -67,7 +60,7 @@ def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Pa
 
     tmp = Path(tempfile.mkdtemp(prefix=incomplete_prefix(target), dir=target.parent))
     try:
-        (tmp / LOCK_FILE).write_text(lock_text())
+        (tmp / LOCK_FILE).write_text(owner_record())
         for other in sorted(target.parent.glob(incomplete_prefix(target) + "*")):
             if other == tmp or other in held or not other.is_dir():
                 continue
@@ -92,7 +85,7 @@ def claim(target: Path, held: Collection[Path] = (), resume: bool = False) -> Pa
                         f"an interrupted run of output folder '{target}' left a checkpoint in '{other}' "
                         f"({describe(other) or 'unreadable progress'}): pass resume=True (CLI: --resume) to "
                         f"continue it, or delete that folder to start over")
-                (other / LOCK_FILE).write_text(lock_text())  # taken over: this run continues it
+                (other / LOCK_FILE).write_text(owner_record())  # taken over: this run continues it
                 shutil.rmtree(tmp, ignore_errors=True)
                 return other
             shutil.rmtree(other, ignore_errors=True)  # its run was killed before it could clean up

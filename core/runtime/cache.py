@@ -28,10 +28,12 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from layerwise.common.processes import owner_record
 from layerwise.runtime.devices import canonical
 from layerwise.runtime.heap import FreedBytes
 
@@ -40,6 +42,8 @@ __all__ = ["IntermediatesCache", "move_to", "remove_stale_caches", "tensor_bytes
 _DEVICE_KINDS = ("cpu", "disk")
 #: a disk cache's folder is ``layerwise-cache-<pid>-XXXX`` in the temporary (or offload) folder
 CACHE_PREFIX = "layerwise-cache-"
+#: inside a disk cache: the owner process (:func:`~layerwise.common.processes.owner_record`)
+OWNER_FILE = ".owner"
 
 
 def remove_stale_caches(folder: str | os.PathLike) -> list[str]:
@@ -47,14 +51,22 @@ def remove_stale_caches(folder: str | os.PathLike) -> list[str]:
 
     A run killed by a signal cannot clean up after itself (finally and atexit do not run),
     and its cache may be as large as every calibration sample's activations; the next
-    run that makes a cache removes it, telling its owner by the PID in the name.
+    run that makes a cache removes it, telling its owner by the cache's :data:`OWNER_FILE` (or,
+    for a cache without one, the PID in the name). A cache another machine or container writes
+    (an offload folder on a shared file system) is never removed.
     """
-    from layerwise.common.processes import pid_alive
+    from layerwise.common.processes import owner_state, read_owner_record
 
     removed = []
     for entry in os.scandir(folder):
         pid = entry.name[len(CACHE_PREFIX):].split("-")[0]
-        if entry.name.startswith(CACHE_PREFIX) and pid.isdigit() and entry.is_dir() and not pid_alive(int(pid)):
+        if not (entry.name.startswith(CACHE_PREFIX) and pid.isdigit() and entry.is_dir()):
+            continue
+        try:
+            owner, where = read_owner_record(Path(entry.path, OWNER_FILE).read_text())
+        except OSError:
+            owner, where = int(pid), {}
+        if owner is not None and owner_state(owner, where) == "dead":
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
@@ -179,6 +191,7 @@ class IntermediatesCache:
             if offload_dir is not None:
                 os.makedirs(offload_dir, exist_ok=True)
             self._dir = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=offload_dir)
+            Path(self._dir, OWNER_FILE).write_text(owner_record())
             remove_stale_caches(os.path.dirname(self._dir))
             self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
 

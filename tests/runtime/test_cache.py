@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import namedtuple
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,11 @@ def test_the_peak_is_the_most_held_at_once_not_the_sum_of_everything_stored():
         assert cache.peak_bytes == held == 4 * 16 * 64 * 4
 
 
+def _value_files(folder: str) -> list[str]:
+    """A disk cache's value files (beside them: the owner file)."""
+    return [name for name in os.listdir(folder) if name.endswith(".pt")]
+
+
 def test_disk_cache_writes_files_loads_lazily_and_removes_them(tmp_path):
     cache = IntermediatesCache(offload="disk", offload_dir=tmp_path)
     folder = cache.directory
@@ -99,9 +105,9 @@ def test_disk_cache_writes_files_loads_lazily_and_removes_them(tmp_path):
     cache.put(0, "y", (torch.randn(4), None))
     assert cache.memory_bytes() == 0  # nothing held in RAM
     assert cache.disk_bytes() >= 128 * 128 * 4
-    assert len(os.listdir(folder)) == 2
+    assert len(_value_files(folder)) == 2
     cache.free(["x"])
-    assert len(os.listdir(folder)) == 1  # freed value's file is gone at once
+    assert len(_value_files(folder)) == 1  # freed value's file is gone at once
     cache.close()
     assert not os.path.exists(folder)
 
@@ -110,7 +116,7 @@ def test_replacing_a_value_keeps_one_file(tmp_path):
     with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
         cache.put(0, "x", torch.zeros(2))
         cache.put(0, "x", torch.ones(2))
-        assert len(os.listdir(cache.directory)) == 1
+        assert len(_value_files(cache.directory)) == 1
         assert torch.equal(cache.get(0, "x"), torch.ones(2))
 
 
@@ -150,6 +156,24 @@ def test_a_killed_processs_disk_cache_is_removed_by_the_next_one(tmp_path):
         assert not stale.exists() and live.is_dir()
 
 
+def test_a_disk_cache_another_machine_writes_is_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from layerwise.common.processes import process_identity
+    from layerwise.runtime.cache import OWNER_FILE
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its PID is dead here, but the cache says it is another machine's
+    theirs = tmp_path / f"layerwise-cache-{child.pid}-abc"
+    theirs.mkdir()
+    identity = {**process_identity(), "host": "gpu-node-7"}
+    (theirs / OWNER_FILE).write_text(f"{child.pid}\n" + "".join(f"{k}={v}\n" for k, v in identity.items()))
+    with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
+        assert (Path(cache.directory) / OWNER_FILE).read_text().startswith(f"{os.getpid()}\n")
+        assert theirs.is_dir()
+
+
 def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tmp_path, monkeypatch):
     import tempfile
 
@@ -158,7 +182,7 @@ def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tm
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def interrupted(self, batch, names=None):
-        assert self.directory and os.listdir(self.directory)  # the cache was on disk when it stopped
+        assert self.directory and _value_files(self.directory)  # the cache was on disk when it stopped
         raise KeyboardInterrupt
 
     monkeypatch.setattr(IntermediatesCache, "fetch", interrupted)
