@@ -19,8 +19,8 @@ from torch import Tensor
 from layerwise.errors import LayerwiseError
 
 __all__ = [
-    "DAMPENING_RETRIES", "GRAM_STRIP", "HessianError", "accumulate_hessian", "add_gram", "gram_dtype",
-    "gram_to_hessian", "inverse_hessian_factor", "single_thread",
+    "CUDA_STRIP_BYTES", "DAMPENING_RETRIES", "GRAM_STRIP", "HessianError", "accumulate_hessian", "add_gram",
+    "gram_dtype", "gram_strip", "gram_to_hessian", "inverse_hessian_factor", "single_thread",
 ]
 
 
@@ -53,26 +53,39 @@ def accumulate_hessian(hessian: Tensor | None, num_samples: int, inputs: Tensor)
 
 #: rows per strip of the Gram matrix: only the blocks on or above the diagonal are computed
 GRAM_STRIP = 128
+#: on CUDA, the float32 bytes one strip's product may take: 128-row strips are products too small to
+#: fill a GPU (an H200 took a 1B model's bf16 Hessians at ~44 TFLOP/s in ~115,000 of them, launch-bound)
+CUDA_STRIP_BYTES = 64 * 2**20
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def add_gram(gram: Tensor, x: Tensor) -> Tensor:
+def add_gram(gram: Tensor, x: Tensor, strip: int | None = None) -> Tensor:
     """``gram += X^T X`` on and above the diagonal only (``gram`` float32; ``x``: ``(rows, in)`` in
     :func:`gram_dtype`'s dtype).
 
     The Gram matrix is symmetric; computed as row strips of its upper triangle, ``GRAM_STRIP``
     rows each, it costs a little more than half the full product (9/16 for 1024 inputs).
     Only the entries on and above the diagonal are meaningful: read the result with
-    :func:`gram_to_hessian`.
+    :func:`gram_to_hessian`. The strips are ``strip`` rows tall (default: :func:`gram_strip`'s).
     """
     columns = x.shape[1]
-    step = GRAM_STRIP
+    step = strip or gram_strip(columns, x.device)
     for i in range(0, columns, step):
         if x.dtype in _HALF:
             gram[i:i + step, i:].add_(_float32_products(x[:, i:i + step].t(), x[:, i:]))
         else:
             gram[i:i + step, i:].addmm_(x[:, i:i + step].t(), x[:, i:])
     return gram
+
+
+def gram_strip(columns: int, device: torch.device | str) -> int:
+    """Rows per strip of the Gram matrix of ``columns`` inputs on ``device``: :data:`GRAM_STRIP`, or on CUDA as
+    many (a multiple of it) as :data:`CUDA_STRIP_BYTES` allow: a few large products instead of ``columns / 128``
+    small ones (one product up to 4096 inputs), for a little more of the lower triangle computed."""
+    if torch.device(device).type != "cuda":
+        return GRAM_STRIP
+    rows = CUDA_STRIP_BYTES // (4 * max(columns, 1))
+    return max(GRAM_STRIP, rows // GRAM_STRIP * GRAM_STRIP)
 
 
 def gram_dtype(x: Tensor) -> torch.dtype:

@@ -5,6 +5,7 @@ from layerwise.algorithms.hessian import (
     HessianError,
     add_gram,
     gram_dtype,
+    gram_strip,
     gram_to_hessian,
 )
 from layerwise.runtime.accounting import Accounting, gptq_solve_flops, gram_flops
@@ -13,6 +14,6 @@ from layerwise.runtime.finite import NonFiniteSampleWarning, drop_if_non_finite,
 
 __all__ = [
     "GRAM_STRIP", "Accounting", "HessianError", "NonFiniteSampleWarning", "Reducer", "add_gram", "check",
-    "drop_if_non_finite", "gptq_solve_flops", "gram_dtype", "gram_flops", "gram_to_hessian", "is_finite", "is_main", "listed",
+    "drop_if_non_finite", "gptq_solve_flops", "gram_dtype", "gram_flops", "gram_strip", "gram_to_hessian", "is_finite", "is_main", "listed",
     "rank", "spread", "world_size",
 ]

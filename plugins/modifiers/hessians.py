@@ -26,12 +26,12 @@ import torch
 
 from layerwise.plugin import NonFiniteError, RecipeError, warn_user
 from layerwise.plugin.calibration import (
-    GRAM_STRIP,
     Accounting,
     NonFiniteSampleWarning,
     add_gram,
     gram_dtype,
     gram_flops,
+    gram_strip,
     gram_to_hessian,
     is_finite,
 )
@@ -404,7 +404,7 @@ class _FlopCount:
 
 def _add_gram(gram: torch.Tensor, x: torch.Tensor, flops: _FlopCount) -> None:
     add_gram(gram, x)
-    flops.value += gram_flops(x.shape[0], x.shape[1], GRAM_STRIP)
+    flops.value += gram_flops(x.shape[0], x.shape[1], gram_strip(x.shape[1], x.device))
 
 
 #: inputs are folded into a Gram matrix once this many rows (tokens) are waiting: products this

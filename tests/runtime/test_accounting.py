@@ -37,7 +37,21 @@ def test_gram_flops_count_the_strips_add_gram_computes():
     add_gram(gram, x)  # the same strips: the upper triangle is exact
     torch.testing.assert_close(torch.triu(gram), torch.triu(x.t() @ x), rtol=1e-5, atol=1e-4)
     assert GRAM_STRIP == 128
+    tall = torch.zeros(columns, columns)
+    add_gram(tall, x, strip=256)  # a GPU's taller strips: the same upper triangle, more of the lower one
+    torch.testing.assert_close(torch.triu(tall), torch.triu(gram), rtol=1e-5, atol=1e-4)
+    assert gram_flops(rows, columns, 256) == 2 * rows * (256 * 300 + 44 * 44)
     assert gptq_solve_flops(4, 3) == 4 * 9 + 2 * 27 // 3
+
+
+def test_a_gpu_takes_its_gram_in_strips_as_tall_as_a_bounded_product_allows():
+    from layerwise.algorithms.hessian import CUDA_STRIP_BYTES, gram_strip
+
+    assert gram_strip(8192, "cpu") == GRAM_STRIP  # the CPU's measured best
+    assert gram_strip(2048, "cuda:0") >= 2048  # one product for the whole matrix
+    assert gram_strip(8192, "cuda") == 2048  # four, each 64 MiB of float32
+    assert gram_strip(28672, "cuda") == 512 and 512 * 28672 * 4 <= CUDA_STRIP_BYTES
+    assert gram_strip(10**7, "cuda") == GRAM_STRIP  # never below the CPU's strips
 
 
 def test_time_text_splits_the_run_and_names_the_rest_other():
