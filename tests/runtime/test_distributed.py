@@ -34,8 +34,10 @@ RUNS = [("gptq", GPTQ_W4A16, True, {}), ("sq_gptq", "SQ_GPTQ_W8A8", False, {"pro
         ("static", "W8A8_STATIC", False, {}),
         # GPTAQ: the cross terms with the uncompressed stream summed over the ranks like the Hessians
         ("gptaq", "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  gptaq: true\n", False, {}),
-        # AutoRound: the ranks' samples gathered in the batches' order, one rank tunes each block
-        ("autoround", "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 3\n  batch_size: 2\n", False,
+        # AutoRound: the ranks' samples gathered in the batches' order, one rank tunes each block. 12 steps of
+        # 3 of the 6 samples: tuning beats round-to-nearest in both blocks (3 steps of 2 kept round-to-nearest,
+        # which no gathered sample or order changes), and which samples a step reads depends on their order
+        ("autoround", "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 12\n  batch_size: 3\n", False,
          {}),
         # the FP8 KV cache: each attention's key / value maxima taken over the ranks (max-reduced, so exact)
         ("kv_fp8", GPTQ_W4A16 + "  kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
@@ -121,7 +123,8 @@ def _worker(rank: int, store: str, folder: str) -> None:
                                options=layerwise.CompressOptions.of(**options))
             torch.save(compressed(model), out / f"{name}-rank{rank}.pt")
             results[name] = {"samples": model.layerwise_report.calibration_samples,
-                             "output_dir": model.layerwise_report.output_dir}
+                             "output_dir": model.layerwise_report.output_dir,
+                             "tuned": tuned_blocks(model.layerwise_report)}
         results["claims"] = claims
         for name, recipe in OTHERS.items():
             model = build_tiny_llama()
@@ -175,13 +178,19 @@ def rank_result(folder: Path, rank: int) -> dict:
     return json.loads((folder / f"rank{rank}.json").read_text())
 
 
-def single_process(recipe: str, **options) -> dict[str, dict[str, torch.Tensor]]:
+def tuned_blocks(report) -> dict[str, str]:
+    """AutoRound's blocks and how each ended: ``autoround`` (tuning kept) or ``rtn`` (round-to-nearest kept)."""
+    return {r["name"]: r["method"] for r in report.layer_log if r.get("modifier") == "AutoRoundModifier"}
+
+
+def single_process(recipe: str, **options) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]]:
+    """The compressed modules of one process's run, and :func:`tuned_blocks`."""
     import layerwise
 
     model = build_tiny_llama()
     layerwise.compress(model, recipe, dataset=batches(), num_calibration_samples=SAMPLES, show_progress=False,
                        options=layerwise.CompressOptions.of(**options))
-    return compressed(model)
+    return compressed(model), tuned_blocks(model.layerwise_report)
 
 
 #: GPTAQ's step ``W P H^-1`` passes the ranks' summation order through a solve: its scales agree to 1e-5
@@ -226,7 +235,11 @@ def test_two_ranks_match_one_process(ranks, name, recipe, options):
     for module, tensors in rank0.items():  # every rank ends with the very same model
         for key, value in tensors.items():
             assert torch.equal(value, rank1[module][key]), f"{module}.{key} differs between the ranks"
-    assert_matches(single_process(recipe, **options), rank0, SCALE_RTOL.get(name, 1e-6))
+    reference, tuned = single_process(recipe, **options)
+    assert_matches(reference, rank0, SCALE_RTOL.get(name, 1e-6))
+    assert rank_result(ranks, 0)[name]["tuned"] == rank_result(ranks, 1)[name]["tuned"] == tuned
+    if name == "autoround":  # blocks that keep round-to-nearest would match whatever samples the ranks gathered
+        assert tuned and set(tuned.values()) == {"autoround"}, tuned
     if "kv_cache_scheme" in recipe:  # every attention of the model has its KV scales, the same as one process's
         attentions = {n for n, m in build_tiny_llama().named_modules() if type(m).__name__.endswith("Attention")}
         assert {k.removesuffix("#kv") for k in rank0 if k.endswith("#kv")} == attentions and attentions
