@@ -109,3 +109,25 @@ def test_gptaq_fields_are_checked_and_round_trip():
     (modifier,) = parse_recipe({"GPTQModifier": {"gptaq": True, "gptaq_alpha": 0.5}})
     (again,) = parse_recipe(recipe_to_yaml([modifier]))
     assert again.gptaq and again.gptaq_alpha == 0.5 and again.needs_reference_inputs
+
+
+def test_a_saved_gptaq_checkpoint_reloads_to_the_in_memory_outputs(tmp_path):
+    """GPTAQ moves the weights GPTQ rounds (towards the original model's outputs); what is saved is still
+    integers on the scales' grid: transformers and load_compressed reload the in-memory model's outputs."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_llama()
+    out = tmp_path / "gptaq"
+    recipe = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n  ignore: [lm_head]\n  gptaq: true\n"
+    layerwise.compress(model, recipe, dataset=BATCHES, output_dir=out, show_progress=False, device="cpu")
+    records = [r for r in model.layerwise_report.layer_log if r.get("modifier") == "GPTQModifier"]
+    assert len(records) == 14 and any(r["gptaq_shift"] > 0 for r in records)  # GPTAQ moved later layers' targets
+    assert "gptaq: true" in (out / "recipe.yaml").read_text()
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for reloaded in (AutoModelForCausalLM.from_pretrained(out).eval(), layerwise.load_compressed(out).eval()):
+            torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-4, atol=1e-4)
