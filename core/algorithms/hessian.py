@@ -10,12 +10,12 @@ matrix ``X^T X``, in strips, upper triangle only) and factors it with dampening.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
+from layerwise.common.device_caches import device_cache
 from layerwise.errors import LayerwiseError
 
 __all__ = [
@@ -111,7 +111,7 @@ def _float32_products(a: Tensor, b: Tensor) -> Tensor:
     return a.to(torch.float32) @ b.to(torch.float32)
 
 
-@functools.cache
+@device_cache()
 def _float32_products_work(device: torch.device, dtype: torch.dtype) -> bool:
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(256, 192, device=device, generator=generator).to(dtype)

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from layerwise.common.device_caches import clear_device_caches
 from layerwise.runtime import devices as _devices
 
 __all__ = ["DeviceMismatchError", "SimulatedDevice", "simulated_device"]
@@ -221,8 +222,20 @@ def simulated_device(device: str | torch.device = "cuda:0", free_bytes: int | No
     runs when no device is named, as a visible GPU is (the test suite's ``LAYERWISE_TEST_DEVICE=simulated``).
     """
     mode = SimulatedDevice(device)
-    with _devices.simulating(mode.device, free_bytes, default), _no_graphs(), mode:
+    with _devices.simulating(mode.device, free_bytes, default), _no_graphs(), _fresh_device_caches(), mode:
         yield mode
+
+
+@contextlib.contextmanager
+def _fresh_device_caches() -> Iterator[None]:
+    """No cache keyed by the device (:mod:`layerwise.common.device_caches`) hands the simulation an entry made
+    before it (on a real GPU, or in another simulation: a CPU tensor it does not count as on the device), or
+    keeps one of its CPU tensors under the device's name after it."""
+    clear_device_caches()
+    try:
+        yield
+    finally:
+        clear_device_caches()
 
 
 @contextlib.contextmanager

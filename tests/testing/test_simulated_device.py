@@ -79,3 +79,18 @@ def test_the_simulated_device_exists_only_inside_the_block():
             resolve_device("cuda")
     with pytest.raises(ValueError, match="other than the CPU"), simulated_device("cpu"):
         pass
+
+
+def test_what_a_simulation_cached_for_the_device_is_never_handed_to_a_later_one():
+    """A cache keyed by the device (the Hadamard factors, the FP4 code table) holds a simulation's CPU tensor
+    under ``cuda:0``: the next simulation saw a CPU tensor (a QuaRot run after another failed so), and a real
+    GPU in the same process would get one."""
+    from layerwise.algorithms.quantization.float_formats import fp4_codes
+    from layerwise.algorithms.quantization.hadamard import fwht
+
+    x, values = torch.randn(3, 16), torch.tensor([0.5, -6.0, 1.5])
+    for _ in range(2):
+        with simulated_device() as gpu:
+            rotated, codes = fwht(x.cuda()), fp4_codes(values.cuda())
+            assert gpu.on_device(rotated) and gpu.on_device(codes)
+        assert torch.equal(rotated, fwht(x)) and torch.equal(codes, fp4_codes(values))

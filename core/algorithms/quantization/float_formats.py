@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from layerwise.algorithms.quantization.slices import INPUT_SLICE_ELEMENTS, by_row_slices, row_slices
+from layerwise.common.device_caches import device_cache
 
 #: the non-negative FP4 E2M1 values, by code (the sign is bit 3 of a code)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -102,7 +103,7 @@ def _codes_of_values(values: Tensor) -> Tensor:
 _TOP_BITS = 22
 
 
-@functools.cache
+@device_cache()
 def _top_bits_to_code(device: torch.device) -> Tensor:
     """E2M1 code by the top ten bits of its value as a float32 (other entries: never read)."""
     table = torch.zeros(1 << 10, dtype=torch.uint8)

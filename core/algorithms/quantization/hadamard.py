@@ -27,6 +27,8 @@ import math
 import torch
 from torch import Tensor
 
+from layerwise.common.device_caches import device_cache
+
 #: the largest Sylvester matrix :func:`fwht` multiplies by at once (larger sizes use several factors)
 LARGEST_FACTOR = 64
 
@@ -138,6 +140,6 @@ def kronecker_factors(size: int) -> list[int]:
     return [1 << (bits // count + (i < bits % count)) for i in range(count)]
 
 
-@functools.lru_cache(maxsize=64)
+@device_cache(maxsize=64)
 def _sylvester(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return hadamard_matrix(n, dtype).to(device)
