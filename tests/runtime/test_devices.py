@@ -29,6 +29,14 @@ OWN_DEVICES = True  # LAYERWISE_TEST_DEVICE=simulated leaves this module's devic
 GPTQ_W4A16_G32 = "GPTQModifier:\n  scheme: W4A16\n  group_size: 32\n"  # groups of 128 > the tiny model's 64
 #: calibrated input scales: every later layer calibrates on quantized activations
 FP8_STATIC = "QuantizationModifier:\n  scheme: FP8\n  ignore: [lm_head]\n"
+#: 8 steps on the 4 samples: every block keeps its tuned rounding (one kept round-to-nearest would equal the
+#: CPU's whatever the steps computed on the device)
+AUTOROUND = "AutoRoundModifier:\n  scheme: W4A16\n  group_size: 32\n  iters: 8\n  batch_size: 4\n"
+#: QUAROT_GPTQ_W4A4's chain in groups of 32: rotated weights, online Hadamards on down_proj's inputs, 4-bit inputs
+QUAROT_W4A4_G32 = "RotationModifier:\n  online: true\nGPTQModifier:\n  scheme: W4A4\n  group_size: 32\n"
+#: (name, recipe, the cuts it runs at): AutoRound tunes each block against its own outputs, never at layers
+FAMILIES = [("gptq", GPTQ_W4A16_G32, ("layers", "blocks")), ("fp8-static", FP8_STATIC, ("layers", "blocks")),
+            ("autoround", AUTOROUND, ("blocks",)), ("quarot-w4a4", QUAROT_W4A4_G32, ("layers", "blocks"))]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 #: what a CUDA kernel says when it gets a CPU weight (the layer cut's failure on an H100)
 CUDA_DEVICE_ERROR = ("Expected all tensors to be on the same device, but got mat2 is on cpu, different from other "
@@ -85,8 +93,8 @@ def test_out_of_memory_in_a_piece_is_named_with_the_fixes_and_nothing_is_saved(t
 
 
 # -- the same algorithm on every device ----------------------------------------------------------
-@pytest.mark.parametrize("recipe", [GPTQ_W4A16_G32, FP8_STATIC], ids=["gptq", "fp8-static"])
-@pytest.mark.parametrize("pieces", ["layers", "blocks"])
+@pytest.mark.parametrize(("recipe", "pieces"), [(r, p) for _, r, cuts in FAMILIES for p in cuts],
+                         ids=[f"{p}-{n}" for n, _, cuts in FAMILIES for p in cuts])
 def test_calibrating_on_a_second_device_cuts_and_computes_as_on_the_cpu(recipe, pieces):
     """The weights rest on the CPU, calibration runs on a (simulated) GPU: any tensor left behind fails.
 
@@ -105,6 +113,8 @@ def test_calibrating_on_a_second_device_cuts_and_computes_as_on_the_cpu(recipe, 
         moved = gpu.moves["to device"]
         assert (moved > 0) == (device == "cuda")
         results[device], cuts[device] = model.state_dict(), model.layerwise_report.pieces
+        # solved or tuned everywhere: a GPTQ layer or AutoRound block left to round to nearest would match anyway
+        assert "rtn" not in {r.get("method") for r in model.layerwise_report.layer_log}
     assert cuts["cuda"] == cuts["cpu"] and cuts["cpu"].startswith(pieces)
     assert all(torch.equal(results["cpu"][k], results["cuda"][k]) for k in results["cpu"])
 
