@@ -44,7 +44,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of a compress run (``compress`` and ``plan`` take the same)."""
     p.add_argument("--model", help="model folder or hub id (default: the embedded MiniLM demo)")
-    p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...), "
+    p.add_argument("--recipe", help="preset (W4A16, W4A16_ASYM, W8A16: round-to-nearest; GPTQ_W4A16, ...; the "
+                                    "low-bit floats NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8, W4AFP8; "
+                                    "AUTOROUND_W4A16, QUAROT_GPTQ_W4A4; `layerwise plugins` lists them all), "
                                     "YAML file or YAML text (default: W4A16, or GPTQ_W4A16 for the demo)")
     p.add_argument("--kv-cache", choices=["fp8", "fp8_head"], default=None,
                    help="also calibrate an FP8 KV cache for vLLM's --kv-cache-dtype fp8: one scale per attention "

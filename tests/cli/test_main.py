@@ -16,6 +16,30 @@ def test_compress_a_local_model_prints_a_summary(tiny_llama_dir, tmp_path, capsy
     assert "saved to:" in printed and (out_dir / "config.json").is_file()
 
 
+@pytest.mark.parametrize(("preset", "fmt"), [
+    ("NVFP4A16", "nvfp4-pack-quantized"), ("NVFP4", "nvfp4-pack-quantized"), ("MXFP4A16", "mxfp4-pack-quantized"),
+    ("MXFP4", "mxfp4-pack-quantized"), ("MXFP8A16", "mxfp8-quantized"), ("MXFP8", "mxfp8-quantized"),
+    ("W4AFP8", "pack-quantized")])
+def test_the_low_bit_float_presets_compress_from_the_command_line(preset, fmt, tmp_path, capsys):
+    """What a user types: each 2026 preset by name, its checkpoint in the format vLLM reads for it."""
+    from tests.conftest import build_tiny_llama, make_word_tokenizer
+
+    tiny_llama_dir = tmp_path / "llama"  # inputs 128 wide: W4AFP8's groups of 128 divide them
+    model = build_tiny_llama(hidden_size=128, intermediate_size=256)
+    model.save_pretrained(tiny_llama_dir)
+    make_word_tokenizer(model.config.vocab_size).save_pretrained(tiny_llama_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(f"word{i} word{i + 1} word{i + 2} word{i + 3}" for i in range(8)))
+    out_dir = tmp_path / "out"
+    assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", preset, "--dataset", str(calib),
+                 "--output-dir", str(out_dir), "--quiet"]) == 0
+    assert "saved to:" in capsys.readouterr().out
+    config = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    assert config["format"] == fmt
+    inputs = [group.get("input_activations") for group in config["config_groups"].values()]
+    assert any(inputs) == (not preset.endswith("A16"))  # the A16 presets leave inputs alone
+
+
 def test_bad_recipe_is_a_one_line_error_not_a_traceback(tiny_llama_dir, capsys):
     assert main(["compress", "--model", str(tiny_llama_dir), "--recipe", "W5A16", "--quiet", "--no-save"]) == 2
     err = capsys.readouterr().err
