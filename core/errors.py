@@ -79,6 +79,17 @@ def did_you_mean(name: object, valid: Iterable[str]) -> str:
     return f" did you mean {' or '.join(map(repr, sorted(tied)))}?"
 
 
+def unknown_names(names: Iterable[object], valid: Iterable[str]) -> str:
+    """``'num_bit' (did you mean 'num_bits'?), 'foo'``: unknown field names, each with its closest valid one.
+
+    Every place that refuses unknown fields names them the same way, so a typo deep in a config group gets
+    the same help as one in a modifier's own fields.
+    """
+    valid = list(valid)
+    return ", ".join(f"{name!r}" + (f" ({hint.strip()})" if (hint := did_you_mean(name, valid)) else "")
+                     for name in names)
+
+
 def require_positive(value: object, name: str, flag: str | None = None) -> int:
     """``value`` when it is an int >= 1; else an error naming the argument (and its CLI flag)."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:

@@ -32,7 +32,14 @@ from typing import Any
 import yaml
 
 from layerwise.common.user_warnings import warn_user
-from layerwise.errors import LayerwiseError, PluginError, RecipeError, RecipeNameError, did_you_mean
+from layerwise.errors import (
+    LayerwiseError,
+    PluginError,
+    RecipeError,
+    RecipeNameError,
+    did_you_mean,
+    unknown_names,
+)
 from layerwise.host.modifier import Modifier
 from layerwise.host.plugin_manager import registry
 
@@ -286,9 +293,8 @@ def _build(name: str, fields: Any, where: str,
         if dataclasses.is_dataclass(cls) else None
     unknown = [k for k in fields if valid is not None and k not in valid]
     if unknown:
-        named = ", ".join(f"{k!r}" + (f" ({hint.strip()})" if (hint := did_you_mean(k, valid)) else "")
-                          for k in unknown)
-        raise RecipeError(f"{where if own is None else own[0]}: unknown field(s) {named} for {name}; valid fields: "
+        raise RecipeError(f"{where if own is None else own[0]}: unknown field(s) {unknown_names(unknown, valid)} for "
+                          f"{name}; valid fields: "
                           f"{', '.join(valid)}")
     try:
         return cls(**fields)

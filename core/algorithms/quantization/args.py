@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from layerwise.errors import RecipeError
+from layerwise.errors import RecipeError, did_you_mean, unknown_names
 
 TYPES = ("int", "float")
 #: tensor / channel / group / block / tensor_group for weights; tensor / token / group / tensor_group for activations;
@@ -78,7 +78,8 @@ class QuantizationArgs:
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
-            raise RecipeError(f"unknown type {self.type!r}; valid types: {', '.join(TYPES)}")
+            raise RecipeError(f"unknown type {self.type!r};{did_you_mean(self.type, TYPES)} valid types: "
+                              f"{', '.join(TYPES)}")
         if self.type == "float" and (self.num_bits not in FLOAT_BITS or not self.symmetric):
             raise RecipeError(f"type 'float' is float8 e4m3 (num_bits 8) or fp4 e2m1 (num_bits 4), symmetric; got "
                               f"num_bits={self.num_bits!r}, symmetric={self.symmetric!r}")
@@ -88,7 +89,8 @@ class QuantizationArgs:
         if not isinstance(self.symmetric, bool):
             raise RecipeError(f"symmetric must be true or false, got {self.symmetric!r}")
         if self.strategy not in STRATEGIES:
-            raise RecipeError(f"unknown strategy {self.strategy!r}; valid strategies: {', '.join(STRATEGIES)}")
+            raise RecipeError(f"unknown strategy {self.strategy!r};{did_you_mean(self.strategy, STRATEGIES)} valid "
+                              f"strategies: {', '.join(STRATEGIES)}")
         if self.strategy in ("group", "tensor_group") and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
                                          or self.group_size <= 0):
             raise RecipeError(f"strategy {self.strategy!r} needs a positive integer group_size, got {self.group_size!r} "
@@ -197,7 +199,7 @@ class QuantizationArgs:
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in data if k not in valid]
         if unknown:
-            raise RecipeError(f"unknown quantization field(s) {', '.join(map(repr, unknown))}; "
+            raise RecipeError(f"unknown quantization field(s) {unknown_names(unknown, valid)}; "
                               f"valid fields: {', '.join(valid)}")
         data = dict(data)
         if data.get("strategy") in UNGROUPED and "group_size" not in data:

@@ -43,7 +43,7 @@ from layerwise.algorithms.quantization.args import (
     recipe_actorder,
 )
 from layerwise.common.user_warnings import warn_user
-from layerwise.errors import RecipeError
+from layerwise.errors import RecipeError, did_you_mean, unknown_names
 
 #: the fields of a compressed-tensors QuantizationScheme (one config group)
 GROUP_FIELDS = ("targets", "weights", "input_activations", "output_activations", "format")
@@ -108,7 +108,7 @@ def _group(name: str, group: Any, where: str) -> ConfigGroup:
         raise RecipeError(f"{where}: a config group is a mapping with targets and weights, got {group!r}")
     unknown = [k for k in group if k not in GROUP_FIELDS]
     if unknown:
-        raise RecipeError(f"{where}: unknown config-group field(s) {', '.join(map(repr, unknown))}; valid fields: "
+        raise RecipeError(f"{where}: unknown config-group field(s) {unknown_names(unknown, GROUP_FIELDS)}; valid fields: "
                           f"{', '.join(GROUP_FIELDS)}")
     targets = group.get("targets")
     targets = [targets] if isinstance(targets, str) else targets
@@ -157,14 +157,15 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
                           f"group_size, ...), got {data!r}")
     unknown = [k for k in data if k not in ARGS_FIELDS]
     if unknown:
-        raise RecipeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; compressed-tensors' "
+        raise RecipeError(f"{where}: unknown field(s) {unknown_names(unknown, ARGS_FIELDS)}; compressed-tensors' "
                           f"quantization args are {', '.join(ARGS_FIELDS)}")
     kind = str(data.get("type", "int")).lower()
     bits = data.get("num_bits", 8)
     if isinstance(bits, str) and bits.strip().isdigit():  # "4": compressed-tensors' pydantic args read it as 4
         bits = int(bits)
     if kind not in ("int", "float"):
-        raise RecipeError(f"{where}.type {data['type']!r}: layerwise quantizes to int or float (float8 e4m3)")
+        raise RecipeError(f"{where}.type {data['type']!r}:{did_you_mean(kind, ('int', 'float'))} layerwise quantizes "
+                          f"to int or float (float8 e4m3)")
     if kind == "float" and bits not in (4, 8):
         raise RecipeError(f"{where}: type float with num_bits {bits} cannot be expressed in layerwise; floats are "
                           f"num_bits 8 (FP8 E4M3) or 4 (FP4 E2M1: NVFP4, MXFP4)")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.qmath import FP8_MAX, fake_quantize
-from layerwise.errors import RecipeError
+from layerwise.errors import RecipeError, unknown_names
 
 #: one scale per attention layer, or one per head
 KV_STRATEGIES = ("tensor", "attn_head")
@@ -57,7 +57,7 @@ def kv_cache_args(value: Any, where: str = "kv_cache_scheme") -> QuantizationArg
     elif isinstance(value, dict):
         unknown = [k for k in value if k not in KV_FIELDS]
         if unknown:
-            raise RecipeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; valid fields: "
+            raise RecipeError(f"{where}: unknown field(s) {unknown_names(unknown, KV_FIELDS)}; valid fields: "
                               f"num_bits, type, symmetric, strategy, dynamic, observer")
         data = {k: v for k, v in value.items() if k in ("num_bits", "type", "symmetric", "strategy", "dynamic",
                                                         "observer") and v is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from layerwise.algorithms.quantization.args import QuantizationArgs, QuantizationScheme
-from layerwise.errors import RecipeError, UnknownNameError
+from layerwise.errors import RecipeError, UnknownNameError, unknown_names
 
 _INT8_CHANNEL = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel", group_size=None)
 _FP8 = dict(type="float", num_bits=8, symmetric=True, group_size=None)
@@ -114,7 +114,7 @@ def resolve_scheme(value: str | dict[str, Any] | QuantizationScheme) -> Quantiza
         if "weights" in data or "targets" in data or "input_activations" in data:
             unknown = [k for k in data if k not in _SCHEME_FIELDS]
             if unknown:
-                raise RecipeError(f"unknown scheme field(s) {', '.join(map(repr, unknown))}; "
+                raise RecipeError(f"unknown scheme field(s) {unknown_names(unknown, _SCHEME_FIELDS)}; "
                                   f"valid fields: {', '.join(_SCHEME_FIELDS)}")
             weights = data.get("weights")
             if weights is None:
