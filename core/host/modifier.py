@@ -5,7 +5,8 @@ never drive the pipeline. Hooks registered through :meth:`Modifier.register_hook
 are removed by the lifecycle on every path out, errors included.
 
 Modifiers are dataclasses, so a recipe's fields map one to one onto constructor
-arguments and an unknown field is an error that lists the valid ones.
+arguments and an unknown field is an error that lists the valid ones, in a recipe and in a
+Python call alike (:mod:`layerwise.host.modifier_fields`).
 
 In a distributed run (several ranks, each calibrating on its share of the batches, see
 :mod:`layerwise.runtime.distributed`) a modifier that gathers statistics from data merges them over the
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from layerwise.host.modifier_fields import ReadsRecipeFields
 
 if TYPE_CHECKING:
     from layerwise.host.state import CompressionState
@@ -45,7 +48,7 @@ SESSION_FIELDS = {name: ForeignField("a field of llm-compressor's training sched
 
 
 @dataclasses.dataclass
-class Modifier:
+class Modifier(metaclass=ReadsRecipeFields):
     """Base of every modifier. Subclasses are dataclasses with their own fields."""
 
     #: does the modifier need calibration data? (``False`` picks the ``datafree`` pipeline)

@@ -17,9 +17,10 @@ rest of the recipe runs.
 
 Recipes written for llm-compressor read as they are where layerwise can honour them: a
 modifier's ``foreign_fields`` (``sequential_update``, ``offload_hessians``, ...) are dropped
-with a :class:`ForeignFieldWarning` saying why nothing is lost, or refused naming the layerwise
+with a :class:`~layerwise.host.modifier_fields.ForeignFieldWarning` saying why nothing is lost, or refused naming the layerwise
 equivalent; ``config_groups`` (compressed-tensors schemes) become one modifier per group with
-that scheme and targets (:mod:`layerwise.algorithms.quantization.config_groups`).
+that scheme and targets (:mod:`layerwise.algorithms.quantization.config_groups`). A Python call
+(``GPTQModifier(...)``) reads its foreign and unknown fields the same way.
 """
 
 from __future__ import annotations
@@ -31,24 +32,18 @@ from typing import Any
 
 import yaml
 
-from layerwise.common.user_warnings import warn_user
 from layerwise.errors import (
     LayerwiseError,
     PluginError,
     RecipeError,
     RecipeNameError,
     did_you_mean,
-    unknown_names,
 )
 from layerwise.host.modifier import Modifier
+from layerwise.host.modifier_fields import check_known_fields, read_foreign_fields
 from layerwise.host.plugin_manager import registry
 
 RecipeLike = Modifier | list | dict | str | Path
-
-
-class ForeignFieldWarning(UserWarning):
-    """A field of another tool's recipe that layerwise reads and ignores (the message says why)."""
-
 
 #: keys that describe a recipe (as llm-compressor-style recipes carry them); read, never used
 METADATA_KEYS = ("version", "metadata", "run_type")
@@ -207,14 +202,7 @@ def _build_all(name: str, fields: Any, where: str) -> list[Modifier]:
     if not isinstance(fields, dict):
         raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
     own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    fields = dict(fields)
-    for key, foreign in getattr(cls, "foreign_fields", {}).items():
-        if key not in fields or key in own:
-            continue
-        if not foreign.ignored:
-            raise RecipeError(f"{where}.{key}: an llm-compressor field layerwise does not take: {foreign.note}")
-        warn_user(f"{where}.{key} is ignored: {foreign.note}", ForeignFieldWarning)
-        del fields[key]
+    fields = read_foreign_fields(cls, fields, where)
     # a modifier's own config_groups field takes one group; the recipe expands every quantizer's groups
     if "config_groups" not in fields or ("config_groups" in own and getattr(cls, "max_config_groups", 0) == 0):
         return [_build(name, fields, where)]
@@ -289,13 +277,7 @@ def _build(name: str, fields: Any, where: str,
     cls = registry("modifiers").get(name)
     if not isinstance(fields, dict):
         raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
-    valid = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")] \
-        if dataclasses.is_dataclass(cls) else None
-    unknown = [k for k in fields if valid is not None and k not in valid]
-    if unknown:
-        raise RecipeError(f"{where if own is None else own[0]}: unknown field(s) {unknown_names(unknown, valid)} for "
-                          f"{name}; valid fields: "
-                          f"{', '.join(valid)}")
+    check_known_fields(cls, fields, where if own is None else own[0])
     try:
         return cls(**fields)
     except (TypeError, ValueError, KeyError) as exc:

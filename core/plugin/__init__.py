@@ -46,6 +46,7 @@ from layerwise.host.hookspecs import hookimpl
 from layerwise.host.lifecycle import Lifecycle
 from layerwise.host.model_patch import ModelPatch
 from layerwise.host.modifier import SESSION_FIELDS, ForeignField, Modifier
+from layerwise.host.modifier_fields import ForeignFieldWarning
 from layerwise.host.patch_selection import applied_patch, apply_patch, find_patch
 from layerwise.host.pipeline import Pipeline, PipelineFailed, PipelineOptions
 from layerwise.host.plugin_manager import get_host, registry
@@ -61,6 +62,7 @@ __all__ = [
     "CompressionState",
     "DatasetError",
     "ForeignField",
+    "ForeignFieldWarning",
     "IgnoreWarning",
     "InvalidArgumentError",
     "LayerwiseError",

@@ -13,7 +13,8 @@ import layerwise
 from layerwise.algorithms.quantization.config_groups import ConfigGroupWarning
 from layerwise.algorithms.quantization.storage import quantized_modules
 from layerwise.errors import RecipeError
-from layerwise.host.recipe import ForeignFieldWarning, parse_recipe, recipe_to_yaml
+from layerwise.host.recipe import parse_recipe, recipe_to_yaml
+from layerwise.plugin import ForeignFieldWarning
 from layerwise.testing import token_batches
 from tests.conftest import build_tiny_llama
 
