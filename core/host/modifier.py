@@ -34,11 +34,13 @@ class ForeignField:
     """A field another tool's recipes give a modifier (llm-compressor's ``sequential_update``, ...).
 
     ``ignored``: read and dropped with a warning carrying ``note`` (why nothing is lost); else refused,
-    the error carrying ``note`` (layerwise's equivalent).
+    the error carrying ``note`` (layerwise's equivalent). ``rename``: the modifier's own field that takes
+    the value as written (the same setting under another name: no warning; giving both is an error).
     """
 
     note: str
     ignored: bool = True
+    rename: str | None = None
 
 
 #: what llm-compressor's modifiers all take for its training sessions; one-shot runs have no schedule

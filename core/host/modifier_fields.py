@@ -32,12 +32,18 @@ def public_fields(cls: type) -> list[str] | None:
 
 
 def read_foreign_fields(cls: type, fields: dict[str, Any], where: str) -> dict[str, Any]:
-    """``fields`` without the other tools' fields ``cls`` ignores (each warned about, labelled ``where.<field>``);
-    a field it refuses is a :class:`RecipeError` carrying the equivalent."""
+    """``fields`` without the other tools' fields ``cls`` ignores (each warned about, labelled ``where.<field>``)
+    and with those it renames under its own name; a field it refuses is a :class:`RecipeError` carrying the
+    equivalent."""
     own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     kept = dict(fields)
     for key, foreign in getattr(cls, "foreign_fields", {}).items():
         if key not in kept or key in own:
+            continue
+        if foreign.rename is not None:
+            if kept.get(foreign.rename) is not None:
+                raise RecipeError(f"{where}: {key} and {foreign.rename} are one setting ({foreign.note}); give one")
+            kept[foreign.rename] = kept.pop(key)
             continue
         if not foreign.ignored:
             raise RecipeError(f"{where}.{key}: an llm-compressor field layerwise does not take: {foreign.note}")

@@ -41,6 +41,7 @@ from layerwise.errors import (
     UnknownNameError,
     check_choice,
     did_you_mean,
+    unknown_names,
 )
 from layerwise.host.hookspecs import hookimpl
 from layerwise.host.lifecycle import Lifecycle
@@ -91,6 +92,7 @@ __all__ = [
     "matches",
     "opaque",
     "registry",
+    "unknown_names",
     "unmatched",
     "warn_block_ignore",
     "warn_unmatched_ignore",

@@ -25,7 +25,11 @@ from layerwise.algorithms.quantization.autoround import (
     tune_block,
 )
 from layerwise.algorithms.quantization.awq import search_flops, search_scales
-from layerwise.algorithms.quantization.config_groups import ConfigGroup, read_config_groups
+from layerwise.algorithms.quantization.config_groups import (
+    ConfigGroup,
+    read_config_groups,
+    recipe_observer,
+)
 from layerwise.algorithms.quantization.float_formats import (
     e8m0_codes,
     fp4_codes,
@@ -147,6 +151,7 @@ __all__ = [
     "read_config_groups",
     "recipe_actorder",
     "recipe_mappings",
+    "recipe_observer",
     "replace_data",
     "resolve_scheme",
     "rotate_heads",

@@ -20,6 +20,10 @@ _OFFLOAD_HESSIANS = ForeignField(
     "frees it as soon as its layer is solved; cached activations go to disk with the option offload='disk'")
 QUANTIZATION = {
     **SESSION_FIELDS,
+    "weight_observer": ForeignField("llm-compressor's name for layerwise's observer", rename="observer"),
+    "output_observer": ForeignField(
+        "layerwise quantizes no layer outputs (a config group's output_activations is refused), so there is no "
+        "output range to observe"),
     "bypass_divisibility_checks": ForeignField(
         "layerwise checks before calibrating that each group size divides its layer; put a layer it does not "
         "divide in ignore, or use strategy: channel", ignored=False),

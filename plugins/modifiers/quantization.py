@@ -28,18 +28,22 @@ from layerwise.plugin import (
     DEFAULT_IGNORE,
     CompressionState,
     ForeignField,
+    ForeignFieldWarning,
     Modifier,
     RecipeError,
     block_entries,
+    did_you_mean,
     find_modules,
     has_weight,
     inside_pattern,
     layers_within,
     matches,
     registry,
+    unknown_names,
     unmatched,
     warn_block_ignore,
     warn_unmatched_ignore,
+    warn_user,
 )
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
@@ -54,6 +58,7 @@ from layerwise.plugin.quantization import (
     linear_weight,
     nvfp4_global_scale,
     read_config_groups,
+    recipe_observer,
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
@@ -71,6 +76,9 @@ class Unwritten(str):
 
 #: ``W4A16``, unless the modifier only sets a KV cache (see ``QuantizationModifier._only_kv_cache``)
 DEFAULT_SCHEME = Unwritten("W4A16")
+#: the keys of llm-compressor's ``observer`` mapping
+OBSERVER_ROLES = ("weights", "input", "output")
+OUTPUT_OBSERVER = llm_compressor.QUANTIZATION["output_observer"]
 
 
 @dataclass
@@ -81,6 +89,10 @@ class QuantizationModifier(Modifier):
     :class:`~layerwise.algorithms.quantization.args.QuantizationArgs` fields (or ``weights`` /
     ``input_activations`` mappings), or a scheme object. ``num_bits`` / ``symmetric`` /
     ``strategy`` / ``group_size`` / ``observer``, when given, override the scheme's weight args.
+    ``input_observer`` overrides the observer of calibrated (static) input scales. Both read llm-compressor's
+    names too (:func:`~layerwise.algorithms.quantization.config_groups.recipe_observer`: its ``minmax`` moves an
+    activation range by 1 % per batch, ``static_minmax`` keeps the widest); llm-compressor's ``weight_observer``
+    is ``observer``, and its ``observer: {weights: ..., input: ...}`` sets both.
     ``config_groups`` (llm-compressor's form: one group, a mapping or compressed-tensors'
     ``QuantizationScheme``) gives the scheme and targets instead; several groups are several
     modifiers, which a recipe mapping builds: ``{"QuantizationModifier": {"config_groups": ...}}``.
@@ -101,7 +113,8 @@ class QuantizationModifier(Modifier):
     symmetric: bool | None = None
     strategy: str | None = None
     group_size: int | None = None
-    observer: str | None = None
+    observer: Any = None
+    input_observer: str | None = None
     config_groups: Any = None
     kv_cache_scheme: Any = None
     attention_scheme: Any = None
@@ -120,6 +133,7 @@ class QuantizationModifier(Modifier):
         owner = type(self).__name__
         if self.config_groups is not None:
             self._take_config_group()
+        self._split_observers(owner)
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
         if self.scheme is DEFAULT_SCHEME:
             self.scheme = None if self._only_kv_cache() else str(DEFAULT_SCHEME)
@@ -130,8 +144,8 @@ class QuantizationModifier(Modifier):
                 ", or a kv_cache_scheme to quantize only the KV cache"))
         # fail at recipe time, not mid-run
         self.args: QuantizationArgs | None = None if self.scheme is None else self.resolve_args()
-        self.input_args: QuantizationArgs | None = (None if self.scheme is None else
-                                                     resolve_scheme(self.scheme).input_activations)
+        self.input_args: QuantizationArgs | None = None if self.scheme is None else self.resolve_input_args()
+        self._check_observers(owner)
         self._modules: dict[str, torch.nn.Module] = {}
         self._done: set[str] = set()
         self._observer: Any = None
@@ -197,12 +211,55 @@ class QuantizationModifier(Modifier):
         if group.attention is not None:
             self.attention_scheme = group.attention.to_dict()
 
+    def _split_observers(self, owner: str) -> None:
+        """llm-compressor's ``observer: {weights: ..., input: ..., output: ...}`` as this modifier's ``observer``
+        and ``input_observer`` (the names as written: they are read when the args are resolved)."""
+        if not isinstance(self.observer, dict):
+            return
+        given = dict(self.observer)
+        unknown = [key for key in given if key not in OBSERVER_ROLES]
+        if unknown:
+            raise RecipeError(f"{owner}.observer: unknown key(s) {unknown_names(unknown, OBSERVER_ROLES)}; "
+                              f"llm-compressor's observer mapping takes {', '.join(OBSERVER_ROLES)}")
+        if self.input_observer is not None and "input" in given:
+            raise RecipeError(f"{owner}: observer.input and input_observer are one setting; give one")
+        if given.get("output") is not None:
+            warn_user(f"{owner}.observer.output is ignored: {OUTPUT_OBSERVER.note}", ForeignFieldWarning)
+        self.observer = given.get("weights")
+        self.input_observer = given.get("input", self.input_observer)
+
+    def resolve_input_args(self) -> QuantizationArgs | None:
+        """The input args: the scheme's, with ``input_observer`` applied where a scale is calibrated (as in
+        llm-compressor, it changes nothing where the inputs are not quantized or their scales are dynamic)."""
+        args = resolve_scheme(self.scheme).input_activations
+        if self.input_observer is None:
+            return args
+        where = f"{type(self).__name__}.input_observer"
+        observer = recipe_observer(self.input_observer, "input_activations", where)
+        if args is None or not args.calibrated:
+            warn_user(f"{where} {self.input_observer!r} is ignored: the scheme "
+                      f"{'quantizes no layer inputs' if args is None else 'computes input scales from each input'}"
+                      f", so there is no input range to calibrate", ForeignFieldWarning)
+            return args
+        return args.replace(observer=observer)
+
+    def _check_observers(self, owner: str) -> None:
+        """Every observer the args name is registered: an unknown one fails here, not once the model is loaded."""
+        valid = registry("observers").names()
+        for name, args in (("observer", self.args), ("input_observer", self.input_args)):
+            if args is not None and args.observer not in valid:
+                raise RecipeError(f"{owner}: unknown observer {args.observer!r} ({name} or the scheme's);"
+                                  f"{did_you_mean(args.observer, valid)} valid: {', '.join(valid)}, and "
+                                  f"llm-compressor's static_minmax, memoryless_minmax, memoryless_mse")
+
     def resolve_args(self) -> QuantizationArgs:
         """The weight args: the scheme's, with this modifier's explicit overrides applied."""
         scheme: QuantizationScheme = resolve_scheme(self.scheme)
         overrides = {name: getattr(self, name)
                      for name in ("num_bits", "symmetric", "strategy", "group_size", "observer")
                      if getattr(self, name) is not None}
+        if "observer" in overrides:
+            overrides["observer"] = recipe_observer(self.observer, "weights", f"{type(self).__name__}.observer")
         if not overrides:
             return scheme.weights
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from layerwise.errors import RecipeError
-from layerwise.host.recipe import parse_recipe
+from layerwise.host.recipe import parse_recipe, recipe_to_yaml
 from layerwise.plugin import ForeignFieldWarning
 
 
@@ -63,3 +63,73 @@ def test_a_python_modifier_refuses_an_unknown_field_naming_the_one_meant():
         GPTQModifier(scheme="W4A16", dampening=0.1)
     with pytest.raises(RecipeError, match=r"'sparsty' \(did you mean 'sparsity'\?\)"):
         WandaModifier(sparsty=0.5)
+
+
+@pytest.mark.parametrize("fields", [{"weight_observer": "mse"}, {"weight_observer": "memoryless_mse"},
+                                    {"observer": {"weights": "mse"}}, {"observer": "memoryless_mse"}])
+def test_llm_compressors_weight_observer_fields_choose_layerwise_s_observer(fields):
+    """weight_observer and the observer mapping were unknown fields; observer: memoryless_mse failed mid-run."""
+    (modifier,) = parse_recipe({"GPTQModifier": {"scheme": "W4A16", **fields}})
+    assert modifier.args.observer == "mse"
+
+
+def test_a_python_modifier_takes_weight_observer_too():
+    from layerwise.plugins.modifiers.gptq import GPTQModifier
+
+    assert GPTQModifier(scheme="W4A16", weight_observer="mse").args.observer == "mse"
+    with pytest.raises(RecipeError, match="weight_observer and observer are one setting"):
+        GPTQModifier(scheme="W4A16", weight_observer="mse", observer="minmax")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"input_observer": "minmax"}, "moving_average_minmax"),  # llm-compressor's minmax: a moving average
+    ({"input_observer": "static_minmax"}, "minmax"),  # the widest range seen: layerwise's minmax
+    ({"observer": {"weights": "mse", "input": "mse"}}, "mse"),
+])
+def test_the_input_observer_calibrates_static_input_scales_as_llm_compressor_s_does(fields, expected):
+    (modifier,) = parse_recipe({"QuantizationModifier": {"scheme": "FP8", **fields}})
+    assert modifier.input_args.observer == expected and modifier.input_args.num_bits == 8
+    (again,) = parse_recipe(recipe_to_yaml([modifier]))  # recipe.yaml keeps the name as written
+    assert again.input_args == modifier.input_args and again.args == modifier.args
+
+
+def test_observer_overrides_apply_to_every_config_group():
+    groups = {"a": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "strategy": "channel"}},
+              "b": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32}}}
+    modifiers = parse_recipe({"QuantizationModifier": {"weight_observer": "mse", "config_groups": groups}})
+    assert [m.args.observer for m in modifiers] == ["mse", "mse"]
+
+
+def test_observer_fields_with_nothing_to_observe_are_ignored_with_the_reason():
+    with pytest.warns(ForeignFieldWarning, match="output_observer is ignored: layerwise quantizes no layer outputs"):
+        parse_recipe({"GPTQModifier": {"scheme": "W4A16", "output_observer": "mse"}})
+    with pytest.warns(ForeignFieldWarning, match="observer.output is ignored"):
+        parse_recipe({"GPTQModifier": {"scheme": "W4A16", "observer": {"output": "mse"}}})
+    with pytest.warns(ForeignFieldWarning, match="input_observer 'mse' is ignored: the scheme quantizes no layer"):
+        parse_recipe({"QuantizationModifier": {"scheme": "W4A16", "input_observer": "mse"}})
+    with pytest.warns(ForeignFieldWarning, match="input_observer 'mse' is ignored: the scheme computes input scales"):
+        (dynamic,) = parse_recipe({"QuantizationModifier": {"scheme": "W8A8", "input_observer": "mse"}})
+    assert dynamic.input_args.dynamic
+
+
+@pytest.mark.parametrize("fields, fragments", [
+    ({"weight_observer": "imatrix_mse"}, ["'imatrix_mse' cannot be expressed in layerwise", "nearest: observer mse"]),
+    ({"observer": {"weights": "fouroversix"}}, ["'fouroversix' cannot be expressed", "nearest: observer mse"]),
+    ({"observer": {"weight": "mse"}}, ["observer: unknown key(s) 'weight' (did you mean 'weights'?)",
+                                       "takes weights, input, output"]),
+    ({"observer": "msee"}, ["unknown observer 'msee'", "did you mean 'mse'?", "valid: minmax"]),
+    ({"input_observer": "static_minmaxx"}, ["unknown observer 'static_minmaxx'", "input_observer"]),
+    ({"observer": {"input": "mse"}, "input_observer": "mse"}, ["observer.input and input_observer are one setting"]),
+])
+def test_an_observer_layerwise_does_not_have_is_refused_when_the_recipe_is_read(fields, fragments):
+    """An unknown observer name failed only once the model was loaded; imatrix_mse the same, without a hint."""
+    message = _error({"QuantizationModifier": {"scheme": "FP8", **fields}})
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_a_config_group_s_observer_layerwise_does_not_have_names_the_nearest():
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 128, "observer": "imatrix_mse"}}
+    message = _error({"GPTQModifier": {"config_groups": {"g": group}}})
+    assert "config_groups.g.weights.observer 'imatrix_mse' cannot be expressed" in message
+

@@ -14,7 +14,8 @@ quantization as compressed-tensors ``QuantizationScheme`` mappings instead of a 
 with compressed-tensors' defaults and inference rules (``num_bits`` 8, symmetric, the strategy from
 ``group_size``: none -> ``tensor``, > 0 -> ``group``, -1 -> ``channel``; ``actorder: weight`` is
 layerwise's ``static``; NVFP4 / MXFP4 / MXFP8 weights with their ``scale_dtype``). What layerwise
-cannot express (output activations, observer arguments, other scale dtypes, ...) is a :class:`~layerwise.errors.RecipeError`
+cannot express (output activations, observer arguments, other scale dtypes, imatrix observers, ...) is a
+:class:`~layerwise.errors.RecipeError`
 naming the field, where it is, and the nearest thing layerwise does. A group's ``format`` is
 ignored with a warning: the saver picks the storage format from the scheme, as llm-compressor
 infers it.
@@ -61,6 +62,18 @@ OBSERVERS = {
     "moving_average_minmax": ("minmax", "moving_average_minmax"),
     "mse": ("mse", "mse"),
     "memoryless_mse": ("mse", "mse"),
+}
+#: llm-compressor 0.14's observers layerwise has no counterpart for -> what to write instead
+MISSING_OBSERVERS = {
+    "imatrix_mse": "its clipping search weighs each input column by the mean square of the inputs it sees; "
+                   "layerwise's mse weighs every column alike; nearest: observer mse, or GPTQModifier / "
+                   "AWQModifier, which fit the weights to the calibration inputs",
+    "nvfp4_expanded_imatrix": "its NVFP4 range search (ranges above the observed one, weighted by the inputs) "
+                              "has no layerwise counterpart; nearest: observer mse",
+    "nvfp4_expanded_mse": "its NVFP4 range search also tries ranges above the observed one; layerwise's mse "
+                          "searches from the observed range down; nearest: observer mse",
+    "fouroversix": "llm-compressor's other name for nvfp4_expanded_mse (a search above the observed range), "
+                   "which layerwise has no counterpart for; nearest: observer mse",
 }
 #: how specific a target is, compressed-tensors' order: a qualified name, a ``re:`` pattern, a class name
 _EXACT, _REGEX, _CLASS = 0, 1, 2
@@ -212,8 +225,9 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     static = role == "weights" or not dynamic
     if observer is None:
         observer = "minmax"
-    elif str(observer) in OBSERVERS:
-        observer = OBSERVERS[str(observer)][0 if role == "weights" else 1] if static else "minmax"
+    else:
+        observer = recipe_observer(observer, role, f"{where}.observer")
+        observer = observer if static or str(data["observer"]).lower() not in OBSERVERS else "minmax"
     fields: dict[str, Any] = {"num_bits": bits, "type": kind, "symmetric": data.get("symmetric", True),
                               "strategy": strategy, "group_size": group_size if strategy in ("group", "tensor_group") else None,
                               "observer": observer, "actorder": actorder, "dynamic": bool(dynamic),
@@ -232,6 +246,19 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     except RecipeError as exc:
         raise RecipeError(f"{where}: {exc}") from None
     return args
+
+
+def recipe_observer(name: Any, role: str, where: str) -> str:
+    """The layerwise observer that does what observer ``name`` (compressed-tensors' / llm-compressor's, or a
+    layerwise one) does for ``role`` (``"weights"`` or ``"input_activations"``); ``where`` names the field in
+    errors. A name layerwise has no counterpart for is an error saying the nearest; any other passes as a
+    layerwise observer's (the modifier checks it is registered)."""
+    if not isinstance(name, str) or not name:
+        raise RecipeError(f"{where}: an observer is a name (minmax, static_minmax, mse, ...), got {name!r}")
+    key = name.lower()
+    if key in MISSING_OBSERVERS:
+        raise RecipeError(f"{where} {name!r} cannot be expressed in layerwise: {MISSING_OBSERVERS[key]}")
+    return OBSERVERS[key][0 if role == "weights" else 1] if key in OBSERVERS else name
 
 
 def exclusive_ignores(groups: list[ConfigGroup]) -> list[list[str]]:
