@@ -197,37 +197,77 @@ def _is_group(value: Any, known: list[str]) -> bool:
 
 def _build_all(name: str, fields: Any, where: str) -> list[Modifier]:
     """The modifier(s) a recipe entry describes: its foreign fields dropped or refused, its
-    ``config_groups`` (if any) one instance per group."""
+    ``config_groups`` or llm-compressor's ``scheme: {preset: targets}`` (if any) one instance per group."""
+    from layerwise.algorithms.quantization.presets import preset_targets
+
     cls = registry("modifiers").get(name)
     if not isinstance(fields, dict):
         raise RecipeError(f"{where}: the fields of {name} must be a mapping, got {fields!r}")
     own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     fields = read_foreign_fields(cls, fields, where)
     # a modifier's own config_groups field takes one group; the recipe expands every quantizer's groups
-    if "config_groups" not in fields or ("config_groups" in own and getattr(cls, "max_config_groups", 0) == 0):
-        return [_build(name, fields, where)]
-    return _expand_config_groups(cls, name, fields, where)
+    groups_field = "config_groups" in own and getattr(cls, "max_config_groups", 0) == 0
+    if "config_groups" in fields and not groups_field:
+        return _expand_config_groups(cls, name, fields, where)
+    presets = preset_targets(fields.get("scheme"), f"{where}.scheme") if "scheme" in own else None
+    if presets is not None and getattr(cls, "max_config_groups", 0) != 0:
+        return _expand_preset_targets(cls, name, fields, where, presets)
+    return [_build(name, fields, where)]
 
 
 def _expand_config_groups(cls: type, name: str, fields: dict[str, Any], where: str) -> list[Modifier]:
-    from layerwise.algorithms.quantization.config_groups import (
-        exclusive_ignores,
-        read_config_groups,
-    )
+    from layerwise.algorithms.quantization.config_groups import read_config_groups
 
-    limit = getattr(cls, "max_config_groups", 0)
-    if limit == 0:
+    if getattr(cls, "max_config_groups", 0) == 0:
         raise RecipeError(f"{where}.config_groups: {name} quantizes nothing, so it takes no config_groups")
+    _refuse_beside_groups(fields, where, "config_groups", "each config group", "in each group "
+                          "(config_groups.<name>.targets)")
+    groups = read_config_groups(fields.pop("config_groups"), f"{where}.config_groups")
+    return _build_groups(cls, name, fields, where, groups, "config_groups")
+
+
+def _expand_preset_targets(cls: type, name: str, fields: dict[str, Any], where: str,
+                           presets: list[tuple[str, list[str]]]) -> list[Modifier]:
+    """llm-compressor's ``scheme: {W4A16: [Linear], W8A8: ["re:.*mlp.*"]}``: each preset on its targets, read as
+    config groups are (one modifier each; a layer two presets target goes to the more specific target)."""
+    from layerwise.algorithms.quantization.config_groups import ConfigGroup
+    from layerwise.algorithms.quantization.presets import PRESETS
+
+    fields.pop("scheme")
+    _refuse_beside_groups(fields, where, "scheme {preset: targets}", "each preset", "in the mapping "
+                          "({preset: [targets]})")
+    groups = [ConfigGroup(preset, tuple(targets), dataclasses.replace(PRESETS[preset], targets=tuple(targets)))
+              for preset, targets in presets]
+    return _build_groups(cls, name, fields, where, groups, "scheme")
+
+
+#: llm-compressor's default targets, which the recipes it saves carry beside config_groups (where they are unused)
+_DEFAULT_TARGETS = (["Linear"], "Linear")
+
+
+def _refuse_beside_groups(fields: dict[str, Any], where: str, form: str, carrier: str, targets_at: str) -> None:
+    """The fields that would contradict groups carrying their own scheme and targets are refused; llm-compressor's
+    default ``targets: [Linear]`` (unused beside groups there too) is dropped."""
     given = [k for k in ("scheme", "num_bits", "symmetric", "strategy", "group_size") if k in fields]
     if given:
-        raise RecipeError(f"{where}: give config_groups or {', '.join(given)}, not both: each config group "
-                          f"carries its own scheme and targets")
+        raise RecipeError(f"{where}: give {form} or {', '.join(given)}, not both: {carrier} carries its own scheme "
+                          f"and targets")
+    if fields.get("targets") in _DEFAULT_TARGETS:
+        del fields["targets"]
     if "targets" in fields:
-        raise RecipeError(f"{where}: with config_groups the targets go in each group (config_groups.<name>.targets); "
-                          f"the modifier's own targets field would be a second list")
-    groups = read_config_groups(fields.pop("config_groups"), f"{where}.config_groups")
+        raise RecipeError(f"{where}: with {form} the targets go {targets_at}; the modifier's own targets field "
+                          f"would be a second list (llm-compressor ignores it)")
+
+
+def _build_groups(cls: type, name: str, fields: dict[str, Any], where: str, groups: list[Any],
+                  field: str) -> list[Modifier]:
+    """One ``cls`` per group (its scheme and targets, the other groups' targets ignored where they are more
+    specific); errors are labelled ``where.<field>.<group>``, or ``where`` when the modifier's own fields fail."""
+    from layerwise.algorithms.quantization.config_groups import exclusive_ignores
+
+    limit = getattr(cls, "max_config_groups", 0)
     if limit is not None and len(groups) > limit:
-        raise RecipeError(f"{where}.config_groups: {name} takes {limit} config group (it searches each smoothing "
+        raise RecipeError(f"{where}.{field}: {name} takes {limit} config group (it searches each smoothing "
                           f"mapping for one scheme), got {len(groups)}: keep one here and quantize the other "
                           f"layers with a QuantizationModifier or GPTQModifier after it")
     ignore = fields.pop("ignore", None)
@@ -244,7 +284,7 @@ def _expand_config_groups(cls: type, name: str, fields: dict[str, Any], where: s
             group_fields["attention_scheme"] = group.attention.to_dict()
         if i == kv_owner and kv_cache is not None:
             group_fields["kv_cache_scheme"] = kv_cache
-        built.append(_build(name, group_fields, f"{where}.config_groups.{group.name}",
+        built.append(_build(name, group_fields, f"{where}.{field}.{group.name}",
                             own=(where, lambda exc: _own_fault(cls, fields, exc))))
     return built
 

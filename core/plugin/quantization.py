@@ -62,7 +62,7 @@ from layerwise.algorithms.quantization.online_rotation import (
     rotate_inputs_online,
     transform_config,
 )
-from layerwise.algorithms.quantization.presets import resolve_scheme
+from layerwise.algorithms.quantization.presets import preset_targets, resolve_scheme
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
     default_g_idx,
@@ -144,6 +144,7 @@ __all__ = [
     "online_hadamards",
     "pack_fp4",
     "pack_to_int32",
+    "preset_targets",
     "quantize_learned",
     "quantize_weight",
     "quantized_attention",

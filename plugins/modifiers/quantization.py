@@ -57,6 +57,7 @@ from layerwise.plugin.quantization import (
     kv_cache_args,
     linear_weight,
     nvfp4_global_scale,
+    preset_targets,
     read_config_groups,
     recipe_observer,
     resolve_scheme,
@@ -133,6 +134,7 @@ class QuantizationModifier(Modifier):
         owner = type(self).__name__
         if self.config_groups is not None:
             self._take_config_group()
+        self._take_preset_targets(owner)
         self._split_observers(owner)
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
         if self.scheme is DEFAULT_SCHEME:
@@ -210,6 +212,22 @@ class QuantizationModifier(Modifier):
         self.scheme, self.targets, self.config_groups = group.scheme, list(group.targets), None
         if group.attention is not None:
             self.attention_scheme = group.attention.to_dict()
+
+    def _take_preset_targets(self, owner: str) -> None:
+        """llm-compressor's ``scheme: {preset: targets}`` given to the constructor: one preset becomes this
+        modifier's scheme and targets (a recipe mapping builds one modifier per preset)."""
+        presets = preset_targets(self.scheme, f"{owner}.scheme")
+        if presets is None:
+            return
+        if len(presets) > 1:
+            raise RecipeError(f"{owner}(scheme={{...}}) got {len(presets)} presets; one {owner} object holds one "
+                              f"scheme: pass the recipe as a mapping, compress(model, {{'{owner}': {{'scheme': "
+                              f"{{...}}, 'ignore': [...]}}}}), which builds one modifier per preset, or build one "
+                              f"{owner} per preset")
+        if self.targets not in (["Linear"], "Linear"):
+            raise RecipeError(f"{owner}: with scheme {{preset: targets}} the targets go in the mapping; the "
+                              f"modifier's own targets field would be a second list (llm-compressor ignores it)")
+        ((self.scheme, self.targets),) = presets
 
     def _split_observers(self, owner: str) -> None:
         """llm-compressor's ``observer: {weights: ..., input: ..., output: ...}`` as this modifier's ``observer``

@@ -133,3 +133,72 @@ def test_a_config_group_s_observer_layerwise_does_not_have_names_the_nearest():
     message = _error({"GPTQModifier": {"config_groups": {"g": group}}})
     assert "config_groups.g.weights.observer 'imatrix_mse' cannot be expressed" in message
 
+
+# llm-compressor's scheme form: a preset per list of targets (as its docs' mixed-precision examples write it)
+MIXED = {"QuantizationModifier": {"ignore": ["lm_head"], "scheme": {"W4A16": ["Linear"], "W8A8": ["re:.*mlp.*"]}}}
+
+
+def test_a_scheme_mapping_presets_to_targets_quantizes_each_layer_with_its_preset():
+    """It was read as quantization args: 'unknown quantization field(s) 'W4A16', 'W8A8''."""
+    import torch
+
+    import layerwise
+    from layerwise.algorithms.quantization.storage import quantized_modules
+    from tests.conftest import build_tiny_llama
+
+    modifiers = parse_recipe(MIXED)
+    assert [(m.targets, m.ignore) for m in modifiers] == [(["Linear"], ["lm_head", "re:.*mlp.*"]),
+                                                          (["re:.*mlp.*"], ["lm_head"])]
+    model = build_tiny_llama(hidden_size=128, intermediate_size=256)  # W4A16's groups of 128 divide each width
+    layerwise.compress(model, modifiers, show_progress=False)
+    quantized = quantized_modules(model)
+    attention, mlp = quantized["model.layers.0.self_attn.q_proj"], quantized["model.layers.1.mlp.down_proj"]
+    assert attention.quantization_args.num_bits == 4 and not hasattr(attention, "input_quantization_args")
+    assert mlp.quantization_args.num_bits == 8 and mlp.input_quantization_args.dynamic
+    assert "lm_head" not in quantized
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.arange(8)[None]).logits).all()
+    assert [m.args for m in parse_recipe(recipe_to_yaml(modifiers))] == [m.args for m in modifiers]
+
+
+def test_a_scheme_mapping_reads_as_config_groups_do():
+    (gptq,) = parse_recipe({"GPTQModifier": {"scheme": {"w4a16": "Linear"}, "targets": ["Linear"]}})
+    (preset,) = parse_recipe("GPTQ_W4A16")
+    assert gptq.args == preset.args and gptq.targets == ["Linear"]  # llm-compressor's default targets: unused
+    from layerwise.plugins.modifiers.gptq import GPTQModifier
+
+    one = GPTQModifier(scheme={"W8A16": ["re:.*mlp.*"]})
+    assert one.targets == ["re:.*mlp.*"] and one.args.num_bits == 8
+
+
+@pytest.mark.parametrize("recipe, fragments", [
+    ({"GPTQModifier": {"scheme": {"W4A61": ["Linear"]}}},
+     ["recipe.GPTQModifier.scheme: 'W4A61' is no preset", "did you mean 'W4A16'?"]),
+    ({"GPTQModifier": {"scheme": {"W4A16": ["Linear"]}, "targets": ["re:.*mlp.*"]}},
+     ["with scheme {preset: targets} the targets go in the mapping"]),
+    ({"GPTQModifier": {"scheme": {"W4A16": ["Linear"]}, "group_size": 32}},
+     ["give scheme {preset: targets} or group_size, not both"]),
+    ({"GPTQModifier": {"scheme": {"W4A16": 4}}}, ["scheme.W4A16: give the layers this preset quantizes"]),
+    ({"AWQModifier": {"scheme": {"W4A16_ASYM": ["Linear"], "W8A16": ["re:.*mlp.*"]}}},
+     ["recipe.AWQModifier.scheme: AWQModifier takes 1 config group", "got 2"]),
+])
+def test_a_scheme_mapping_layerwise_cannot_build_names_the_field(recipe, fragments):
+    message = _error(recipe)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_a_python_modifier_with_several_presets_says_how_to_build_them():
+    from layerwise.plugins.modifiers.quantization import QuantizationModifier
+
+    with pytest.raises(RecipeError, match=r"got 2 presets; one QuantizationModifier object holds one scheme: pass "
+                                          r"the recipe as a mapping"):
+        QuantizationModifier(scheme=MIXED["QuantizationModifier"]["scheme"])
+
+
+def test_llm_compressor_s_saved_default_targets_beside_config_groups_are_unused_as_there():
+    """llm-compressor writes targets: [Linear] into the recipes it saves, beside config_groups, where it ignores
+    them; layerwise refused the pair ('the targets go in each group')."""
+    group = {"g": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "strategy": "channel"}}}
+    (modifier,) = parse_recipe({"QuantizationModifier": {"targets": ["Linear"], "config_groups": group}})
+    assert modifier.targets == ["re:.*mlp.*"]

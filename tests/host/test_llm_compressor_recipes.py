@@ -160,7 +160,7 @@ def test_config_groups_conflicts_are_refused():
     with pytest.raises(RecipeError, match="give config_groups or scheme, not both"):
         parse_recipe({"GPTQModifier": {"scheme": "W4A16", "config_groups": group}})
     with pytest.raises(RecipeError, match="the targets go in each group"):
-        parse_recipe({"GPTQModifier": {"targets": ["Linear"], "config_groups": group}})
+        parse_recipe({"GPTQModifier": {"targets": ["re:.*mlp.*"], "config_groups": group}})
     two = {**group, "h": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8}}}
     with pytest.raises(RecipeError, match="AWQModifier takes 1 config group .* got 2"):
         parse_recipe({"AWQModifier": {"config_groups": two}})

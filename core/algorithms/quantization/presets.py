@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from layerwise.algorithms.quantization.args import QuantizationArgs, QuantizationScheme
-from layerwise.errors import RecipeError, UnknownNameError, unknown_names
+from layerwise.errors import RecipeError, UnknownNameError, did_you_mean, unknown_names
 
 _INT8_CHANNEL = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel", group_size=None)
 _FP8 = dict(type="float", num_bits=8, symmetric=True, group_size=None)
@@ -78,6 +79,40 @@ PRESETS.update(_integer_grid())
 PRESETS["INT8"] = PRESETS["W8A8"]  # compressed-tensors' other name for it
 
 _SCHEME_FIELDS = ("weights", "targets", "input_activations")
+#: the keys of a scheme mapping in layerwise's own forms (the args, the scheme, a preset to start from)
+_MAPPING_KEYS = {*_SCHEME_FIELDS, "preset", *(f.name for f in dataclasses.fields(QuantizationArgs))}
+
+
+def preset_key(name: object) -> str | None:
+    """The preset ``name`` spells (``W4A16``, or ``w4a16`` as compressed-tensors also reads it); else ``None``."""
+    key = str(name).strip()
+    return key if key in PRESETS else key.upper() if key.upper() in PRESETS else None
+
+
+def preset_targets(value: Any, where: str) -> list[tuple[str, list[str]]] | None:
+    """llm-compressor's scheme form ``{preset: targets}`` (``{W4A16: [Linear], W8A8: ["re:.*mlp.*"]}``) as
+    ``(preset, targets)`` pairs in order; ``None`` for any other scheme value (a name, layerwise's mappings).
+
+    A mapping is that form when a key names a preset, or when no key is a scheme or args field and every value
+    is targets; then a key that names no preset is an error naming the closest (``W4A61``)."""
+    if not isinstance(value, dict) or not value:
+        return None
+    targets_only = all(isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v))
+                       for v in value.values())
+    if not any(preset_key(k) for k in value) and (not targets_only or any(k in _MAPPING_KEYS for k in value)):
+        return None
+    pairs = []
+    for key, targets in value.items():
+        preset = preset_key(key)
+        if preset is None:
+            raise RecipeError(f"{where}: {key!r} is no preset; in llm-compressor's form {{preset: targets}} every key "
+                              f"names one;{did_you_mean(key, PRESETS)} valid: {', '.join(PRESETS)}")
+        targets = [targets] if isinstance(targets, str) else targets
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+            raise RecipeError(f"{where}.{key}: give the layers this preset quantizes, e.g. {key}: [Linear]; got "
+                              f"{value[key]!r}")
+        pairs.append((preset, list(targets)))
+    return pairs
 
 
 def resolve_scheme(value: str | dict[str, Any] | QuantizationScheme) -> QuantizationScheme:
