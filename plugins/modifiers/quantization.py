@@ -31,8 +31,8 @@ from layerwise.plugin import (
     ForeignFieldWarning,
     Modifier,
     RecipeError,
+    RecipeNameError,
     block_entries,
-    did_you_mean,
     find_modules,
     has_weight,
     inside_pattern,
@@ -266,9 +266,9 @@ class QuantizationModifier(Modifier):
         valid = registry("observers").names()
         for name, args in (("observer", self.args), ("input_observer", self.input_args)):
             if args is not None and args.observer not in valid:
-                raise RecipeError(f"{owner}: unknown observer {args.observer!r} ({name} or the scheme's);"
-                                  f"{did_you_mean(args.observer, valid)} valid: {', '.join(valid)}, and "
-                                  f"llm-compressor's static_minmax, memoryless_minmax, memoryless_mse")
+                raise RecipeNameError("observer", args.observer, valid, hint=(
+                    f"It comes from {owner}.{name} or the scheme; llm-compressor's static_minmax, "
+                    f"memoryless_minmax and memoryless_mse are read too"))
 
     def resolve_args(self) -> QuantizationArgs:
         """The weight args: the scheme's, with this modifier's explicit overrides applied."""

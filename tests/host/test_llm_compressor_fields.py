@@ -117,7 +117,7 @@ def test_observer_fields_with_nothing_to_observe_are_ignored_with_the_reason():
     ({"observer": {"weights": "fouroversix"}}, ["'fouroversix' cannot be expressed", "nearest: observer mse"]),
     ({"observer": {"weight": "mse"}}, ["observer: unknown key(s) 'weight' (did you mean 'weights'?)",
                                        "takes weights, input, output"]),
-    ({"observer": "msee"}, ["unknown observer 'msee'", "did you mean 'mse'?", "valid: minmax"]),
+    ({"observer": "msee"}, ["unknown observer 'msee'; did you mean 'mse'? valid observers: minmax"]),
     ({"input_observer": "static_minmaxx"}, ["unknown observer 'static_minmaxx'", "input_observer"]),
     ({"observer": {"input": "mse"}, "input_observer": "mse"}, ["observer.input and input_observer are one setting"]),
 ])
