@@ -60,7 +60,10 @@ class PruningModifier(Modifier):
     """Base of the pruning modifiers: ``sparsity`` of ``targets`` (minus ``ignore``) in ``mask_structure``.
 
     ``sparsity`` defaults to 0.5 for unstructured masks and to N/M for ``N:M``, where
-    giving a different value is an error (the structure fixes it). ``owl_m`` and
+    giving a different value is an error (the structure fixes it). A list (llm-compressor's per-layer form) gives
+    one value per module ``targets`` select, in model order and ``ignore`` aside, as llm-compressor counts them:
+    the layers inside each (or the layer itself) get its value; a count that differs is an error before any
+    calibration. ``owl_m`` and
     ``owl_lmbda`` (unstructured only; typically 5 and 0.08) turn on OWL: each block gets its
     own sparsity from its share of outlier weights, the mean staying ``sparsity`` and the
     most and least pruned blocks ``2 owl_lmbda`` apart
@@ -72,7 +75,7 @@ class PruningModifier(Modifier):
     #: the file of per-layer records saved next to the model
     summary_file: ClassVar[str] = "pruning_summary.json"
 
-    sparsity: float | None = None
+    sparsity: float | list[float] | None = None
     mask_structure: str = "0:0"
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
@@ -95,14 +98,18 @@ class PruningModifier(Modifier):
         self.targets, self.ignore = target_lists(owner, self.targets, self.ignore)
         self.structure: MaskStructure = parse_mask_structure(self.mask_structure, f"{owner}.mask_structure")
         implied = self.structure.sparsity
+        #: llm-compressor's per-layer list, checked (``None``: one sparsity for every layer)
+        self.sparsity_list: list[float] | None = self._read_sparsity_list(owner)
         if self.sparsity is None:
             self.fraction = 0.5 if implied is None else implied
         else:
-            self.fraction = check_sparsity(self.sparsity, f"{owner}.sparsity")
-            if implied is not None and abs(self.fraction - implied) > 1e-9:
-                raise RecipeError(f"{owner}: sparsity {self.sparsity!r} contradicts mask_structure "
-                                  f"{self.mask_structure!r}, which prunes {implied:g} of the weights; leave "
-                                  f"sparsity out, or use mask_structure '0:0' for unstructured sparsity")
+            given = self.sparsity_list or [check_sparsity(self.sparsity, f"{owner}.sparsity")]
+            self.fraction = sum(given) / len(given)  # the list's mean: what a summary reports
+            for value in given:
+                if implied is not None and abs(value - implied) > 1e-9:
+                    raise RecipeError(f"{owner}: sparsity {value!r} contradicts mask_structure "
+                                      f"{self.mask_structure!r}, which prunes {implied:g} of the weights; leave "
+                                      f"sparsity out, or use mask_structure '0:0' for unstructured sparsity")
         self._check_owl(owner)
         #: per layer, the sparsity OWL chose (empty without OWL)
         self.layer_sparsity: dict[str, float] = {}
@@ -127,8 +134,40 @@ class PruningModifier(Modifier):
         return modules
 
     def sparsity_for(self, name: str) -> float:
-        """The fraction to prune in layer ``name``: OWL's for its block, else ``sparsity``."""
+        """The fraction to prune in layer ``name``: OWL's for its block, or the list's, else ``sparsity``."""
         return self.layer_sparsity.get(name, self.fraction)
+
+    def _read_sparsity_list(self, owner: str) -> list[float] | None:
+        """``sparsity`` given as a list, each value checked; ``None`` for one number (or none)."""
+        if not isinstance(self.sparsity, (list, tuple)):
+            return None
+        if not self.sparsity:
+            raise RecipeError(f"{owner}.sparsity is an empty list; give one fraction (0.5), or one per module the "
+                              f"targets select")
+        if self.owl_m is not None or self.owl_lmbda is not None:
+            raise RecipeError(f"{owner}: OWL (owl_m, owl_lmbda) chooses each block's sparsity around one mean; give "
+                              f"sparsity as one number with OWL, or the per-layer list without it")
+        return [check_sparsity(value, f"{owner}.sparsity[{i}]") for i, value in enumerate(self.sparsity)]
+
+    def listed_sparsities(self, model: torch.nn.Module, layers: list[str]) -> dict[str, float]:
+        """With a sparsity list: each of ``layers`` -> the value of the innermost module ``targets`` select that
+        holds it (or is it); the list must have one value per selected module (``ignore`` aside, as in
+        llm-compressor), else an error saying how many."""
+        if self.sparsity_list is None:
+            return {}
+        targets = [_WHOLE_MODEL if target == ALL_TARGET else target for target in self.targets]
+        selected = list(find_modules(model, targets))
+        if len(selected) != len(self.sparsity_list):
+            shown = ", ".join(map(repr, selected[:4])) + (", ..." if len(selected) > 4 else "")
+            raise RecipeError(f"{type(self).__name__}.sparsity lists {len(self.sparsity_list)} values, one per module "
+                              f"the targets {self.targets} select (ignore aside, as llm-compressor counts them), but "
+                              f"they select {len(selected)}: {shown}; give {len(selected)} values, or targets "
+                              f"selecting {len(self.sparsity_list)} modules (e.g. the blocks: "
+                              f"'re:model.layers.\\d+$')")
+        value = dict(zip(selected, self.sparsity_list))
+        owners = {layer: max((s for s in selected if s in ("", layer) or layer.startswith(s + ".")), key=len)
+                  for layer in layers}
+        return {layer: value[owner] for layer, owner in owners.items()}
 
     def _check_owl(self, owner: str) -> None:
         if self.owl_m is None and self.owl_lmbda is None:
@@ -152,7 +191,7 @@ class PruningModifier(Modifier):
         self._modules = self.resolve_modules(state)
         self._done = set()
         self.summary = []
-        self.layer_sparsity = {}
+        self.layer_sparsity = self.listed_sparsities(state.model, list(self._modules))
 
     def on_calibration_start(self, state: CompressionState) -> None:
         """With OWL: one forward of the dense model for the input norms, then a sparsity per block."""
