@@ -36,11 +36,14 @@ class ForeignField:
     ``ignored``: read and dropped with a warning carrying ``note`` (why nothing is lost); else refused,
     the error carrying ``note`` (layerwise's equivalent). ``rename``: the modifier's own field that takes
     the value as written (the same setting under another name: no warning; giving both is an error).
+    ``layerwise_values``: the values that ask for what layerwise does anyway (``bypass_divisibility_checks:
+    false``, which llm-compressor writes into every recipe it saves): dropped without a word.
     """
 
     note: str
     ignored: bool = True
     rename: str | None = None
+    layerwise_values: tuple[Any, ...] = ()
 
 
 #: what llm-compressor's modifiers all take for its training sessions; one-shot runs have no schedule

@@ -40,6 +40,9 @@ def read_foreign_fields(cls: type, fields: dict[str, Any], where: str) -> dict[s
     for key, foreign in getattr(cls, "foreign_fields", {}).items():
         if key not in kept or key in own:
             continue
+        if any(kept[key] is value or kept[key] == value for value in foreign.layerwise_values):
+            del kept[key]
+            continue
         if foreign.rename is not None:
             if kept.get(foreign.rename) is not None:
                 raise RecipeError(f"{where}: {key} and {foreign.rename} are one setting ({foreign.note}); give one")

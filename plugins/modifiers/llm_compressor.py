@@ -26,7 +26,7 @@ QUANTIZATION = {
         "output range to observe"),
     "bypass_divisibility_checks": ForeignField(
         "layerwise checks before calibrating that each group size divides its layer; put a layer it does not "
-        "divide in ignore, or use strategy: channel", ignored=False),
+        "divide in ignore, or use strategy: channel", ignored=False, layerwise_values=(False,)),
 }
 GPTQ = {**QUANTIZATION, "sequential_update": _SEQUENTIAL_UPDATE, "offload_hessians": _OFFLOAD_HESSIANS,
         "sequential_targets": _SEQUENTIAL_TARGETS, "batched_quantization": ForeignField(

@@ -202,3 +202,15 @@ def test_llm_compressor_s_saved_default_targets_beside_config_groups_are_unused_
     group = {"g": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "strategy": "channel"}}}
     (modifier,) = parse_recipe({"QuantizationModifier": {"targets": ["Linear"], "config_groups": group}})
     assert modifier.targets == ["re:.*mlp.*"]
+
+
+def test_bypass_divisibility_checks_false_is_what_layerwise_does():
+    """llm-compressor writes bypass_divisibility_checks: false into every recipe it saves; it was refused."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (modifier,) = parse_recipe({"GPTQModifier": {"scheme": "W4A16", "bypass_divisibility_checks": False}})
+    assert modifier.args.group_size == 128
+    assert "put a layer it does not divide in ignore" in _error(
+        {"GPTQModifier": {"scheme": "W4A16", "bypass_divisibility_checks": True}})
