@@ -272,6 +272,7 @@ def _build_groups(cls: type, name: str, fields: dict[str, Any], where: str, grou
                           f"layers with a QuantizationModifier or GPTQModifier after it")
     ignore = fields.pop("ignore", None)
     ignore = [ignore] if isinstance(ignore, str) else list(ignore) if ignore is not None else None
+    _split_observer_mapping(fields, where)
     # one KV cache per model: it goes with the FP8 attention group if there is one, else with the first group
     kv_cache = fields.pop("kv_cache_scheme", None)
     kv_owner = next((i for i, group in enumerate(groups) if group.attention is not None), 0)
@@ -284,9 +285,30 @@ def _build_groups(cls: type, name: str, fields: dict[str, Any], where: str, grou
             group_fields["attention_scheme"] = group.attention.to_dict()
         if i == kv_owner and kv_cache is not None:
             group_fields["kv_cache_scheme"] = kv_cache
+        if "input_observer" in group_fields and not _calibrates_inputs(group) and any(map(_calibrates_inputs, groups)):
+            del group_fields["input_observer"]  # it is for the groups with static inputs (no warning for the others)
         built.append(_build(name, group_fields, f"{where}.{field}.{group.name}",
                             own=(where, lambda exc: _own_fault(cls, fields, exc))))
     return built
+
+
+def _split_observer_mapping(fields: dict[str, Any], where: str) -> None:
+    """llm-compressor's ``observer: {weights, input, output}`` split before the groups share it, so that the
+    input part can go only to the groups whose inputs take a calibrated scale (each warns otherwise)."""
+    from layerwise.algorithms.quantization.config_groups import split_observers
+
+    if not isinstance(fields.get("observer"), dict):
+        return
+    weights, inputs, output = split_observers(fields.pop("observer"), fields.pop("input_observer", None), where)
+    fields.update({k: v for k, v in (("observer", weights), ("input_observer", inputs)) if v is not None})
+    if output is not None:
+        fields["observer"] = {"weights": weights, "output": output}  # the modifier warns about it once per group
+
+
+def _calibrates_inputs(group: Any) -> bool:
+    """Does a config group's scheme take calibrated (static) input scales, which an input observer measures?"""
+    inputs = group.scheme.input_activations if group.scheme is not None else None
+    return inputs is not None and inputs.calibrated
 
 
 def _own_fault(cls: type, fields: dict[str, Any], exc: Exception) -> bool:

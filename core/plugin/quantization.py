@@ -29,6 +29,7 @@ from layerwise.algorithms.quantization.config_groups import (
     ConfigGroup,
     read_config_groups,
     recipe_observer,
+    split_observers,
 )
 from layerwise.algorithms.quantization.float_formats import (
     e8m0_codes,
@@ -166,6 +167,7 @@ __all__ = [
     "set_quantized_weight",
     "smoothquant_scales",
     "split_by_piece",
+    "split_observers",
     "take_packed_weight_codes",
     "take_weight_codes",
     "transform_config",

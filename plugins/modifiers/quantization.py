@@ -39,7 +39,6 @@ from layerwise.plugin import (
     layers_within,
     matches,
     registry,
-    unknown_names,
     unmatched,
     warn_block_ignore,
     warn_unmatched_ignore,
@@ -63,6 +62,7 @@ from layerwise.plugin.quantization import (
     resolve_scheme,
     set_input_quantization,
     set_quantized_weight,
+    split_observers,
     weight_qparams,
 )
 
@@ -77,8 +77,6 @@ class Unwritten(str):
 
 #: ``W4A16``, unless the modifier only sets a KV cache (see ``QuantizationModifier._only_kv_cache``)
 DEFAULT_SCHEME = Unwritten("W4A16")
-#: the keys of llm-compressor's ``observer`` mapping
-OBSERVER_ROLES = ("weights", "input", "output")
 OUTPUT_OBSERVER = llm_compressor.QUANTIZATION["output_observer"]
 
 
@@ -232,19 +230,9 @@ class QuantizationModifier(Modifier):
     def _split_observers(self, owner: str) -> None:
         """llm-compressor's ``observer: {weights: ..., input: ..., output: ...}`` as this modifier's ``observer``
         and ``input_observer`` (the names as written: they are read when the args are resolved)."""
-        if not isinstance(self.observer, dict):
-            return
-        given = dict(self.observer)
-        unknown = [key for key in given if key not in OBSERVER_ROLES]
-        if unknown:
-            raise RecipeError(f"{owner}.observer: unknown key(s) {unknown_names(unknown, OBSERVER_ROLES)}; "
-                              f"llm-compressor's observer mapping takes {', '.join(OBSERVER_ROLES)}")
-        if self.input_observer is not None and "input" in given:
-            raise RecipeError(f"{owner}: observer.input and input_observer are one setting; give one")
-        if given.get("output") is not None:
+        self.observer, self.input_observer, output = split_observers(self.observer, self.input_observer, owner)
+        if output is not None:
             warn_user(f"{owner}.observer.output is ignored: {OUTPUT_OBSERVER.note}", ForeignFieldWarning)
-        self.observer = given.get("weights")
-        self.input_observer = given.get("input", self.input_observer)
 
     def resolve_input_args(self) -> QuantizationArgs | None:
         """The input args: the scheme's, with ``input_observer`` applied where a scale is calibrated (as in

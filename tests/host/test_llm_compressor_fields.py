@@ -214,3 +214,15 @@ def test_bypass_divisibility_checks_false_is_what_layerwise_does():
     assert modifier.args.group_size == 128
     assert "put a layer it does not divide in ignore" in _error(
         {"GPTQModifier": {"scheme": "W4A16", "bypass_divisibility_checks": True}})
+
+
+def test_an_input_observer_beside_several_presets_reaches_the_ones_with_static_inputs_without_a_warning():
+    import warnings
+
+    recipe = {"QuantizationModifier": {"scheme": {"W4A16": ["Linear"], "FP8": ["re:.*mlp.*"]},
+                                       "observer": {"weights": "mse", "input": "static_minmax"}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weight_only, fp8 = parse_recipe(recipe)
+    assert (weight_only.args.observer, fp8.args.observer) == ("mse", "mse")
+    assert weight_only.input_args is None and fp8.input_args.observer == "minmax"

@@ -248,6 +248,25 @@ def ct_args(data: Any, where: str, role: str) -> QuantizationArgs:
     return args
 
 
+#: the keys of llm-compressor's ``observer`` mapping (the roles it names an observer for)
+OBSERVER_ROLES = ("weights", "input", "output")
+
+
+def split_observers(observer: Any, input_observer: Any, where: str) -> tuple[Any, Any, Any]:
+    """llm-compressor's ``observer: {weights: ..., input: ..., output: ...}`` (beside ``input_observer``) as the
+    observers of the weights, the inputs and the outputs, names as written; an observer that is no mapping is
+    the weights' (layerwise's own field). ``where`` names the modifier in errors."""
+    if not isinstance(observer, Mapping):
+        return observer, input_observer, None
+    unknown = [key for key in observer if key not in OBSERVER_ROLES]
+    if unknown:
+        raise RecipeError(f"{where}.observer: unknown key(s) {unknown_names(unknown, OBSERVER_ROLES)}; "
+                          f"llm-compressor's observer mapping takes {', '.join(OBSERVER_ROLES)}")
+    if input_observer is not None and observer.get("input") is not None:
+        raise RecipeError(f"{where}: observer.input and input_observer are one setting; give one")
+    return observer.get("weights"), observer.get("input", input_observer), observer.get("output")
+
+
 def recipe_observer(name: Any, role: str, where: str) -> str:
     """The layerwise observer that does what observer ``name`` (compressed-tensors' / llm-compressor's, or a
     layerwise one) does for ``role`` (``"weights"`` or ``"input_activations"``); ``where`` names the field in
