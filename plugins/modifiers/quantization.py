@@ -452,9 +452,10 @@ class QuantizationModifier(Modifier):
         return {name: {k: v for k, v in fields.items() if k not in unset}}
 
 
-def _float32_range(observer: Observer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _float32_range(observer: Observer, weight: torch.Tensor,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``observer``'s range of ``weight`` in float32 (exact: minima and maxima are values of the weight)."""
-    low, high = observer(weight)
+    low, high = observer(weight, global_scale)
     return low.to(torch.float32), high.to(torch.float32)
 
 

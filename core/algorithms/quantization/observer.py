@@ -2,7 +2,8 @@
 
 An observer is built with the tensor's :class:`~layerwise.algorithms.quantization.args.QuantizationArgs`.
 For a weight it is called once: ``observer(weight) -> (min_vals, max_vals)`` in the qparam shape
-of the args. For a layer's input activations (static quantization) it sees every calibration
+of the args; an NVFP4 weight's observer is also given the tensor's ``global_scale`` (its block scales are
+relative to it, so a search over block ranges needs it; min-max does not). For a layer's input activations (static quantization) it sees every calibration
 batch through :meth:`Observer.update` and gives the calibrated range with :meth:`Observer.result`.
 :func:`~layerwise.algorithms.quantization.qmath.compute_qparams` turns either into scale and zero point.
 Observers are plugins (``layerwise_register_observers``); a recipe picks one by name
@@ -45,11 +46,13 @@ class Observer:
         self.max_vals: Tensor | None = None
         self.batches = 0
 
-    def __call__(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        return self.reduce_weight(weight)
+    def __call__(self, weight: Tensor, global_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if global_scale is None:  # an observer written before NVFP4 keeps its one-argument reduce_weight
+            return self.reduce_weight(weight)
+        return self.reduce_weight(weight, global_scale=global_scale)
 
-    def reduce_weight(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        """A weight's range in the qparam shape of the args."""
+    def reduce_weight(self, weight: Tensor, global_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A weight's range in the qparam shape of the args (``global_scale``: NVFP4's, unused by min-max)."""
         return weight_min_max(weight, self.args)
 
     def reduce_activation(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -218,12 +218,19 @@ def weight_qparams(weight: Tensor, args: QuantizationArgs, observer: Observer | 
 
     ``observer`` is a callable ``observer(weight) -> (min_vals, max_vals)`` returning
     the reduced ranges (e.g. a registered observer instance); ``None`` means min-max.
-    NVFP4 takes ``global_scale`` (default: the weight's own, :func:`weight_global_scale`).
+    NVFP4 takes ``global_scale`` (default: the weight's own, :func:`weight_global_scale`), computed before the
+    observer runs and passed to it too (``observer(weight, global_scale=...)``): an MSE search measures each
+    block's error with the block scales relative to it.
     """
     _check_weight(weight, args)
     if args.float_format == "nvfp4" and global_scale is None:
         global_scale = weight_global_scale(weight, args)
-    min_val, max_val = observer(weight) if observer is not None else weight_min_max(weight, args)
+    if observer is None:
+        min_val, max_val = weight_min_max(weight, args)
+    elif global_scale is None:
+        min_val, max_val = observer(weight)
+    else:
+        min_val, max_val = observer(weight, global_scale=global_scale)
     return compute_qparams(min_val, max_val, args, global_scale)
 
 

@@ -21,14 +21,18 @@ from tests.conftest import build_tiny_llama
 
 BATCHES = token_batches(2, 16, vocab=128)
 FORMATS = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized", "MXFP8A16": "mxfp8-quantized"}
-#: round-to-nearest, GPTQ solved in groups of the format's block, AWQ smoothing then round-to-nearest
-RECIPES = [*FORMATS, *(f"GPTQ_{preset}" for preset in FORMATS), "AWQ_NVFP4A16", "AWQ_MXFP4A16"]
+#: round-to-nearest, GPTQ solved in groups of the format's block, AWQ smoothing then round-to-nearest, and
+#: round-to-nearest with the MSE observer's clipped block scales (NVFP4's relative to its global scale)
+RECIPES = [*FORMATS, *(f"GPTQ_{preset}" for preset in FORMATS), "AWQ_NVFP4A16", "AWQ_MXFP4A16",
+           *(f"MSE_{preset}" for preset in FORMATS)]
 CALIBRATED = ("GPTQ_", "AWQ_")
 
 
 def compressed(preset, out):
     model = build_tiny_llama(hidden_size=64, intermediate_size=128).to(torch.bfloat16)
     data = {"dataset": token_batches(16, 16, vocab=128)} if preset.startswith(CALIBRATED) else {}
+    if preset.startswith("MSE_"):
+        preset = [{"QuantizationModifier": {"scheme": preset.removeprefix("MSE_"), "observer": "mse"}}]
     layerwise.compress(model, preset, output_dir=out, show_progress=False, **data)
     return model
 
@@ -44,7 +48,7 @@ def ct_scheme(folder, name):
 @pytest.fixture(scope="module", params=RECIPES)
 def saved(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / "out"
-    preset = request.param.split("_", 1)[1] if request.param.startswith(CALIBRATED) else request.param
+    preset = request.param.split("_", 1)[1] if request.param.startswith((*CALIBRATED, "MSE_")) else request.param
     return preset, compressed(request.param, out), out
 
 
