@@ -172,3 +172,33 @@ def test_reordered_group_index_is_refused_with_the_fix(tmp_path):
     with pytest.raises(Exception, match="actorder='static'"):
         save(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4afp8_bytes_equal_compressed_tensors_own_compressor(tmp_path, dtype):
+    """W4AFP8 (int4 weights in groups of 128, FP8 inputs per token) packs its weights although
+    compressed-tensors would infer ``int-quantized`` for quantized inputs: its own ``pack-quantized``
+    compressor, given the in-memory (fake-quantized) weights and scales, writes every stored tensor byte for byte."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    import layerwise
+
+    model = build_tiny_llama(**LLAMA).to(dtype)
+    layerwise.compress(model, "W4AFP8", output_dir=tmp_path / "out", show_progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (scheme,) = QuantizationConfig.model_validate(config).config_groups.values()
+    assert scheme.format == "pack-quantized" and scheme.input_activations.type == "float"
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    modules = quantized_modules(model)
+    assert len(modules) == 14
+    for name, module in modules.items():
+        state = {"weight": module.weight.detach(), "weight_scale": module.weight_scale}
+        theirs = compressor.compress(state, scheme)
+        ours = {k.removeprefix(f"{name}."): v for k, v in stored.items() if k.startswith(f"{name}.")}
+        assert sorted(ours) == sorted(theirs) == ["weight_packed", "weight_scale", "weight_shape"], name
+        for key, value in theirs.items():
+            assert ours[key].dtype == value.dtype and ours[key].shape == value.shape, f"{name}.{key}"
+            assert torch.equal(ours[key].view(torch.uint8), value.contiguous().view(torch.uint8)), f"{name}.{key}"
