@@ -67,6 +67,8 @@ Observer = Callable[[Tensor], "tuple[Tensor, Tensor]"]
 
 #: the largest float8 e4m3 value
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+#: the half-precision dtypes compressed-tensors quantizes a layer's input in (itself, not float32)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def qrange(args: QuantizationArgs) -> tuple[float, float]:
@@ -103,9 +105,9 @@ def integer_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
     qmin, qmax = qrange(args)
     span = float(qmax - qmin)
     if args.symmetric:
-        scale = torch.maximum(min_val.abs(), max_val.abs()) / (span / 2)
+        scale = torch.maximum(min_val.abs(), max_val.abs()) / _divisor(span / 2, min_val)
     else:
-        scale = (max_val - min_val) / span
+        scale = (max_val - min_val) / _divisor(span, min_val)
     eps = torch.finfo(scale.dtype).eps if scale.is_floating_point() else 1e-8
     scale = torch.where(scale == 0, torch.full_like(scale, eps), scale)
     if args.symmetric:
@@ -113,6 +115,15 @@ def integer_qparams(min_val: Tensor, max_val: Tensor, args: QuantizationArgs,
     else:
         zero_point = rounding(torch.clamp(qmin - min_val / scale, qmin, qmax))
     return scale, zero_point
+
+
+def _divisor(value: float, like: Tensor) -> float | Tensor:
+    """``value`` to divide ``like`` by: in bfloat16 / float16 a tensor of that dtype on its device, as
+    compressed-tensors divides (CUDA turns a number divisor into a product with its float32 reciprocal, which
+    can round a bfloat16 quotient the other way); the number itself otherwise (float32 as it always was)."""
+    if like.dtype in LOW_PRECISION:
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
+    return value
 
 
 def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantizationArgs) -> Tensor:
@@ -366,12 +377,22 @@ def _activation_groups(x: Tensor, group_size: int) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
 
 
+def activation_dtype(x: Tensor, args: QuantizationArgs) -> torch.dtype:
+    """The dtype input ``x`` is quantized in: a bfloat16 / float16 input's own for the integer and FP8 grids,
+    as compressed-tensors (transformers' loader) quantizes it (its range, scale, quotient and product each
+    rounded to that dtype), so a reloaded half-precision model computes the in-memory model's values; float32
+    otherwise. MX and NVFP4 stay float32: MX's power-of-two scales make every step exact in either dtype, and
+    NVFP4 follows vLLM's float32 block scales (GUIDE.md, the low-bit float formats)."""
+    return x.dtype if x.dtype in LOW_PRECISION and args.float_format is None else torch.float32
+
+
 def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | None = None,
                              zero_point: Tensor | None = None, global_scale: Tensor | None = None) -> Tensor:
-    """The values a quantized layer computes with for input ``x``: dynamic args take their scales from
-    ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per tensor); NVFP4's block
-    scales are dynamic, relative to the calibrated ``global_scale``."""
-    values = x.to(torch.float32)
+    """The values a quantized layer computes with for input ``x`` (in :func:`activation_dtype`): dynamic args
+    take their scales from ``x`` itself, static ones use the calibrated ``scale`` / ``zero_point`` (per
+    tensor); NVFP4's block scales are dynamic, relative to the calibrated ``global_scale``."""
+    dtype = activation_dtype(x, args)
+    values = x.to(dtype)  # x itself in its own dtype: every step below writes a fresh tensor first
     if args.dynamic:
         if args.strategy == "tensor_group" and global_scale is None:
             raise ValueError("NVFP4 input quantization needs the calibrated global input scale")
@@ -381,8 +402,8 @@ def fake_quantize_activation(x: Tensor, args: QuantizationArgs, scale: Tensor | 
     elif scale is None:
         raise ValueError("static activation quantization needs a calibrated scale")
     else:
-        scale = scale.to(torch.float32)
-        zero_point = None if zero_point is None else zero_point.to(torch.float32)
+        scale = scale.to(dtype)
+        zero_point = None if zero_point is None else zero_point.to(dtype)
     if args.strategy in ("group", "tensor_group"):
         grouped = fake_quantize(_activation_groups(values, args.group_size), scale, zero_point, args)
         return grouped.reshape(x.shape).to(x.dtype)
