@@ -90,7 +90,12 @@ class RotationModifier(Modifier):
             raise RotationError(f"{owner}.online: the rotation layout of {type(state.model).__name__} names no layer "
                                 f"to rotate online; declare rotation_layout.online in its model patch (GUIDE.md, "
                                 f"'Rotations') or leave online out")
-        resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=owner)
+        try:
+            resolved = rotate_residual_stream(state.model, layout, self.rotation, self.seed, owner=owner)
+        except RotationError as exc:
+            if getattr(patch, "rotation_layout", None) is not None:
+                raise
+            raise RotationError(f"{exc} ({_no_layout(patch, state.model)})") from None
         self.rotated = {"embeddings": list(resolved.embeddings), "norms": [m.smoothed for m in resolved.norms],
                         "readers": list(resolved.readers), "writers": list(resolved.writers)}
         if self.heads:
@@ -109,3 +114,10 @@ class RotationModifier(Modifier):
                 raise RotationError(str(exc)) from None
         state.log.append({"modifier": type(self).__name__, "name": "residual stream", "rotation": self.rotation,
                           "seed": self.seed, **{k: len(v) for k, v in self.rotated.items()}})
+
+
+def _no_layout(patch: Any, model: Any) -> str:
+    """Why the Llama-like layout was tried: the fix is the patch's (a ``rotation_layout``), not the recipe's."""
+    whose = f"the model patch {patch.name!r} declares none" if patch is not None else \
+        f"no model patch matches {type(model).__name__}"
+    return f"{whose}, so the Llama-like default layout was tried"

@@ -5,6 +5,7 @@ import torch
 
 import layerwise
 from layerwise.errors import RecipeError
+from layerwise.plugin.quantization import RotationError
 from layerwise.plugins.modifiers.rotation import RotationModifier
 from layerwise.recipe import parse_recipe
 from tests.conftest import build_tiny_llama
@@ -93,6 +94,17 @@ def test_recipe_fields_and_errors():
         RotationModifier(heads="yes")
     with pytest.raises(RecipeError, match="online_signs must be true or false"):
         RotationModifier(online=True, online_signs=1)
+
+
+def test_a_family_without_a_layout_is_told_to_declare_one_not_to_fix_its_recipe():
+    from layerwise.model_zoo.deepseek_v3 import DEEPSEEK_V3
+
+    model = DEEPSEEK_V3.tiny_models[0]()
+    with pytest.raises(RotationError, match=r"q_proj.* of the rotation layout match no module of "
+                       r"DeepseekV3ForCausalLM; declare rotation_layout in its model patch .*'deepseek_v3' "
+                       r"declares none, so the Llama-like default layout was tried") as raised:
+        layerwise.compress(model, RotationModifier(), show_progress=False)
+    assert "recipe" not in str(raised.value)
 
 
 def _quarot_w4(tmp_path, recipe, name="quarot"):

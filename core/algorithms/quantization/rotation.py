@@ -37,6 +37,7 @@ from layerwise.algorithms.quantization.mappings import (
     Mapping,
     MappingError,
     ResolvedMapping,
+    check_mappings,
     resolve_mappings,
 )
 from layerwise.algorithms.quantization.storage import replace_data
@@ -121,9 +122,10 @@ def rotation_matrix(size: int, kind: str = "hadamard", seed: int = 0) -> Tensor:
 
 def resolve_layout(model: torch.nn.Module, layout: RotationLayout, owner: str = "RotationModifier") -> ResolvedLayout:
     """The layout's modules on ``model``; a pattern matching nothing, or a norm with no reader, is an error."""
-    missing = unmatched(model, [*layout.embeddings, *layout.writers])
+    missing = unmatched(model, dict.fromkeys(_patterns(layout, owner)))
     if missing:
-        raise RotationError(f"{owner}: {', '.join(map(repr, missing))} of the rotation layout match no module of "
+        shown = ", ".join(map(repr, missing[:4])) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise RotationError(f"{owner}: {shown} of the rotation layout match no module of "
                             f"{type(model).__name__}; declare rotation_layout in its model patch (GUIDE.md, "
                             f"'Rotations')")
     try:
@@ -136,6 +138,13 @@ def resolve_layout(model: torch.nn.Module, layout: RotationLayout, owner: str = 
                             f"stream must be, or the rotation would not cancel")
     return ResolvedLayout(tuple(find_modules(model, layout.embeddings)), resolution.mappings,
                           tuple(find_modules(model, layout.writers)))
+
+
+def _patterns(layout: RotationLayout, owner: str) -> list[str]:
+    """Every pattern of the residual stream's layout, checked before the norms are resolved: a miss there is the
+    layout's (the patch's), not a recipe's, and the error must say so."""
+    norms = [p for balance, norm in check_mappings(layout.norms, owner, None) for p in (*balance, norm)]
+    return [*layout.embeddings, *norms, *layout.writers]
 
 
 @torch.no_grad()
