@@ -39,7 +39,7 @@ from layerwise.plugin import TESTED_TRANSFORMERS, ModelPatch, applied_patch
 from . import _inputs, _tiny
 
 if TYPE_CHECKING:
-    from layerwise.plugin.quantization import Mapping
+    from layerwise.plugin.quantization import Mapping, RotationLayout
 
 __all__ = [
     "MOE_IGNORE",
@@ -323,7 +323,8 @@ def moe_smoothing_mappings(attention_inputs: tuple[str, ...], expert_names: tupl
 def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
                    tiny_sizes: dict[str, Any] | None = None,
                    expert_names: tuple[str, str, str] = EXPERT_NAMES,
-                   smoothing_mappings: tuple[Mapping, ...] = ()) -> ModelPatch:
+                   smoothing_mappings: tuple[Mapping, ...] = (),
+                   rotation_layout: RotationLayout | None = None) -> ModelPatch:
     """The patch every text MoE family shares: one ``<prefix>DecoderLayer`` at a time,
     fused experts unfused into Linear layers, every expert calibrated on every token."""
 
@@ -348,6 +349,7 @@ def text_moe_patch(name: str, family: str, model_type: str, class_prefix: str,
         sample_inputs=sample_inputs,
         tiny_models=(tiny_builder,),
         smoothing_mappings=smoothing_mappings,
+        rotation_layout=rotation_layout,
         verified_transformers=TESTED_TRANSFORMERS.releases,
     )
 

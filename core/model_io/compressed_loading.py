@@ -107,16 +107,16 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         if not (redecode and folder.is_dir()):
             result = load(**kwargs)
             mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
-            attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
             restore_expert_inputs(result[0] if isinstance(result, tuple) else result, loaded, where)
+            attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
             return result
         model, info = _quietly(load, kwargs)
         decoded = decode_float_formats(model, folder)
         restore_input_quantization(model, folder, loaded)
         _warn_disagreement(info, decoded)
         mark_dense_sparse(model, loaded)
-        attach_online_transforms(model, loaded)
         restore_expert_inputs(model, loaded, where)
+        attach_online_transforms(model, loaded)
         return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
@@ -240,12 +240,18 @@ def _fused_experts(module: torch.nn.Module) -> bool:
 
 def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
     """The online rotations ``quantization_config.transform_config`` declares, put back on the loaded
-    model (transformers 5.x drops that key). Returns the rotated layers."""
+    model (transformers 5.x drops that key); MoE experts loaded fused are unfused first, by the model's patch, as
+    the rotations name their per-expert layers. Returns the rotated layers."""
     transforms = quantization_config(config).get("transform_config")
     if not transforms:
         return []
     from layerwise.algorithms.quantization.online_rotation import attach_from_transform_config
+    from layerwise.host.patch_selection import apply_patch, resolve_patch
 
+    if any(_fused_experts(module) for module in model.modules()):
+        # an expert's rotation sits on its own down projection, which transformers 5 loads fused: the model's
+        # patch unfuses them again (after restore_expert_inputs, which would otherwise find nothing to restore)
+        apply_patch(model, resolve_patch(model))
     return attach_from_transform_config(model, transforms)
 
 

@@ -55,7 +55,10 @@ def test_residual_and_online_rotations_keep_each_declared_family_s_function(fami
             norm.weight.data.uniform_(0.5, 1.5)
         ids = _ids(model.config.get_text_config().vocab_size)
         before = _logits(model, ids)
-        down = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("down_proj")}
+        # every MLP's down projection, an expert's under its checkpoint name (Mixtral's w2)
+        expert_down = patch.expert_projections[2] if patch.expert_projections else "down_proj"
+        down = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                if n.endswith(("down_proj", f".{expert_down}"))}
         values = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("v_proj")}
         rotate_residual_stream(model, patch.rotation_layout, "hadamard", seed=1)
         rotated = rotate_inputs_online(model, patch.rotation_layout.online)
