@@ -18,6 +18,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS, opaque
 
 from . import _inputs, _tiny
+from ._rotation import text_tower_layout
 
 VISION_LAYERS = "re:(.*\\.)?vision_model\\.encoder\\.layers\\.\\d+"
 TEXT_LAYERS = "re:(.*\\.)?text_model\\.layers\\.\\d+"
@@ -131,6 +132,8 @@ IDEFICS3 = ModelPatch(
         (("re:.*vision_model.*mlp\\.fc1",), "re:.*vision_model.*layer_norm2"),
         (("re:.*vision_model.*out_proj",), "re:.*vision_model.*v_proj"),
     ),
+    # the decoder's residual stream, the connector's projection writing the image tokens' embeddings into it
+    rotation_layout=text_tower_layout("model.text_model", projector="model.connector.modality_projection.proj"),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

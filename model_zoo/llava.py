@@ -24,6 +24,7 @@ from layerwise.plugin import TESTED_TRANSFORMERS
 
 from . import _inputs, _tiny
 from ._names import LM_HEAD
+from ._rotation import text_tower_layout
 
 #: every transformer layer of the vision tower (CLIP/SigLIP ``encoder.layers``, Pixtral ``transformer.layers``)
 VISION_LAYERS = "re:(.*\\.)?vision_tower\\..*layers\\.\\d+"
@@ -128,6 +129,8 @@ LLAVA = ModelPatch(
     sample_inputs=sample_inputs,
     tiny_models=(tiny_llava, tiny_pixtral),
     smoothing_mappings=_MAPPINGS,
+    # the decoder's residual stream, the projector writing the image tokens' embeddings into it
+    rotation_layout=text_tower_layout("model.language_model", projector="model.multi_modal_projector.linear_2"),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

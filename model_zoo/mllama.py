@@ -20,6 +20,7 @@ from layerwise.plugin import TESTED_TRANSFORMERS, LazyFunctions
 
 from . import _inputs, _tiny
 from ._names import LM_HEAD
+from ._rotation import text_tower_layout
 
 
 def _tiles_for(config: Any) -> tuple[int, list[int]]:
@@ -109,6 +110,9 @@ MLLAMA = ModelPatch(
         (("re:.*vision_model.*mlp\\.fc1",), "re:.*vision_model.*post_attention_layernorm"),
         (("re:.*vision_model.*o_proj",), "re:.*vision_model.*v_proj"),
     ),
+    # the decoder's residual stream; the image states reach it only through cross-attention keys and values,
+    # which read them, not the stream: the projector stays as it is
+    rotation_layout=text_tower_layout("model.language_model", cross_attention=True),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -20,6 +20,7 @@ from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS, LazyFunctions
 
 from . import _inputs, _tiny
+from ._rotation import text_tower_layout
 
 IMAGE_SIDE_PATCHES = 4  # a 56x56 image at patch 14: a 4x4 patch grid, 4 tokens after a 2x2 merge
 
@@ -116,6 +117,8 @@ QWEN2_VL = ModelPatch(
         (("re:.*visual\\.blocks\\.\\d+\\.attn\\.qkv",), "re:.*visual\\.blocks\\.\\d+\\.norm1"),
         (("re:.*visual\\.blocks\\.\\d+\\.mlp\\.(fc1|gate_proj|up_proj)",), "re:.*visual\\.blocks\\.\\d+\\.norm2"),
     ),
+    # the decoder's residual stream, the merger's last Linear writing the image tokens' embeddings into it
+    rotation_layout=text_tower_layout("model.language_model", projector="model.visual.merger.mlp.2"),
     # before 5.23 the image path keeps rope_deltas as module state, which a trace cannot return
     verified_transformers=TESTED_TRANSFORMERS.since("5.23.0"),
 )

@@ -1,5 +1,6 @@
-"""RotationModifier on the zoo's families beyond Llama (mixture-of-experts decoders): composed with a quantizer
-through compress(), saved, and reloaded with the same outputs."""
+"""RotationModifier on the zoo's families beyond Llama (mixture-of-experts decoders, vision-language models' text
+towers): the outputs kept for every modality, composed with a quantizer through compress(), saved, and reloaded
+with the same outputs."""
 
 from __future__ import annotations
 
@@ -12,55 +13,90 @@ from layerwise.plugin import registry
 from layerwise.plugins.modifiers.quantization import QuantizationModifier
 from layerwise.plugins.modifiers.rotation import RotationModifier
 
-#: family -> a module each of its rotated roles must include (the layers Llama's layout would miss)
+_PROJECTOR = "model.multi_modal_projector.linear_2"
+_MERGER = "model.visual.merger.mlp.2"
+#: family -> a module each rotated role must include: the layers Llama's layout would miss
 FAMILIES = {
     "mixtral": {"readers": "model.layers.0.mlp.gate", "writers": "model.layers.0.mlp.experts.3.w2"},
     "qwen3_moe": {"readers": "model.layers.0.mlp.gate", "writers": "model.layers.0.mlp.experts.3.down_proj"},
+    "llava": {"writers": _PROJECTOR, "norms": "model.language_model.norm"},
+    "mistral3": {"writers": _PROJECTOR, "norms": "model.language_model.norm"},
+    "qwen2_vl": {"writers": _MERGER, "norms": "model.language_model.norm"},
+    "qwen2_5_vl": {"writers": _MERGER, "norms": "model.language_model.norm"},
+    "idefics3": {"writers": "model.connector.modality_projection.proj", "norms": "model.text_model.norm"},
+    "mllama": {"readers": "model.language_model.layers.1.cross_attn.q_proj",
+               "writers": "model.language_model.layers.1.cross_attn.o_proj"},
 }
+#: the modules of a vision tower, which the text tower's rotation leaves as they are
+_VISION = ("vision", "visual.blocks", "visual.patch_embed")
 
 
-def _logits(model, ids):
+def _inputs(family, model):
+    """Every modality's sample inputs the family's patch builds (text; images for the vision-language models)."""
+    patch = registry("model_patches").get(family)
+    built = {}
+    for modality in ("text", "image"):
+        try:
+            built[modality] = patch.sample_inputs(model.config, modality)
+        except ValueError:
+            continue
+    return built
+
+
+def _logits(model, inputs):
     with torch.no_grad():
-        return model(input_ids=ids).logits
+        return model(**inputs).logits
 
 
 def _compressed(family, tmp_path, rotation, quantizer=None):
-    patch = registry("model_patches").get(family)
-    model = patch.tiny_models[0]()
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12),
-                        generator=torch.Generator().manual_seed(0))
+    model = registry("model_patches").get(family).tiny_models[0]()
     out = tmp_path / family
     model = layerwise.compress(model, [rotation, quantizer or QuantizationModifier(scheme="W4A16", group_size=32)],
                                output_dir=out, show_progress=False, device="cpu")
     for role, name in FAMILIES[family].items():
         assert name in rotation.rotated[role]
-    return model, out, ids
+    return model, out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rotation_alone_keeps_the_outputs(family):
+def test_rotation_alone_keeps_every_modality_s_outputs_and_leaves_the_vision_tower(family):
     model = registry("model_patches").get(family).tiny_models[0]()
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    before = _logits(model, ids)
+    inputs = _inputs(family, model)
+    before = {modality: _logits(model, given) for modality, given in inputs.items()}
+    vision = {n: p.detach().clone() for n, p in model.named_parameters() if any(part in n for part in _VISION)}
     layerwise.compress(model, RotationModifier(seed=2), show_progress=False)
-    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    for modality, given in inputs.items():
+        torch.testing.assert_close(_logits(model, given), before[modality], rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(model.get_parameter(n), p) for n, p in vision.items())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rotation_then_rtn_saves_a_checkpoint_transformers_reloads(family, tmp_path):
-    model, out, ids = _compressed(family, tmp_path, RotationModifier())
+    model, out = _compressed(family, tmp_path, RotationModifier())
     reloaded = type(model).from_pretrained(out).eval()
-    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+    for given in _inputs(family, model).values():
+        torch.testing.assert_close(_logits(reloaded, given), _logits(model, given), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_online_rotation_of_every_expert_reloads_with_load_compressed(family, tmp_path):
     rotation = RotationModifier(online=True, online_signs=True, heads=True)
-    model, out, ids = _compressed(family, tmp_path, rotation, QuantizationModifier(scheme="FP8_DYNAMIC"))
+    model, out = _compressed(family, tmp_path, rotation, QuantizationModifier(scheme="FP8_DYNAMIC"))
     experts = [n for n in rotation.rotated["online"] if ".experts." in n]
     assert len(experts) == len(rotation.rotated["online"]) == 2 * 4  # every expert of both layers
     reloaded = layerwise.load_compressed(out).eval()
     assert sorted(online_hadamards(reloaded)) == sorted(online_hadamards(model)) == sorted(experts)
     expert = reloaded.get_submodule(experts[-1])
     assert expert.input_quantization_args is not None  # the experts' input quantization put back as well
-    assert torch.equal(_logits(reloaded, ids), _logits(model, ids))
+    (given,) = _inputs(family, model).values()
+    assert torch.equal(_logits(reloaded, given), _logits(model, given))
+
+
+def test_online_rotation_of_a_text_tower_reloads_with_load_compressed(tmp_path):
+    rotation = RotationModifier(online=True)
+    model, out = _compressed("qwen2_5_vl", tmp_path, rotation)  # its vision blocks have a down_proj too
+    assert rotation.rotated["online"] and all(n.startswith("model.language_model.") for n in rotation.rotated["online"])
+    reloaded = layerwise.load_compressed(out).eval()
+    assert sorted(online_hadamards(reloaded)) == sorted(rotation.rotated["online"])
+    for given in _inputs("qwen2_5_vl", model).values():
+        torch.testing.assert_close(_logits(reloaded, given), _logits(model, given), rtol=1e-5, atol=1e-5)

@@ -57,9 +57,10 @@ def test_residual_and_online_rotations_keep_each_declared_family_s_function(fami
         before = _logits(model, ids)
         # every MLP's down projection, an expert's under its checkpoint name (Mixtral's w2)
         expert_down = patch.expert_projections[2] if patch.expert_projections else "down_proj"
-        down = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                if n.endswith(("down_proj", f".{expert_down}"))}
-        values = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("v_proj")}
+        # the text decoder's layers only: a vision tower's v_proj and down_proj (CLIP, Qwen2.5-VL) stay as they are
+        text = {n: m for n, m in model.named_modules() if not any(part in n for part in ("vision", "visual"))}
+        down = {n: m.weight.detach().clone() for n, m in text.items() if n.endswith(("down_proj", f".{expert_down}"))}
+        values = {n: m.weight.detach().clone() for n, m in text.items() if n.endswith("self_attn.v_proj")}
         rotate_residual_stream(model, patch.rotation_layout, "hadamard", seed=1)
         rotated = rotate_inputs_online(model, patch.rotation_layout.online)
         assert sorted(rotated) == sorted(down)
