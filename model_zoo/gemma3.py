@@ -14,6 +14,7 @@ import torch
 
 from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin.quantization import refused_layout
 
 from . import _inputs, _tiny
 from ._names import LM_HEAD
@@ -87,6 +88,10 @@ GEMMA3 = ModelPatch(
         ((_TEXT + "mlp\\.gate_proj", _TEXT + "mlp\\.up_proj"), _TEXT + "pre_feedforward_layernorm"),
         ((_TEXT + "self_attn\\.o_proj",), _TEXT + "self_attn\\.v_proj"),
     ),
+    rotation_layout=refused_layout(
+        "its blocks normalise their attention and MLP outputs before adding them to the residual stream "
+        "(post_attention_layernorm, post_feedforward_layernorm): a rotation of the stream cannot pass through "
+        "those norms' per-channel weights, so folding one would change the model's outputs"),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -8,7 +8,7 @@
 4. **mappings**: every regex of ``smoothing_mappings`` matches a module (SmoothQuant / AWQ read them),
    and, per modality, scaling every resolved mapping by random positive scales leaves the outputs
    unchanged (a reader of the smoothed output left out, or a norm that is not an input norm, shows);
-   with a ``rotation_layout``, rotating the residual stream, the inputs of its ``online`` layers by an
+   with a ``rotation_layout`` (not a refusal), rotating the residual stream, the inputs of its ``online`` layers by an
    online Hadamard (with the random signs of ``online_signs``) and its attention ``heads``, leaves the
    outputs unchanged too;
 5. **trace**, per modality the patch builds sample inputs for: one subgraph per target the
@@ -111,7 +111,7 @@ def _steps(patch: ModelPatch, model: torch.nn.Module, modalities: Sequence[str] 
     for modality, inputs in built.items():
         if patch.smoothing_mappings:
             yield f"mappings exact ({modality})", lambda m=modality, i=inputs: _check_mappings_exact(patch, model, m, i)
-        if patch.rotation_layout is not None:
+        if patch.rotation_layout is not None and not patch.rotation_layout.refusal:
             yield f"rotation exact ({modality})", lambda m=modality, i=inputs: _check_rotation_exact(patch, model, m, i)
     for modality, inputs in built.items():
         yield f"trace ({modality})", lambda m=modality, i=inputs: _check_trace(patch, model, m, i)

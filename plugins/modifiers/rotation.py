@@ -34,6 +34,7 @@ from layerwise.plugin.quantization import (
     LLAMA_LIKE,
     OnlineRotationError,
     RotationError,
+    check_rotatable,
     flip_online_signs,
     rotate_heads,
     rotate_inputs_online,
@@ -86,6 +87,7 @@ class RotationModifier(Modifier):
         patch = state.patch or getattr(state.model, "_layerwise_patch", None)
         layout = getattr(patch, "rotation_layout", None) or LLAMA_LIKE
         owner = type(self).__name__
+        check_rotatable(state.model, layout, owner)
         if self.online and not layout.online:
             raise RotationError(f"{owner}.online: the rotation layout of {type(state.model).__name__} names no layer "
                                 f"to rotate online; declare rotation_layout.online in its model patch (GUIDE.md, "

@@ -10,6 +10,7 @@ import torch
 import layerwise
 from layerwise.algorithms.quantization.online_rotation import online_hadamards
 from layerwise.plugin import registry
+from layerwise.plugin.quantization import RotationError
 from layerwise.plugins.modifiers.quantization import QuantizationModifier
 from layerwise.plugins.modifiers.rotation import RotationModifier
 
@@ -90,6 +91,17 @@ def test_online_rotation_of_every_expert_reloads_with_load_compressed(family, tm
     assert expert.input_quantization_args is not None  # the experts' input quantization put back as well
     (given,) = _inputs(family, model).values()
     assert torch.equal(_logits(reloaded, given), _logits(model, given))
+
+
+@pytest.mark.parametrize("build", registry("model_patches").get("gemma3").tiny_models)
+def test_gemma3_is_refused_with_its_reason_and_left_as_it_was(build):
+    """Gemma3 adds normalised outputs to its stream (sandwich norms): no folded rotation keeps it exact."""
+    model = build()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RotationError, match=r"Gemma3\w+ cannot be rotated exactly: its blocks normalise their "
+                       r"attention and MLP outputs before adding them to the residual stream"):
+        layerwise.compress(model, RotationModifier(online=True), show_progress=False)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
 
 
 def test_online_rotation_of_a_text_tower_reloads_with_load_compressed(tmp_path):

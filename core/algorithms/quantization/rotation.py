@@ -70,6 +70,21 @@ class RotationLayout:
     #: (the MLP's ``up_proj``) and that layer, for random signs folded into both, which make the online Hadamard a
     #: random one (``RotationModifier.online_signs``)
     online_signs: tuple[str, ...] = ()
+    #: why the family's residual stream cannot be rotated exactly, for a layout that only says so
+    #: (:func:`refused_layout`); empty for one to rotate by
+    refusal: str = ""
+
+
+def refused_layout(why: str) -> RotationLayout:
+    """The layout of a family whose residual stream no folded rotation keeps exact (``why``): RotationModifier
+    refuses it with that reason, instead of trying the Llama-like layout and naming what it misses."""
+    return RotationLayout(embeddings=(), norms=(), writers=(), refusal=why)
+
+
+def check_rotatable(model: torch.nn.Module, layout: RotationLayout, owner: str = "RotationModifier") -> None:
+    """A refused layout is an error giving its reason."""
+    if layout.refusal:
+        raise RotationError(f"{owner}: {type(model).__name__} cannot be rotated exactly: {layout.refusal}")
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
@@ -122,6 +137,7 @@ def rotation_matrix(size: int, kind: str = "hadamard", seed: int = 0) -> Tensor:
 
 def resolve_layout(model: torch.nn.Module, layout: RotationLayout, owner: str = "RotationModifier") -> ResolvedLayout:
     """The layout's modules on ``model``; a pattern matching nothing, or a norm with no reader, is an error."""
+    check_rotatable(model, layout, owner)
     missing = unmatched(model, dict.fromkeys(_patterns(layout, owner)))
     if missing:
         shown = ", ".join(map(repr, missing[:4])) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
