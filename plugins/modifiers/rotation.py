@@ -7,7 +7,8 @@ through the embeddings and every Linear reading or writing the stream
 (:func:`~layerwise.algorithms.quantization.rotation.rotate_residual_stream`). The model's outputs are
 unchanged; its weights and activations lose their outlier channels, so the quantizer listed after it
 (GPTQ, RTN, AutoRound; W4A8 or W4A16) loses less. The model patch's ``rotation_layout`` says where the
-stream is read and written (the Llama-like layout when it declares none). A tied ``lm_head`` is
+stream is read and written (the Llama-like layout when it declares none), or why a family is refused
+(Gemma3: no folded rotation keeps it exact), before anything is changed. A tied ``lm_head`` is
 untied (the final norm is folded into it, not into the embeddings), and the saved config says so.
 
 ``online: true`` adds QuaRot's online Hadamard before every layer the layout lists as ``online``

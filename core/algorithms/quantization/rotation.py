@@ -16,7 +16,8 @@ removes outlier channels, which is what makes 4-bit activations (W4A8, W4A4) usa
 Where the stream is read and written is per-architecture knowledge: a :class:`RotationLayout`
 (``ModelPatch.rotation_layout``; :data:`LLAMA_LIKE` when a patch declares none). Every norm is
 probed before folding (its output must be ``g * f(x)`` with ``f`` unchanged by rotations: RMSNorm,
-not LayerNorm) and a layout whose patterns match nothing is an error naming them.
+not LayerNorm) and a layout whose patterns match nothing is an error naming them; a family no folded rotation
+keeps exact declares :func:`refused_layout` with the reason, which is the error.
 
 Only rotations that fold into weights are made here; the online Hadamard before ``down_proj``
 (QuaRot's R4), which must also run at inference, is :mod:`.online_rotation`, placed by the layout's
