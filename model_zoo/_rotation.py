@@ -3,9 +3,9 @@
 Two variations on :data:`~layerwise.plugin.quantization.LLAMA_LIKE`:
 
 * a mixture-of-experts decoder (:func:`moe_layout`): the MLP is a router plus experts, each a gated MLP as the
-  patch's ``apply`` unfuses it (``mlp.experts.<e>.<gate|up|down>``). Everything reading
-  ``post_attention_layernorm`` must be rotated with it -- every expert's gate and up, and the router, whose
-  logits would change otherwise -- and every expert's down writes to the stream;
+  patch's ``apply`` unfuses it (``mlp.experts.<e>.<gate|up|down>``), with DeepSeek's shared expert and dense
+  first layers beside. Everything reading ``post_attention_layernorm`` must be rotated with it -- every gate and
+  up, and the router, whose logits would change otherwise -- and every down writes to the stream;
 * a vision-language model's text tower (:func:`text_tower_layout`): the same layout under the tower's path,
   anchored there so that the vision tower's own ``self_attn.q_proj`` or ``mlp.down_proj`` (CLIP, Qwen2.5-VL)
   stay as they are. The image features the projector writes into the token embeddings are stream vectors
@@ -23,17 +23,20 @@ from .moe import EXPERT_NAMES
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
-def moe_layout(expert_names: tuple[str, str, str] = EXPERT_NAMES) -> RotationLayout:
-    """Llama's layout with the dense MLP replaced by the router (``mlp.gate``) and per-expert Linears."""
-    gate, up, down = (f"re:.*mlp\\.experts\\.\\d+\\.{name}$" for name in expert_names)
+def moe_layout(expert_names: tuple[str, str, str] = EXPERT_NAMES, attention_inputs: tuple[str, ...] = _ATTENTION,
+               heads: bool = True) -> RotationLayout:
+    """Llama's layout with the MLP's readers widened to the router (``mlp.gate``) and every gated MLP under
+    ``mlp`` (each expert, a shared expert, a dense layer's MLP); ``attention_inputs``: the attention's Linears
+    reading ``input_layernorm``; ``heads``: whether it has a ``v_proj`` / ``o_proj`` pair per attention module."""
+    gate, up, down = (f"re:.*mlp\\.(.*\\.)?{name}$" for name in expert_names)
     return RotationLayout(
         embeddings=("re:.*embed_tokens$",),
-        norms=((tuple(f"re:.*self_attn\\.{n}$" for n in _ATTENTION), "re:.*input_layernorm$"),
+        norms=((tuple(f"re:.*self_attn\\.{n}$" for n in attention_inputs), "re:.*input_layernorm$"),
                (("re:.*mlp\\.gate$", gate, up), "re:.*post_attention_layernorm$"),
                (("re:^lm_head$",), "re:^model\\.norm$")),
         writers=("re:.*self_attn\\.o_proj$", down),
         online=(down,),
-        heads=("re:.*self_attn\\.v_proj$", "re:.*self_attn\\.o_proj$"),
+        heads=("re:.*self_attn\\.v_proj$", "re:.*self_attn\\.o_proj$") if heads else (),
         online_signs=(up, down),
     )
 

@@ -9,6 +9,7 @@ import dataclasses
 
 from layerwise import hookimpl
 
+from ._rotation import moe_layout
 from .moe import moe_smoothing_mappings, text_moe_patch
 
 DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "DeepseekV3", tiny_sizes=dict(
@@ -21,7 +22,9 @@ DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "Deeps
         *moe_smoothing_mappings(("(q_a_proj|q_proj)", "kv_a_proj_with_mqa"), v_to_o=False),
         (("re:.*self_attn\\.q_b_proj",), "re:.*self_attn\\.q_a_layernorm"),
         (("re:.*self_attn\\.kv_b_proj",), "re:.*self_attn\\.kv_a_layernorm"),
-    ))
+    ),
+    # MLA's values come out of kv_b_proj beside the keys' no-position part: no v_proj to take a per-head Hadamard
+    rotation_layout=moe_layout(attention_inputs=("(q_a_proj|q_proj)", "kv_a_proj_with_mqa"), heads=False))
 #: vLLM loads MLA's query and compressed key/value down-projections as one matrix (``fused_qkv_a_proj``, when
 #: there is a query LoRA): they share one NVFP4 global scale (the MLPs' gate/up are in the default table)
 DEEPSEEK_V3 = dataclasses.replace(DEEPSEEK_V3, fused_projections=(("q_a_proj", "kv_a_proj_with_mqa"),))

@@ -97,13 +97,19 @@ def test_recipe_fields_and_errors():
 
 
 def test_a_family_without_a_layout_is_told_to_declare_one_not_to_fix_its_recipe():
-    from layerwise.model_zoo.deepseek_v3 import DEEPSEEK_V3
+    import dataclasses
+    import re
 
-    model = DEEPSEEK_V3.tiny_models[0]()
-    with pytest.raises(RotationError, match=r"q_proj.* of the rotation layout match no module of "
-                       r"DeepseekV3ForCausalLM; declare rotation_layout in its model patch .*'deepseek_v3' "
+    from layerwise.model_zoo.llava import LLAVA
+
+    # the Llama-like default finds Llava's embeddings and writers, not its text tower's final norm (once worded
+    # as a mapping "of the recipe", which RotationModifier does not have)
+    undeclared = dataclasses.replace(LLAVA, rotation_layout=None)
+    with pytest.raises(RotationError, match=re.escape(repr(r"re:^model\.norm$")) + r" of the rotation layout match "
+                       r"no module of LlavaForConditionalGeneration; declare rotation_layout in its model patch .*'llava' "
                        r"declares none, so the Llama-like default layout was tried") as raised:
-        layerwise.compress(model, RotationModifier(), show_progress=False)
+        layerwise.compress(LLAVA.tiny_models[0](), RotationModifier(), show_progress=False,
+                           options=layerwise.CompressOptions.of(patch=undeclared))
     assert "recipe" not in str(raised.value)
 
 

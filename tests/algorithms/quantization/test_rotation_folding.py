@@ -40,7 +40,7 @@ def test_unknown_sizes_and_kinds_are_named():
 
 
 def test_declared_families_exist():
-    assert {"llama", "mixtral", "qwen3_moe", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "idefics3",
+    assert {"llama", "mixtral", "qwen3_moe", "deepseek_v3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "idefics3",
             "mllama"} <= set(ROTATED_FAMILIES)
 
 
