@@ -46,9 +46,14 @@ class ModelPatch:
     tiny_models: tuple[Callable[[], torch.nn.Module], ...] = ()
     #: SmoothQuant / AWQ (balance layers, smoothed layer) mappings as regex pairs
     smoothing_mappings: tuple[tuple[tuple[str, ...], str], ...] = ()
-    #: attention module class names whose keys / values a ``kv_cache_scheme`` quantizes (empty: every module
-    #: whose class name ends in ``Attention`` with ``k_proj`` and ``v_proj``)
+    #: the attention modules whose keys / values a ``kv_cache_scheme`` quantizes: class names, qualified names or
+    #: ``re:`` patterns (empty: every module whose class name ends in ``Attention`` with ``k_proj`` and
+    #: ``v_proj``). Only those with a KV cache in vLLM: a VLM names its text decoder's attention, not its vision
+    #: encoder's (an encoder caches nothing, and text calibration data never reaches it)
     attention_modules: tuple[str, ...] = ()
+    #: why this family's KV cache cannot be quantized, and what to do instead: a ``kv_cache_scheme`` is refused
+    #: with it before any work (empty: supported)
+    kv_cache_refusal: str = ""
     #: where the residual stream is read and written, for RotationModifier (``None``: the Llama-like layout)
     rotation_layout: RotationLayout | None = None
     #: sibling projections (leaf names under one parent, e.g. ``("wq", "wk", "wv")``) that vLLM loads into one

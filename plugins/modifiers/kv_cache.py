@@ -51,17 +51,28 @@ class KVCacheCalibration:
         #: the scales set so far, by layer and buffer (CPU): what a resumed run puts back (:meth:`restore`)
         self.scales: dict[str, dict[str, torch.Tensor]] = {}
 
-    def resolve(self, state: CompressionState) -> None:
-        """Find the attention layers (the patch's ``attention_modules`` or the default rule) and route them
-        through the hook; errors name the field and the fix. Every layer is calibrated, ``ignore`` lists
-        included: a server's FP8 KV cache is one setting for all layers (vLLM ``--kv-cache-dtype fp8``)."""
-        patch = getattr(state, "patch", None)
+    def resolve(self, state: CompressionState, ignore: list[str] | None = None) -> None:
+        """Find the attention layers (the patch's ``attention_modules`` or the default rule) minus those ``ignore``
+        and the run's ignore list match, and route them through the hook; errors name the field and the fix. An
+        ignored attention layer gets no KV scales (a VLM's vision encoder: it has no KV cache in vLLM)."""
+        patch = getattr(state, "patch", None) or getattr(state.model, "_layerwise_patch", None)
+        model = type(state.model).__name__
+        refusal = getattr(patch, "kv_cache_refusal", "")
+        if refusal:
+            raise RecipeError(f"{self.owner}.kv_cache_scheme: {model} (model patch {patch.name!r}): {refusal}")
         names = tuple(getattr(patch, "attention_modules", ()) or ())
-        self.modules = find_attention_modules(state.model, names)
+        found = find_attention_modules(state.model, names)
+        ignored = list(dict.fromkeys([*(ignore or []), *(getattr(state, "ignore", None) or [])]))
+        self.modules = {n: m for n, m in found.items() if not matches(n, m, ignored)}
         if not self.modules:
             rule = (f"the model patch's attention_modules {list(names)}" if names else
                     "modules whose class name ends in 'Attention' with k_proj and v_proj")
-            raise RecipeError(f"{self.owner}.kv_cache_scheme: {type(state.model).__name__} has no attention layer "
+            if found:
+                raise RecipeError(f"{self.owner}.kv_cache_scheme: every attention layer of {model} ({rule}: "
+                                  f"{', '.join(sorted(found)[:3])}{', ...' if len(found) > 3 else ''}) is ignored "
+                                  f"(ignore {ignored}), so no KV cache scale would be calibrated: narrow the ignore "
+                                  f"entries or leave kv_cache_scheme out")
+            raise RecipeError(f"{self.owner}.kv_cache_scheme: {model} has no attention layer "
                               f"({rule}); name its attention classes in the model patch (ModelPatch.attention_modules) "
                               f"or leave kv_cache_scheme out")
         for name, module in self.modules.items():
@@ -133,7 +144,9 @@ class KVCacheCalibration:
             kinds = (*KINDS, "query") if name in self.query_names else KINDS
             if set(seen) != set(kinds):
                 raise RecipeError(f"{self.owner}.kv_cache_scheme: attention layer {name!r} saw no calibration data, "
-                                  f"so its KV cache scales cannot be calibrated; give data that reaches it")
+                                  f"so its KV cache scales cannot be calibrated; give data that reaches it (an "
+                                  f"image-reading layer needs image samples) or add it to ignore (it then gets "
+                                  f"no KV cache scales)")
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             self._set(name, {SCALES[kind]: kv_scale(seen[kind], dtype).cpu() for kind in kinds})
 

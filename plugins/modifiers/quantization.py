@@ -321,7 +321,7 @@ class QuantizationModifier(Modifier):
         # NVFP4: the projections the run's patch declares fused share a global scale too (beside the defaults)
         self._fused = fused_sets(patch.shared_scale_sets() if patch is not None else ())
         if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step
-            self._kv.resolve(state)
+            self._kv.resolve(state, self.ignore)
         self._done = set()
         self._input_observers = {}
 

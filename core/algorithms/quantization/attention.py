@@ -12,9 +12,10 @@ the same with the cache on or off: layerwise calibrates with it off, block by bl
 exactly the tokens' own. With the cache on the function receives every cached key, quantized again with the
 same scale, which gives the same values (FP8 values are fixed points of the rounding).
 
-Which modules are attention layers: the model patch's ``attention_modules`` if it names them, else every
-module whose class name ends in ``Attention`` and which has ``k_proj`` and ``v_proj`` children and a
-``config`` (what transformers' attention modules have).
+Which modules are attention layers: the model patch's ``attention_modules`` if it names them (class names,
+qualified names or ``re:`` patterns: a VLM's patch names its text decoder's attention only, since a vision
+encoder has no KV cache in vLLM), else every module whose class name ends in ``Attention`` and which has
+``k_proj`` and ``v_proj`` children and a ``config`` (what transformers' attention modules have).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.algorithms.quantization.kv_cache import fake_quantize_kv
+from layerwise.common.matching import matches
 
 #: the attribute of an attention module that holds its :class:`AttentionQuantization`
 STATE_ATTR = "_layerwise_attention"
@@ -47,15 +49,15 @@ class AttentionError(ValueError):
 
 
 def find_attention_modules(model: nn.Module, names: Iterable[str] = ()) -> dict[str, nn.Module]:
-    """The attention layers of ``model`` by qualified name: the modules whose class names are in ``names`` (a
-    model patch's ``attention_modules``), else those whose class name ends in ``Attention`` with ``k_proj`` and
-    ``v_proj`` children."""
-    wanted = set(names)
+    """The attention layers of ``model`` by qualified name: the modules ``names`` (a model patch's
+    ``attention_modules``: class names, qualified names or ``re:`` patterns) select, else those whose class name
+    ends in ``Attention`` with ``k_proj`` and ``v_proj`` children."""
+    wanted = list(names)
     found = {}
     for name, module in model.named_modules():
         cls = type(module).__name__
         if wanted:
-            if cls in wanted:
+            if matches(name, module, wanted):
                 found[name] = module
         elif cls.endswith("Attention") and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
             found[name] = module
