@@ -27,7 +27,12 @@ DEEPSEEK_V3 = text_moe_patch("deepseek_v3", "DeepSeek-V3", "deepseek_v3", "Deeps
     rotation_layout=moe_layout(attention_inputs=("(q_a_proj|q_proj)", "kv_a_proj_with_mqa"), heads=False))
 #: vLLM loads MLA's query and compressed key/value down-projections as one matrix (``fused_qkv_a_proj``, when
 #: there is a query LoRA): they share one NVFP4 global scale (the MLPs' gate/up are in the default table)
-DEEPSEEK_V3 = dataclasses.replace(DEEPSEEK_V3, fused_projections=(("q_a_proj", "kv_a_proj_with_mqa"),))
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK_V3, fused_projections=(("q_a_proj", "kv_a_proj_with_mqa"),),
+    kv_cache_refusal="MLA attention caches one compressed latent per token (kv_a_proj_with_mqa's output, "
+                     "shared by every head), not per-head keys and values, so there are no k_scale / v_scale to "
+                     "calibrate; layerwise does not support an FP8 MLA KV cache: leave kv_cache_scheme out (and "
+                     "the CLI's --kv-cache)")
 
 
 @hookimpl

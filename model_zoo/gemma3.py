@@ -80,6 +80,8 @@ GEMMA3 = ModelPatch(
     ignore=(LM_HEAD, "re:.*multi_modal_projector.*", "re:.*vision_tower\\..*_proj", "re:.*vision_tower\\..*\\.fc[12]"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_gemma3, tiny_gemma3_text),
+    # the KV cache is the text decoder's: SigLIP's attention caches nothing in vLLM
+    attention_modules=("Gemma3Attention",),
     # text decoder only (the SigLIP Linear layers stay dense). Gemma norms the attention *output* with
     # post_attention_layernorm; the MLP reads pre_feedforward_layernorm
     smoothing_mappings=(

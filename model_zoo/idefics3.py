@@ -120,6 +120,8 @@ IDEFICS3 = ModelPatch(
     # the connector (pixel shuffle + projection) maps vision features into the text width
     ignore=("lm_head", "re:.*connector.*"),
     apply=traceable_image_features,
+    # the KV cache is the text decoder's: the SigLIP-style encoder caches nothing
+    attention_modules=("re:.*text_model\\.layers\\.\\d+\\.self_attn",),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_idefics3,),
     smoothing_mappings=(

@@ -104,6 +104,8 @@ def tiny_mistral3() -> torch.nn.Module:
 
 _TARGETS = (VISION_LAYERS, TEXT_LAYERS)
 _IGNORE = (LM_HEAD, "re:.*multi_modal_projector.*")
+#: the KV cache is the decoder's (whatever its family: Llama, Mistral, Qwen2): the vision tower caches nothing
+_ATTENTION = ("re:.*language_model\\.layers\\.\\d+\\.self_attn",)
 
 _VISION = "re:.*vision_tower\\..*"
 #: the decoder's norms and projections; in the vision tower, one pattern covers both layouts the patch
@@ -126,6 +128,7 @@ LLAVA = ModelPatch(
     architectures=("LlavaForConditionalGeneration", "LlavaModel"),
     sequential_targets=_TARGETS,
     ignore=_IGNORE,
+    attention_modules=_ATTENTION,
     sample_inputs=sample_inputs,
     tiny_models=(tiny_llava, tiny_pixtral),
     smoothing_mappings=_MAPPINGS,

@@ -98,6 +98,11 @@ MLLAMA = ModelPatch(
     opaque_functions=LazyFunctions(_opaque_functions),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_mllama,),
+    # the KV cache is the text decoder's: its self-attention and its cross-attention (vLLM caches the image's
+    # keys and values, an encoder-decoder cache; compressed-tensors gives it scales too). Only image samples reach
+    # the cross-attention: text-only calibration must ignore it (ignore: [re:.*cross_attn.*]). The vision encoder
+    # caches nothing
+    attention_modules=("MllamaTextSelfAttention", "MllamaTextCrossAttention"),
     smoothing_mappings=(
         # a cross-attention layer's input norm feeds only its q_proj (k/v read the image states)
         (("re:.*language_model.*self_attn\\.[qkv]_proj", "re:.*language_model.*cross_attn\\.q_proj"),

@@ -104,6 +104,8 @@ QWEN2_VL = ModelPatch(
     architectures=("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
     sequential_targets=("Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"),
     ignore=_IGNORE,
+    # the KV cache is the text decoder's (the vision blocks' fused-qkv attention caches nothing)
+    attention_modules=("re:.*language_model\\.layers\\.\\d+\\.self_attn",),
     opaque_functions=LazyFunctions(functools.partial(_opaque_functions, "qwen2_vl")),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_qwen2_vl,),
