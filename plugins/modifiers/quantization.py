@@ -50,6 +50,7 @@ from layerwise.plugin.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
+    find_attention_modules,
     fused_sets,
     global_scales,
     is_transposed,
@@ -283,7 +284,11 @@ class QuantizationModifier(Modifier):
         """The modules to quantize; errors for a target matching nothing or an indivisible group."""
         if self.args is None:  # scheme: null, the KV cache only
             return {}
-        modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore)
+        attention = None
+        if self._kv is not None:  # an ignore entry naming attention layers keeps their KV scales out
+            patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+            attention = set(find_attention_modules(state.model, getattr(patch, "attention_modules", ()) or ()))
+        modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore, attention=attention)
         if self.input_args is not None:
             transposed = next((name for name, module in modules.items() if is_transposed(module)), None)
             if transposed:
@@ -505,10 +510,12 @@ def target_lists(owner: str, targets: Any, ignore: Any) -> tuple[list[str], list
 
 
 def targeted_modules(owner: str, state: CompressionState, targets: list[str], ignore: list[str], *,
-                     within: bool = False) -> dict[str, torch.nn.Module]:
+                     within: bool = False, attention: set[str] | None = None) -> dict[str, torch.nn.Module]:
     """The modules with a weight that ``targets`` select minus ``ignore`` and the run's ignore list;
     a target matching nothing is an error listing what the model has. ``within`` (the pruners, as
-    llm-compressor's): a selected module without a weight (a block) stands for the Linear layers inside it."""
+    llm-compressor's): a selected module without a weight (a block) stands for the Linear layers inside it.
+    ``attention``: the KV cache's attention layers, which an ignore entry matching only them keeps out of the
+    KV cache (not warned about as an entry that matches only blocks)."""
     model = state.model
     missing = unmatched(model, targets)
     if missing:
@@ -521,7 +528,9 @@ def targeted_modules(owner: str, state: CompressionState, targets: list[str], ig
     if unmatched_ignore:  # the names for the hint only then: a 256-expert model has 60,000 modules to list
         warn_unmatched_ignore(owner, unmatched_ignore, [n for n, _ in model.named_modules() if n],
                               f"module of {type(model).__name__}")
-    warn_block_ignore(owner, block_entries(model, ignore))
+    blocks = block_entries(model, ignore)
+    warn_block_ignore(owner, {entry: names for entry, names in blocks.items()
+                              if not (attention and set(names) <= attention)})
     weighted = {n: m for n, m in selected.items() if has_weight(m)}
     found = {n: m for n, m in weighted.items() if not matches(n, m, ignored)}
     if found or not selected:

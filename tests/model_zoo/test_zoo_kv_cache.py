@@ -81,9 +81,12 @@ def test_mllama_text_calibration_needs_the_cross_attention_ignored_and_then_scal
     assert len(saved) == 2 and all(k.endswith("self_attn") and "vision" not in k for k in saved)
 
 
-def test_an_ignore_entry_matching_an_attention_layer_keeps_its_kv_scales_out():
+@pytest.mark.filterwarnings("error::layerwise.common.matching.IgnoreWarning")
+@pytest.mark.parametrize("scheme", [None, "W8A16"])
+def test_an_ignore_entry_matching_an_attention_layer_keeps_its_kv_scales_out(scheme):
+    """Not warned about as an entry matching only blocks: with a KV cache it keeps that layer's scales out."""
     model = build_tiny_llama()
-    layerwise.compress(model, _recipe(ignore=["lm_head", "re:.*layers\\.0\\.self_attn"]),
+    layerwise.compress(model, _recipe(scheme, ignore=["lm_head", "re:.*layers\\.0\\.self_attn"]),
                        dataset=_text_data(), show_progress=False)
     assert set(quantized_attention(model)) == {"model.layers.1.self_attn"}
     assert "k_scale" not in model.model.layers[0].self_attn._buffers
