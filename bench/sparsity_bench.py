@@ -96,8 +96,6 @@ from gptq_bench import (
     split_total,
 )
 
-import layerwise
-
 #: SparseGPT's solver settings, written into both tools' recipes
 SOLVER = {"block_size": 128, "dampening_frac": 0.01}
 
@@ -161,7 +159,7 @@ def _calibration(case: str, tokenizer, quick: bool) -> tuple[list, int]:
 
 def run_layerwise(case: str, config: str, quick: bool) -> dict:
     """layerwise's compress() timed on its own, then save_compressed timed apart; then measured."""
-    from layerwise import compress
+    from layerwise import CompressOptions, compress
     from layerwise.errors import LayerwiseError
     from layerwise.model_io.loading import load_model, load_tokenizer
     from layerwise.plugins.savers.compressed_tensors import save_compressed
@@ -170,7 +168,7 @@ def run_layerwise(case: str, config: str, quick: bool) -> dict:
     tokenizer, model = load_tokenizer(path), load_model(path)
     dataset, length = _calibration(case, tokenizer, quick)
     start = time.perf_counter()
-    model = compress(model, CONFIGS[config], dataset=dataset, max_seq_length=length, num_calibration_samples=len(dataset), show_progress=False, options=layerwise.CompressOptions.of(tokenizer=tokenizer))
+    model = compress(model, CONFIGS[config], dataset=dataset, max_seq_length=length, num_calibration_samples=len(dataset), show_progress=False, options=CompressOptions.of(tokenizer=tokenizer))
     result = {"seconds": time.perf_counter() - start, "peak_rss_gb": _peak_rss_gb(), "samples": len(dataset)}
     report = model.layerwise_report
     result.update(pipeline=report.pipeline, pieces=report.pieces,
