@@ -129,3 +129,18 @@ def _simulated_gpu(request) -> Iterator[None]:
         return
     with simulated_device("cuda:0", default=True):
         yield
+
+
+def run_ranks(worker: Callable[..., None], folder: Path, world: int) -> Path:
+    """Spawn ``world`` processes running ``worker(rank, rendezvous_file, folder)``, each writing
+    ``rank<N>.json`` into ``folder``; fail on a rank that recorded a crash. Returns ``folder``."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(str(folder / "rendezvous"), str(folder)), nprocs=world, join=True,
+                       start_method="spawn")
+    for rank in range(world):
+        result = json.loads((folder / f"rank{rank}.json").read_text())
+        assert "crash" not in result, result["crash"]
+    return folder

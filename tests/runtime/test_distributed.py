@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from layerwise.runtime.distributed import RankFailedError, Reducer, shard, spread
-from tests.conftest import build_tiny_llama
+from tests.conftest import build_tiny_llama, run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -165,13 +165,7 @@ def layerwise_recipe(text: str) -> list:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(_worker, args=(str(folder / "rendezvous"), str(folder)), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    for rank in range(WORLD):
-        result = json.loads((folder / f"rank{rank}.json").read_text())
-        assert "crash" not in result, result["crash"]
-    return folder
+    return run_ranks(_worker, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 def rank_result(folder: Path, rank: int) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import build_tiny_llama
+from tests.conftest import build_tiny_llama, run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -59,13 +59,7 @@ def _worker(rank: int, store: str, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(_worker, args=(str(folder / "rendezvous"), str(folder)), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    for rank in range(WORLD):
-        result = json.loads((folder / f"rank{rank}.json").read_text())
-        assert "crash" not in result, result["crash"]
-    return folder
+    return run_ranks(_worker, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
