@@ -47,6 +47,9 @@ WHISPER = ModelPatch(
     sequential_targets=("WhisperEncoderLayer", "WhisperDecoderLayer"),
     # proj_out is the (tied) vocabulary head
     ignore=("proj_out",),
+    # vLLM caches the decoder's self-attention and its cross-attention (the encoder output's keys and values),
+    # never the encoder's attention: only the decoder's get KV-cache scales
+    attention_modules=("re:.*decoder\\.layers\\.\\d+\\.self_attn", "re:.*decoder\\.layers\\.\\d+\\.encoder_attn"),
     sample_inputs=sample_inputs,
     tiny_models=(tiny_whisper,),
     # encoder and decoder layers alike. A decoder layer's encoder_attn_layer_norm feeds only the cross-attention's

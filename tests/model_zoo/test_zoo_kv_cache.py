@@ -105,3 +105,19 @@ def test_deepseek_v3_mla_is_refused_naming_the_reason_and_the_fix_before_any_wor
         layerwise.compress(model, _recipe("W8A16"), dataset=_text_data(), show_progress=False)
     # the patch unfused the experts as the model loaded; every weight it kept is untouched
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+
+
+def test_whisper_scales_the_decoder_s_self_and_cross_attention_not_the_encoder_s(tmp_path):
+    """vLLM caches Whisper's decoder self-attention and cross-attention (the encoder output's keys and values);
+    the encoder's attention has no cache, so it gets no scales."""
+    from layerwise.model_zoo.whisper import sample_inputs
+
+    model = ARCHS["whisper"].build()
+    audio = sample_inputs(model.config)
+    data = [{name: value[i:i + 1] for name, value in audio.items()} for i in range(2)]
+    out = tmp_path / "out"
+    layerwise.compress(model, _recipe(), dataset=data, output_dir=out, show_progress=False)
+    decoder = {f"model.decoder.layers.{i}.{kind}" for i in range(2) for kind in ("self_attn", "encoder_attn")}
+    assert set(quantized_attention(model)) == decoder == _attention_with_scales(model)
+    assert not any("encoder.layers" in name for name in _saved_scale_layers(out))
+    assert len(_saved_scale_layers(out)) == 4
