@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import torch
 
 from layerwise.host.model_patch import ModelPatch
+from layerwise.host.patch_selection import applied_patch
 from layerwise.runtime.accounting import Accounting
 
 T = TypeVar("T")
@@ -42,6 +43,11 @@ class CompressionState:
     #: what a plugin's modifiers share in one run (the Hessian modifiers' Gram matrices, ...), keyed by
     #: the plugin's own type; core never looks inside: see :meth:`shared`
     extensions: dict[type, Any] = field(default_factory=dict)
+
+    @property
+    def model_patch(self) -> ModelPatch | None:
+        """The run's patch, else the one applied to the model (a modifier run on a state built without it)."""
+        return self.patch or applied_patch(self.model)
 
     def shared(self, kind: type[T], create: Callable[[], T]) -> T:
         """The run's one ``kind`` object: made by ``create`` for the first modifier that asks, then shared."""

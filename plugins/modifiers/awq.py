@@ -129,7 +129,7 @@ class AWQModifier(QuantizationModifier):
     def resolve_pending(self, state: CompressionState) -> dict[str, ResolvedMapping]:
         """The mappings to search, by smoothed module: resolved on the model, each with a targeted layer."""
         owner = type(self).__name__
-        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        patch = state.model_patch
         mappings = mappings_for_run(state.model, patch, self.mappings, owner=owner, discover=discover_mappings)
         _check_disjoint(owner, mappings)
         pending: dict[str, ResolvedMapping] = {}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from layerwise.plugin import CompressionState, RecipeError, matches
+from layerwise.plugin import CompressionState, ModelPatch, RecipeError, matches
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
     AttentionError,
@@ -55,13 +55,13 @@ class KVCacheCalibration:
         """Find the attention layers (the patch's ``attention_modules`` or the default rule) minus those ``ignore``
         and the run's ignore list match, and route them through the hook; errors name the field and the fix. An
         ignored attention layer gets no KV scales (a VLM's vision encoder: it has no KV cache in vLLM)."""
-        patch = getattr(state, "patch", None) or getattr(state.model, "_layerwise_patch", None)
+        patch = state.model_patch
         model = type(state.model).__name__
         refusal = getattr(patch, "kv_cache_refusal", "")
         if refusal:
             raise RecipeError(f"{self.owner}.kv_cache_scheme: {model} (model patch {patch.name!r}): {refusal}")
-        names = tuple(getattr(patch, "attention_modules", ()) or ())
-        found = find_attention_modules(state.model, names)
+        names = _attention_names(patch)
+        found = attention_layers(state)
         ignored = list(dict.fromkeys([*(ignore or []), *(getattr(state, "ignore", None) or [])]))
         self.modules = {n: m for n, m in found.items() if not matches(n, m, ignored)}
         if not self.modules:
@@ -164,3 +164,13 @@ class KVCacheCalibration:
 
 def _in_piece(name: str, modules: list[str]) -> bool:
     return any(name == m or name.startswith(m + ".") or m == "" for m in modules)
+
+
+def _attention_names(patch: ModelPatch | None) -> tuple[str, ...]:
+    return tuple(getattr(patch, "attention_modules", ()) or ())
+
+
+def attention_layers(state: CompressionState) -> dict[str, torch.nn.Module]:
+    """The model's attention layers: those its patch's ``attention_modules`` name, else the default rule's (before
+    any ignore entry: a weight quantizer tells an entry naming them from one that keeps nothing out)."""
+    return find_attention_modules(state.model, _attention_names(state.model_patch))

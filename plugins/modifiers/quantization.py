@@ -50,7 +50,6 @@ from layerwise.plugin.quantization import (
     QuantizationArgs,
     QuantizationScheme,
     compute_qparams,
-    find_attention_modules,
     fused_sets,
     global_scales,
     is_transposed,
@@ -68,7 +67,7 @@ from layerwise.plugin.quantization import (
 )
 
 from . import llm_compressor
-from .kv_cache import KVCacheCalibration
+from .kv_cache import KVCacheCalibration, attention_layers
 
 
 class Unwritten(str):
@@ -284,10 +283,8 @@ class QuantizationModifier(Modifier):
         """The modules to quantize; errors for a target matching nothing or an indivisible group."""
         if self.args is None:  # scheme: null, the KV cache only
             return {}
-        attention = None
-        if self._kv is not None:  # an ignore entry naming attention layers keeps their KV scales out
-            patch = state.patch or getattr(state.model, "_layerwise_patch", None)
-            attention = set(find_attention_modules(state.model, getattr(patch, "attention_modules", ()) or ()))
+        # an ignore entry naming attention layers keeps their KV scales out
+        attention = set(attention_layers(state)) if self._kv is not None else None
         modules = targeted_modules(type(self).__name__, state, self.targets, self.ignore, attention=attention)
         if self.input_args is not None:
             transposed = next((name for name, module in modules.items() if is_transposed(module)), None)
@@ -322,7 +319,7 @@ class QuantizationModifier(Modifier):
         if self.input_args is not None:
             registry("observers").get(self.input_args.observer)  # an unknown name fails before calibrating
         self._modules = self.resolve_modules(state)
-        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        patch = state.model_patch
         # NVFP4: the projections the run's patch declares fused share a global scale too (beside the defaults)
         self._fused = fused_sets(patch.shared_scale_sets() if patch is not None else ())
         if self._kv is not None:  # after the weights' checks: routing the attention layers is the last step

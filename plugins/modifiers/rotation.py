@@ -85,7 +85,7 @@ class RotationModifier(Modifier):
         self.rotated: dict[str, list[str]] = {}
 
     def on_initialize(self, state: CompressionState) -> None:
-        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        patch = state.model_patch
         layout = getattr(patch, "rotation_layout", None) or LLAMA_LIKE
         owner = type(self).__name__
         check_rotatable(state.model, layout, owner)

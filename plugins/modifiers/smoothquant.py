@@ -101,7 +101,7 @@ class SmoothQuantModifier(Modifier):
 
     def resolve(self, state: CompressionState) -> dict[str, ResolvedMapping]:
         """The mappings to smooth, by smoothed module; none at all is a :class:`MappingError`."""
-        patch = state.patch or getattr(state.model, "_layerwise_patch", None)
+        patch = state.model_patch
         mappings = mappings_for_run(state.model, patch, self.mappings, owner=type(self).__name__,
                                     discover=discover_mappings)
         return {m.smoothed: m for m in mappings}
