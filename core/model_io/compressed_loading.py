@@ -106,17 +106,13 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
 
         if not (redecode and folder.is_dir()):
             result = load(**kwargs)
-            mark_dense_sparse(result[0] if isinstance(result, tuple) else result, loaded)
-            restore_expert_inputs(result[0] if isinstance(result, tuple) else result, loaded, where)
-            attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
+            _put_back(result[0] if isinstance(result, tuple) else result, loaded, where)
             return result
         model, info = _quietly(load, kwargs)
         decoded = decode_float_formats(model, folder)
         restore_input_quantization(model, folder, loaded)
         _warn_disagreement(info, decoded)
-        mark_dense_sparse(model, loaded)
-        restore_expert_inputs(model, loaded, where)
-        attach_online_transforms(model, loaded)
+        _put_back(model, loaded, where)
         return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
@@ -185,6 +181,14 @@ def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any)
     for file in _weight_files(folder):
         state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
     return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
+
+
+def _put_back(model: torch.nn.Module, config: Any, where: str) -> None:
+    """What a dense (non-sparse-format) load leaves out: sparse marks, the MoE experts' input quantization, then
+    the online rotations (which need the experts unfused first)."""
+    mark_dense_sparse(model, config)
+    restore_expert_inputs(model, config, where)
+    attach_online_transforms(model, config)
 
 
 def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
