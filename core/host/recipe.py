@@ -241,10 +241,6 @@ def _expand_preset_targets(cls: type, name: str, fields: dict[str, Any], where: 
     return _build_groups(cls, name, fields, where, groups, "scheme")
 
 
-#: llm-compressor's default targets, which the recipes it saves carry beside config_groups (where they are unused)
-_DEFAULT_TARGETS = (["Linear"], "Linear")
-
-
 def _refuse_beside_groups(fields: dict[str, Any], where: str, form: str, carrier: str, targets_at: str) -> None:
     """The fields that would contradict groups carrying their own scheme and targets are refused; llm-compressor's
     default ``targets: [Linear]`` (unused beside groups there too) is dropped."""
@@ -252,7 +248,9 @@ def _refuse_beside_groups(fields: dict[str, Any], where: str, form: str, carrier
     if given:
         raise RecipeError(f"{where}: give {form} or {', '.join(given)}, not both: {carrier} carries its own scheme "
                           f"and targets")
-    if fields.get("targets") in _DEFAULT_TARGETS:
+    from layerwise.algorithms.quantization.presets import DEFAULT_TARGETS
+
+    if fields.get("targets") in DEFAULT_TARGETS:
         del fields["targets"]
     if "targets" in fields:
         raise RecipeError(f"{where}: with {form} the targets go {targets_at}; the modifier's own targets field "

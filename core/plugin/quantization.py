@@ -63,7 +63,11 @@ from layerwise.algorithms.quantization.online_rotation import (
     rotate_inputs_online,
     transform_config,
 )
-from layerwise.algorithms.quantization.presets import preset_targets, resolve_scheme
+from layerwise.algorithms.quantization.presets import (
+    DEFAULT_TARGETS,
+    preset_targets,
+    resolve_scheme,
+)
 from layerwise.algorithms.quantization.qmath import (
     compute_qparams,
     default_g_idx,
@@ -99,6 +103,7 @@ from layerwise.tracing.smoothing_layout import discover_mappings
 
 __all__ = [
     "ACTORDERS",
+    "DEFAULT_TARGETS",
     "LLAMA_LIKE",
     "AttentionError",
     "AutoRoundError",

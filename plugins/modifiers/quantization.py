@@ -46,6 +46,7 @@ from layerwise.plugin import (
 )
 from layerwise.plugin.calibration import Reducer
 from layerwise.plugin.quantization import (
+    DEFAULT_TARGETS,
     Observer,
     QuantizationArgs,
     QuantizationScheme,
@@ -222,7 +223,7 @@ class QuantizationModifier(Modifier):
                               f"scheme: pass the recipe as a mapping, compress(model, {{'{owner}': {{'scheme': "
                               f"{{...}}, 'ignore': [...]}}}}), which builds one modifier per preset, or build one "
                               f"{owner} per preset")
-        if self.targets not in (["Linear"], "Linear"):
+        if self.targets not in DEFAULT_TARGETS:
             raise RecipeError(f"{owner}: with scheme {{preset: targets}} the targets go in the mapping; the "
                               f"modifier's own targets field would be a second list (llm-compressor ignores it)")
         ((self.scheme, self.targets),) = presets

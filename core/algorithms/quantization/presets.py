@@ -89,6 +89,11 @@ def preset_key(name: object) -> str | None:
     return key if key in PRESETS else key.upper() if key.upper() in PRESETS else None
 
 
+#: llm-compressor's default ``targets``, which the recipes it saves carry beside config groups or a
+#: ``{preset: targets}`` scheme (where it is unused): read as nothing written
+DEFAULT_TARGETS = (["Linear"], "Linear")
+
+
 def preset_targets(value: Any, where: str) -> list[tuple[str, list[str]]] | None:
     """llm-compressor's scheme form ``{preset: targets}`` (``{W4A16: [Linear], W8A8: ["re:.*mlp.*"]}``) as
     ``(preset, targets)`` pairs in order; ``None`` for any other scheme value (a name, layerwise's mappings).
