@@ -29,8 +29,8 @@ calibration samples), plus ``fp32``:
   preset's scheme with ``num_bits=3`` as its one config group;
 * ``NVFP4A16``, ``MXFP4A16``, ``MXFP8A16``, ``W4AFP8``: the preset of that name, round-to-nearest,
   data-free on both sides (``QuantizationModifier(scheme=...)``);
-* ``GPTQ NVFP4A16``, ``GPTQ MXFP4A16``: layerwise's ``GPTQ_<preset>``, llm-compressor's
-  ``GPTQModifier(scheme=<preset>)``, both tools' GPTQ defaults.
+* ``GPTQ <preset>`` for each float preset and W4AFP8 (``GPTQ NVFP4A16``, ``GPTQ NVFP4``, ...): layerwise's
+  ``GPTQ_<preset>``, llm-compressor's ``GPTQModifier(scheme=<preset>)``, both tools' GPTQ defaults.
 
 Ignored on both sides: ``lm_head`` (tiny-llama), the pooler (MiniLM), as gptq_bench's ``ignore``; the
 layerwise presets take the same from the model patch.
@@ -141,16 +141,17 @@ CONFIGS: dict[str, dict | None] = {
     "MXFP4A16": {"recipe": "MXFP4A16", "data": False},
     "MXFP8A16": {"recipe": "MXFP8A16", "data": False},
     "W4AFP8": {"recipe": "W4AFP8", "data": False},
-    "GPTQ NVFP4A16": {"recipe": "GPTQ_NVFP4A16", "data": True},
-    "GPTQ MXFP4A16": {"recipe": "GPTQ_MXFP4A16", "data": True},
     # with quantized inputs: NVFP4's global input scale is calibrated, MX inputs are scaled per block at run time
     "NVFP4": {"recipe": "NVFP4", "data": True},
     "MXFP4": {"recipe": "MXFP4", "data": False},
     "MXFP8": {"recipe": "MXFP8", "data": False},
 }
+#: issue 32's presets, each also run through GPTQ ("GPTQ NVFP4A16" is layerwise's GPTQ_NVFP4A16)
+FORMAT_PRESETS = ("NVFP4A16", "MXFP4A16", "MXFP8A16", "W4AFP8", "NVFP4", "MXFP4", "MXFP8")
+CONFIGS.update({f"GPTQ {preset}": {"recipe": f"GPTQ_{preset}", "data": True} for preset in FORMAT_PRESETS})
 #: configurations that are one llm-compressor preset: QuantizationModifier (round-to-nearest) or GPTQModifier
-PRESET_CONFIGS = {"NVFP4A16": "rtn", "MXFP4A16": "rtn", "MXFP8A16": "rtn", "W4AFP8": "rtn",
-                  "GPTQ NVFP4A16": "gptq", "GPTQ MXFP4A16": "gptq", "NVFP4": "rtn", "MXFP4": "rtn", "MXFP8": "rtn"}
+PRESET_CONFIGS = {**{preset: "rtn" for preset in FORMAT_PRESETS},
+                  **{f"GPTQ {preset}": "gptq" for preset in FORMAT_PRESETS}}
 #: issue 32's time target for the low-bit float presets (PRESET_CONFIGS); the other configurations keep TIME_RATIO
 FORMAT_TIME_RATIO = 0.5
 #: the fp32 run writes the MiniLM reference embeddings here (a file in the run's temporary folder)

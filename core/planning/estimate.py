@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerwise.algorithms.hessian import GRAM_STRIP
+from layerwise.algorithms.hessian import gram_strip
 from layerwise.algorithms.quantization.args import QuantizationArgs
 from layerwise.common.module_walk import all_parameters, walk_modules
 from layerwise.runtime.accounting import gptq_solve_flops, gram_flops
@@ -151,11 +151,13 @@ def forward_flops(model: torch.nn.Module, tokens: int, seq_length: int, layers: 
     return 2.0 * matrix * tokens + 4.0 * seq_length * hidden * layers * tokens
 
 
-def hessian_flops(layers: list[Quantized], tokens: int) -> float:
-    """The Gram products of ``layers``' Hessians over ``tokens`` (each distinct width counted once, then
-    multiplied: a 256-expert model has 44,544 layers of three widths)."""
+def hessian_flops(layers: list[Quantized], tokens: int, device: str = "cpu") -> float:
+    """The Gram products of ``layers``' Hessians over ``tokens`` on ``device``, in the strips a run there takes
+    (taller on CUDA: more of the lower triangle computed). Each distinct width counted once, then multiplied:
+    a 256-expert model has 44,544 layers of three widths."""
     widths = Counter(layer.columns for layer in layers)
-    return float(sum(count * gram_flops(tokens, columns, GRAM_STRIP) for columns, count in widths.items()))
+    return float(sum(count * gram_flops(tokens, columns, gram_strip(columns, device))
+                     for columns, count in widths.items()))
 
 
 def solve_flops(layers: list[Quantized]) -> float:

@@ -618,7 +618,7 @@ def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool,
         if steps:  # AutoRound: each block's forward and backward (~3 forwards) on every step's samples
             plan.flops["tuning steps"] = 3.0 * forward_flops(model, steps, plan.seq_length, layers, hidden)
     if hessian_layers:
-        plan.flops["Hessians"] = hessian_flops(hessian_layers, tokens)
+        plan.flops["Hessians"] = hessian_flops(hessian_layers, tokens, plan.device)
         plan.flops["solves"] = solve_flops(hessian_layers)
     if not measure:
         return

@@ -7,7 +7,7 @@ import torch
 
 import layerwise
 from layerwise.cli import main
-from layerwise.planning.estimate import forward_flops
+from layerwise.planning.estimate import Quantized, forward_flops, hessian_flops
 from layerwise.planning.plan import PlanError, plan_lines
 from layerwise.runtime.placement import DEVICE_MEMORY_FRACTION, WORKING_SET_FACTOR
 
@@ -375,3 +375,17 @@ def test_a_kv_cache_set_twice_is_refused_before_the_run(bf16_llama_dir):
     both = ("- QuantizationModifier: {scheme: W8A16}\n"
             "- QuantizationModifier: {scheme: null, kv_cache_scheme: fp8, attention_scheme: fp8}\n")  # one cache
     assert not any("set twice" in e for e in layerwise.plan(str(bf16_llama_dir), both, dataset=["a b"] * 4).errors)
+
+
+def test_hessian_flops_count_the_strips_of_the_device_the_plan_runs_on():
+    """On CUDA a run folds each Gram matrix in strips as tall as CUDA_STRIP_BYTES allow (one product up to
+    4096 inputs), so it computes more of the lower triangle than the CPU's 128-row strips: the plan counts that."""
+    layers = [Quantized("a", 2048, 2048, None, None, True), Quantized("b", 2048, 8192, None, None, True)]
+    tokens = 1000
+    cpu, cuda = hessian_flops(layers, tokens, "cpu"), hessian_flops(layers, tokens, "cuda")
+    whole_2048 = 2 * tokens * 2048 * 2048  # one strip: the whole product
+    upper_2048 = sum(2 * tokens * 128 * (2048 - i) for i in range(0, 2048, 128))
+    assert cpu < cuda
+    assert cuda - cpu > whole_2048 - upper_2048 - 1  # the 2048-wide layer alone accounts for at least this
+    assert hessian_flops(layers[:1], tokens, "cuda") == whole_2048
+    assert hessian_flops(layers[:1], tokens) == upper_2048
