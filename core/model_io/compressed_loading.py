@@ -40,6 +40,7 @@ from layerwise.errors import ModelLoadError
 from layerwise.model_io.heads import checkpoint_class
 from layerwise.model_io.kv_cache_loading import attach_kv_scales, kv_cache_scheme, scales_expected
 from layerwise.model_io.model_paths import check_model_path
+from layerwise.model_io.token_inputs import quantize_inputs_per_row
 
 #: the sparsity_config formats whose tensors need decoding
 SPARSE_FORMATS = tuple(DECODERS)
@@ -184,9 +185,11 @@ def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any)
 
 
 def _put_back(model: torch.nn.Module, config: Any, where: str) -> None:
-    """What a dense (non-sparse-format) load leaves out: sparse marks, the MoE experts' input quantization, then
-    the online rotations (which need the experts unfused first)."""
+    """What a dense (non-sparse-format) load leaves out or gets wrong: sparse marks, per-token input scales per
+    row (:mod:`layerwise.model_io.token_inputs`), the MoE experts' input quantization, then the online rotations
+    (which need the experts unfused first)."""
     mark_dense_sparse(model, config)
+    quantize_inputs_per_row(model)
     restore_expert_inputs(model, config, where)
     attach_online_transforms(model, config)
 
