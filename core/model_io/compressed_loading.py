@@ -198,8 +198,10 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
     """When a config group quantizes layer inputs and transformers loaded the MoE experts fused (3-D
     ``gate_up_proj`` / ``down_proj``, as transformers 5 loads them), they would run without that input
     quantization: neither the compressed model nor what vLLM serves. The experts are unfused again by the model's
-    patch (their weights are the saved ones) and their Linear layers quantize their inputs as the group says.
-    Static input scales cannot be put back (transformers dropped them): warned. Returns the layers restored."""
+    patch (their weights are the saved ones) and their Linear layers quantize their inputs as the group says,
+    static ones with each expert's saved scales (transformers drops them as unexpected keys: read back from the
+    folder's weights). Experts left without their scales, and NVFP4 experts, are warned about. Returns the layers
+    restored."""
     from layerwise.algorithms.quantization.config_groups import read_config_groups
     from layerwise.algorithms.quantization.storage import set_input_quantization
     from layerwise.common.matching import find_modules, matches
@@ -219,25 +221,83 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
              and not matches(f"{name}.0.gate_proj", layer, ignore)]
     if not fused:
         return []
-    static = [g for g in groups if not g.scheme.input_activations.dynamic
-              or g.scheme.input_activations.strategy == "tensor_group"]  # NVFP4's calibrated global scale too
-    if not static:
-        apply_patch(model, resolve_patch(model))
-    left = [name for name, module in model.named_modules() if _fused_experts(module)]
-    if static or left:
-        why = ("their calibrated input scales were dropped on load" if static else "no model patch unfuses them")
-        warn_user(f"{where!r}: transformers loads the MoE experts fused ({fused[0]}"
-                  f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}) and runs them without the input "
-                  f"quantization the checkpoint's config groups give them ({why}), so this model's outputs differ "
-                  f"from the compressed model's and vLLM's; the dense layers and the weights are as saved")
+    if any(g.scheme.input_activations.strategy == "tensor_group" for g in groups):
+        _warn_experts_unquantized(where, fused, "layerwise does not put NVFP4's calibrated global input scales back "
+                                                "on experts transformers loads fused")
         return []
-    restored = []
+    folder = Path(where).expanduser()
+    static = any(not g.scheme.input_activations.dynamic for g in groups)
+    if static and not folder.is_dir():
+        _warn_experts_unquantized(where, fused, "their calibrated input scales are read from a local folder only")
+        return []
+    apply_patch(model, resolve_patch(model))
+    if any(_fused_experts(module) for module in model.modules()):
+        _warn_experts_unquantized(where, fused, "transformers loads them fused and no model patch unfuses them")
+        return []
+    scales = _saved_input_qparams(folder, ".experts.", _renamed_as_loaded(model)) if static else {}
+    restored, unscaled = [], []
     for group in groups:
+        inputs = group.scheme.input_activations
         for name, module in find_modules(model, group.targets, ignore).items():
-            if ".experts." in f".{name}" and getattr(module, "input_quantization_args", None) is None:
-                set_input_quantization(module, group.scheme.input_activations)
-                restored.append(name)
+            if ".experts." not in f".{name}" or getattr(module, "input_quantization_args", None) is not None:
+                continue
+            qparams = _named(scales, name, getattr(model, "base_model_prefix", ""))
+            if not inputs.dynamic and "input_scale" not in qparams:
+                unscaled.append(name)
+                continue
+            set_input_quantization(module, inputs, scale=qparams.get("input_scale"),
+                                   zero_point=qparams.get("input_zero_point"))
+            restored.append(name)
+    if unscaled:
+        _warn_experts_unquantized(where, unscaled, "the folder holds no calibrated input scales for them")
     return restored
+
+
+def _warn_experts_unquantized(where: str, names: list[str], why: str) -> None:
+    warn_user(f"{where!r}: the MoE experts ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}) "
+              f"run without the input quantization the checkpoint's config groups give them ({why}), so this "
+              f"model's outputs differ from the compressed model's and vLLM's; the dense layers and the weights "
+              f"are as saved")
+
+
+#: the tensors a layer's calibrated input quantization is saved as (compressed-tensors' names)
+INPUT_QPARAMS = ("input_scale", "input_zero_point", "input_global_scale")
+
+
+def _saved_input_qparams(folder: Path, within: str = "", rename: Callable[[str], str] = str,
+                         ) -> dict[str, dict[str, torch.Tensor]]:
+    """The folder's saved input quantization parameters of the layers whose name holds ``within``:
+    ``{layer: {"input_scale": tensor, ...}}``, each key ``rename``-d first (only those tensors are read)."""
+    from safetensors import safe_open
+
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for file in _weight_files(folder):
+        with safe_open(str(file), "pt") as tensors:
+            names = tensors.keys()  # a safetensors file is not iterable
+            for key in names:
+                layer, _, param = rename(key).rpartition(".")
+                if param in INPUT_QPARAMS and within in f".{layer}.":
+                    found.setdefault(layer, {})[param] = tensors.get_tensor(key)
+    return found
+
+
+def _renamed_as_loaded(model: torch.nn.Module) -> Callable[[str], str]:
+    """A checkpoint key as transformers names it in ``model`` (Mixtral's ``block_sparse_moe`` is the model's
+    ``mlp``): its own renaming rules, which it applied to the tensors it loaded and not to the ones it left out."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without renaming rules loads the saved names as they are
+        return str
+    renamings = [rule for rule in get_model_conversion_mapping(model) if isinstance(rule, WeightRenaming)]
+    return lambda key: rename_source_key(key, renamings, [])[0]
+
+
+def _named(saved: dict[str, Any], name: str, prefix: str) -> Any:
+    """``saved``'s entry for module ``name`` (a head checkpoint's names have the base model's prefix, a base
+    one's lack it), else ``{}``."""
+    candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")) if prefix else (name,)
+    return next((saved[n] for n in candidates if n in saved), {})
 
 
 def _fused_experts(module: torch.nn.Module) -> bool:
@@ -345,8 +405,6 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
     """After :func:`decode_float_formats`: the layers whose config group quantizes their inputs (NVFP4, MXFP4,
     MXFP8 with activations) do so again, as the in-memory model did (transformers' dequantized load leaves
     them plain); NVFP4's calibrated ``input_global_scale`` is read back. Returns the layers."""
-    from safetensors import safe_open
-
     from layerwise.algorithms.quantization.config_groups import read_config_groups
     from layerwise.algorithms.quantization.storage import set_input_quantization
     from layerwise.common.matching import find_modules
@@ -358,13 +416,7 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
               if g.scheme is not None and g.scheme.input_activations is not None]
     if not groups:
         return []
-    global_scales: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
-        with safe_open(str(file), "pt") as tensors:
-            names = tensors.keys()
-            for key in names:
-                if key.endswith(".input_global_scale"):
-                    global_scales[key.removesuffix(".input_global_scale")] = tensors.get_tensor(key)
+    saved = _saved_input_qparams(folder)
     prefix = getattr(model, "base_model_prefix", "")
     restored = []
     for group in groups:
@@ -372,8 +424,7 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
         if not inputs.dynamic and inputs.strategy != "tensor_group":
             continue  # static scales of the integer / FP8 formats: compressed-tensors' own load keeps them
         for name, module in find_modules(model, group.targets, quant.get("ignore") or []).items():
-            scale = next((global_scales[n] for n in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}."))
-                          if n in global_scales), None)
+            scale = _named(saved, name, prefix).get("input_global_scale")
             if inputs.strategy == "tensor_group" and scale is None:
                 continue
             set_input_quantization(module, inputs, global_scale=scale)

@@ -146,17 +146,45 @@ def test_a_reloaded_moe_quantizes_its_experts_inputs_as_the_compressed_model_did
     torch.testing.assert_close(_logits(reloaded, inputs), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_calibrated_expert_input_scales_that_transformers_drops_are_warned_about(tmp_path):
-    import warnings
-
+def _static_fp8(name, out):
+    """The family's tiny model compressed with FP8 (static input scales, calibrated) and saved to ``out``."""
     import layerwise
     from layerwise.testing import token_batches
 
-    model = ARCHS["qwen3_moe"].build()
-    layerwise.compress(model, "FP8", dataset=token_batches(2, 12, vocab=model.config.vocab_size),
-                       output_dir=tmp_path / "out", show_progress=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    model = ARCHS[name].build()
+    return layerwise.compress(model, "FP8", dataset=token_batches(2, 12, vocab=model.config.vocab_size),
+                              output_dir=out, show_progress=False).eval()
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_each_reloaded_expert_quantizes_its_inputs_with_its_own_saved_static_scale(name, tmp_path):
+    """transformers drops the experts' ``input_scale`` tensors (it loads the experts fused): load_compressed
+    unfuses them and reads each one's scale back from the folder, Mixtral's ``block_sparse_moe`` names too."""
+    import warnings
+
+    import layerwise
+
+    model = _static_fp8(name, tmp_path / "out")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about: every scale is put back
+        reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+    layers = {n: m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "input_scale")}
+    assert len(layers) >= 12 and len({layer.input_scale.item() for layer in layers.values()}) > 1  # one per expert
+    for layer_name, layer in layers.items():
+        assert torch.equal(reloaded.get_submodule(layer_name).input_scale, layer.input_scale), layer_name
+    inputs = _inputs(model)
+    assert torch.equal(_logits(reloaded, inputs), _logits(model, inputs))
+
+
+def test_experts_whose_saved_static_scales_are_missing_are_warned_about(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import layerwise
+
+    _static_fp8("qwen3_moe", tmp_path / "out")
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = {k: v for k, v in load_file(weights).items() if not (".experts." in k and k.endswith(".input_scale"))}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"MoE experts \(model\.layers\.0\.mlp\.experts\.0\.gate_proj and 23 more\) run "
+                      r"without the input quantization .*no calibrated input scales for them"):
         layerwise.load_compressed(tmp_path / "out")
-    said = [str(w.message) for w in caught if "MoE experts fused" in str(w.message)]
-    assert len(said) == 1 and "calibrated input scales were dropped" in said[0]
