@@ -51,6 +51,11 @@ class InvalidArgumentError(LayerwiseError, ValueError):
     """An argument outside the values it can take (a count below 1, ...)."""
 
 
+class DiskFullError(LayerwiseError, OSError):
+    """A disk with no room left for what a run writes beside its output (a disk cache of activations): the
+    message names the folder, how much it held and needed, and where else it can go."""
+
+
 class NonFiniteError(LayerwiseError, ArithmeticError):
     """A NaN or inf where a finite number is needed: a weight, every calibration sample, a saved tensor."""
 

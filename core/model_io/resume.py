@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from layerwise.common.files import replace_file, write_through
 from layerwise.common.user_warnings import warn_user
 from layerwise.errors import LayerwiseError
 from layerwise.model_io.streaming.shards import PART_PREFIX, missing_files
@@ -171,11 +172,11 @@ class PieceCheckpoint:
         }
         self.path.parent.mkdir(exist_ok=True)
         tmp = self.path.with_name(STATE_FILE + ".tmp")
-        torch.save(payload, tmp)
+        write_through(tmp, lambda handle: torch.save(payload, handle))  # a full disk is named, not opaque
         os.replace(tmp, self.path)
         progress = {"finished": finished, "pieces": pieces,
                     "saved": datetime.datetime.now().isoformat(timespec="seconds")}
-        (self.path.parent / "progress.json").write_text(json.dumps(progress))
+        replace_file(self.path.parent / "progress.json", json.dumps(progress))
 
     def restore(self, stream: Any, cache: Any, lifecycle: Any, reference: Any = None) -> tuple[int, set[int]]:
         """Put a saved run back; returns the first piece still to run and the batches dropped so far."""

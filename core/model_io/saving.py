@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from layerwise.common.files import replace_file
+from layerwise.common.files import FileWriteError, replace_file, size_text
 from layerwise.errors import LayerwiseError
 from layerwise.model_io.output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
 
@@ -335,30 +335,37 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: Overwrite = False) -> 
 
 
 @contextlib.contextmanager
-def write_failures_named(target: Path) -> Iterator[None]:
+def write_failures_named(target: Path, named_only: bool = False) -> Iterator[None]:
     """Inside, a write to ``target`` (or its temporary sibling) that the operating system refuses becomes an
-    :class:`OutputNotWritableError` with the reason and the fix; anything else passes unchanged."""
+    :class:`OutputNotWritableError` with the reason and the fix; anything else passes unchanged.
+
+    ``named_only``: an ``OSError`` naming no file is not taken for the output's (around a whole run, where
+    a download or a library may fail too; layerwise's own writes name their files).
+    """
     try:
         yield
     except LayerwiseError:
         raise
     except Exception as exc:
-        failure = write_failure(exc, target.parent)
+        failure = write_failure(exc, target.parent, named_only)
         if failure is None:
             raise
         reason, fix = failure
         raise OutputNotWritableError(
             f"cannot write output folder '{target}': {reason}; it was not written (a folder there before is left "
-            f"as it was). Fix: {fix}, then run again") from exc
+            f"as it was). Fix: {fix} (output_dir=, CLI: --output-dir), then run again") from exc
 
 
-def write_failure(exc: BaseException, where: Path) -> tuple[str, str] | None:
+def write_failure(exc: BaseException, where: Path, named_only: bool = False) -> tuple[str, str] | None:
     """``(reason, fix)`` when ``exc`` is the operating system refusing a write below ``where``, else ``None``.
 
-    An ``OSError`` naming a file elsewhere (a model file being read) is not the output's.
+    An ``OSError`` naming a file elsewhere (a model file being read), or with ``named_only`` naming none, is
+    not the output's.
     """
     if isinstance(exc, OSError):
         code, text = exc.errno, exc.strerror or str(exc)
+        if not exc.filename and named_only:
+            return None
         if exc.filename and not _real(exc.filename).is_relative_to(_real(where)):
             return None
     elif type(exc).__name__ == "SafetensorError" and (found := _RUST_IO_ERROR.search(str(exc))):
@@ -368,7 +375,14 @@ def write_failure(exc: BaseException, where: Path) -> tuple[str, str] | None:
     if code not in WRITE_FAILURES:
         return None
     reason, fix = WRITE_FAILURES[code]
-    return f"{reason} ({text})", fix
+    return f"{reason} ({text}){_while_writing(exc)}", fix
+
+
+def _while_writing(exc: BaseException) -> str:
+    """`` while writing 'part-00002.safetensors' (12.0 MiB)`` when the error says which file and its size."""
+    if not isinstance(exc, FileWriteError) or exc.nbytes is None:
+        return ""
+    return f" while writing '{Path(exc.filename).name}' ({size_text(exc.nbytes)})"
 
 
 def give_default_modes(folder: Path) -> None:

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from layerwise.common.files import is_disk_full, size_text, write_through
 from layerwise.common.processes import owner_record
+from layerwise.errors import DiskFullError
 from layerwise.runtime.devices import canonical
 from layerwise.runtime.heap import FreedBytes
 
@@ -186,6 +188,7 @@ class IntermediatesCache:
         #: the most bytes of values held in memory at once, host and execution device (what a plan forecasts)
         self.peak_bytes = 0
         self._dir: str | None = None
+        self._offload_dir = offload_dir
         self._counter = 0
         if self.disk:
             if offload_dir is not None:
@@ -220,13 +223,35 @@ class IntermediatesCache:
             self._counter += 1
             path = os.path.join(self._dir, f"b{batch}-{self._counter}.pt")
             cpu_value = move_to(value, "cpu")
-            torch.save(cpu_value, path)
+            self._save(cpu_value, path)
             stored: Any = _OnDisk(path, os.path.getsize(path))
         else:
             stored = _map_tensors(value, lambda t: _to_host(t, self.offload_device))
             self._held += tensor_bytes(stored, device_type="cpu")
             self.peak_bytes = max(self.peak_bytes, self._held + self._on_device)
         self._values.setdefault(batch, {})[name] = stored
+
+    def _save(self, value: Any, path: str) -> None:
+        """``value`` to the cache file ``path``; a full disk is a :class:`~layerwise.errors.DiskFullError` saying
+        where the cache is and where else it can go, and leaves no part of the file."""
+        nbytes = tensor_bytes(value)
+        try:
+            write_through(path, lambda handle: torch.save(value, handle), nbytes)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            raise DiskFullError(
+                f"the disk cache of activations (offload='disk') in '{self._dir}' ran out of room "
+                f"({exc.strerror}): it held {size_text(self.disk_bytes())} and needed {size_text(nbytes)} more. "
+                f"Fix: free space on that disk, {self._elsewhere()}, or keep the activations in memory "
+                f"(offload='cpu', CLI: --offload cpu) if they fit") from exc
+
+    def _elsewhere(self) -> str:
+        """How to put the cache on another disk: the folder it was given, else the temporary folder (``TMPDIR``)."""
+        if self._offload_dir is not None:
+            return f"or pass an offload_dir on a disk with room (now '{self._offload_dir}')"
+        return (f"or put the cache on a disk with room: it goes to the temporary folder ('{tempfile.gettempdir()}'), "
+                f"so set TMPDIR to a folder on another disk")
 
     def update(self, batch: int, values: Mapping[str, Any]) -> None:
         """Store several named values of one batch."""

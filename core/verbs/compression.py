@@ -15,7 +15,7 @@ import inspect
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,8 +53,10 @@ from layerwise.model_io.saving import (
     Overwrite,
     check_not_an_input,
     check_output_dir,
+    output_target,
     reserve_output,
     run_inputs,
+    write_failures_named,
 )
 from layerwise.model_io.streaming.stream import (
     StreamingError,
@@ -362,10 +364,17 @@ def _record_peaks(report: CompressionReport) -> None:
         report.peak_gpu_bytes = torch.cuda.max_memory_allocated()
 
 
-def _claim(output_dir: str | os.PathLike | None, overwrite: bool, resume: bool = False
-           ) -> contextlib.AbstractContextManager:
-    """The output claimed (locked) for the run, before the model loads; nothing without one."""
-    return reserve_output(output_dir, overwrite, resume) if output_dir is not None else contextlib.nullcontext()
+@contextlib.contextmanager
+def _claim(output_dir: str | os.PathLike | None, overwrite: bool, resume: bool = False) -> Iterator[Path | None]:
+    """The output claimed (locked) for the run, before the model loads; nothing without one. A write there the
+    operating system refuses during the run (a streamed piece, a resume checkpoint: a full disk) is an
+    :class:`~layerwise.model_io.saving.OutputNotWritableError` naming the output folder, not a bare OSError."""
+    if output_dir is None:
+        yield None
+        return
+    with write_failures_named(output_target(output_dir), named_only=True), \
+            reserve_output(output_dir, overwrite, resume) as claimed:
+        yield claimed
 
 
 def _check_resumable(model: Any, weights: str, output_dir: Any) -> None:

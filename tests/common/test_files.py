@@ -1,12 +1,19 @@
-"""replace_file: the old file or the new one, never a part, and no temporary file left behind."""
+"""replace_file and write_through: the old file or the new one, never a part; a refused write names its file."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from layerwise.common.files import replace_file
+from layerwise.common.files import (
+    FileWriteError,
+    is_disk_full,
+    naming_the_file,
+    replace_file,
+    write_through,
+)
 
 
 def test_text_and_bytes_replace_the_file_whole(tmp_path):
@@ -29,3 +36,40 @@ def test_a_failed_rename_keeps_the_old_file_and_leaves_no_temporary(tmp_path, mo
     with pytest.raises(OSError, match="No space left"):
         replace_file(path, "new")
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def _refusing_write(*args, **kwargs):
+    raise OSError(28, "No space left on device")  # what a write on an open file raises: no file named
+
+
+def test_a_refused_write_names_the_file_and_its_size(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    monkeypatch.setattr(Path, "write_bytes", _refusing_write)
+    with pytest.raises(FileWriteError) as info:
+        replace_file(path, "four")
+    assert info.value.filename == str(path) and info.value.nbytes == 4 and is_disk_full(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_naming_its_file_or_no_errno_passes_unchanged(tmp_path):
+    named = OSError(28, "No space left on device", "/elsewhere/file")
+    with pytest.raises(OSError) as info, naming_the_file(tmp_path / "mine"):
+        raise named
+    assert info.value is named
+    ours = OSError("the source ended 8 bytes before its tensor's end")
+    with pytest.raises(OSError) as info, naming_the_file(tmp_path / "mine"):
+        raise ours
+    assert info.value is ours
+
+
+def test_write_through_leaves_no_part_of_a_file_the_disk_had_no_room_for(tmp_path):
+    path = tmp_path / "b0-1.pt"
+
+    def half_then_full(handle):
+        handle.write(b"half")
+        handle.flush()
+        _refusing_write()
+
+    with pytest.raises(FileWriteError, match="No space left") as info:
+        write_through(path, half_then_full, nbytes=8)
+    assert info.value.filename == str(path) and not path.exists()

@@ -345,3 +345,20 @@ def test_a_lock_names_its_process_and_where_it_runs(tmp_path):
         assert lock_owner(tmp) == os.getpid()
         lines = (tmp / LOCK_FILE).read_text().splitlines()
         assert dict(line.split("=", 1) for line in lines[1:]) == process_identity()
+
+
+def test_a_full_disk_under_the_activation_cache_is_named_and_leaves_no_output(tiny_llama_dir, tmp_path, monkeypatch):
+    """The cache's own error reaches the user (not taken for the output's), and the output never appears."""
+    import errno
+
+    import layerwise
+    from layerwise.errors import DiskFullError
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("torch.save", disk_full)
+    with pytest.raises(DiskFullError, match="disk cache of activations .* TMPDIR"):
+        layerwise.compress(tiny_llama_dir, "GPTQ_W8A16", dataset=["a b c d e f"] * 2, output_dir=tmp_path / "out",
+                           show_progress=False, options=layerwise.CompressOptions.of(offload="disk"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]

@@ -189,3 +189,33 @@ def test_a_disk_cache_is_removed_when_the_pipeline_is_interrupted(tiny_llama, tm
     with pytest.raises(KeyboardInterrupt):
         layerwise.compress(tiny_llama, "GPTQ_W8A16", dataset=[{"input_ids": [[1, 2, 3, 4]]}], show_progress=False, options=layerwise.CompressOptions.of(offload="disk", pipeline="sequential"))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("layerwise-cache-")] == []
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")  # what torch.save writing to an open file raises
+
+
+def test_a_full_disk_names_the_cache_folder_the_sizes_and_where_else_it_can_go(tmp_path, monkeypatch):
+    from layerwise.errors import DiskFullError
+
+    with IntermediatesCache(offload="disk", offload_dir=tmp_path) as cache:
+        cache.put(0, "kept", torch.zeros(256))  # 1 KiB held before the disk fills
+        monkeypatch.setattr(torch, "save", _disk_full)
+        with pytest.raises(DiskFullError) as info:
+            cache.put(0, "hidden", torch.zeros(1024))
+        message = str(info.value)
+        assert f"'{cache.directory}'" in message and "No space left on device" in message
+        assert "needed 4096 bytes more" in message and "held" in message
+        assert f"offload_dir on a disk with room (now '{tmp_path}')" in message and "--offload cpu" in message
+        assert sorted(os.listdir(cache.directory)) == [".owner", "b0-1.pt"]  # no part of the refused file
+
+
+def test_a_full_temporary_folder_says_to_point_TMPDIR_elsewhere(tmp_path, monkeypatch):
+    from layerwise.errors import DiskFullError
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir reads TMPDIR again
+    monkeypatch.setattr(torch, "save", _disk_full)
+    with IntermediatesCache(offload="disk") as cache, pytest.raises(DiskFullError) as info:
+        cache.put(0, "hidden", torch.zeros(4))
+    assert f"temporary folder ('{tmp_path}'), so set TMPDIR to a folder on another disk" in str(info.value)

@@ -12,6 +12,7 @@ data_offsets}`` plus ``__metadata__``), then the data.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Self
 
 import torch
+
+from layerwise.common.files import naming_the_file
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -194,8 +197,9 @@ class StreamedFile:
         self._tmp = path.with_name(f".{path.name}.tmp")
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(self._fd, struct.pack("<Q", len(encoded)) + encoded, 0)
-            os.ftruncate(self._fd, self._base + offset)
+            with self._named():
+                _pwrite_all(self._fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+                os.ftruncate(self._fd, self._base + offset)
         except BaseException:
             self.abort()
             raise
@@ -220,7 +224,8 @@ class StreamedFile:
             raise SafetensorsError(f"tensor {name!r} is declared {tuple(entry.shape)} ({entry.nbytes} bytes); "
                                    f"{done + data.numel()} bytes were written to it")
         if data.numel():
-            _pwrite_all(self._fd, memoryview(data.numpy()), self._base + self._start[name] + done)
+            with self._named():
+                _pwrite_all(self._fd, memoryview(data.numpy()), self._base + self._start[name] + done)
         self._done[name] = done + data.numel()
 
     def copy(self, name: str, stored: StoredTensor) -> None:
@@ -230,9 +235,14 @@ class StreamedFile:
         if stored.nbytes != entry.nbytes or self._done[name]:
             raise SafetensorsError(f"tensor {name!r}: {stored.nbytes} bytes to copy into a {entry.nbytes}-byte "
                                    f"slot that has {self._done[name]} already")
-        with open(stored.path, "rb") as source:
+        with open(stored.path, "rb") as source, self._named():
             _copy_between(source.fileno(), stored.start, self._fd, self._base + self._start[name], stored.nbytes)
         self._done[name] = stored.nbytes
+
+    def _named(self) -> contextlib.AbstractContextManager:
+        """A refused write names this file and its size (a write on a descriptor names neither): a full disk
+        then says which folder filled and how much the file needed."""
+        return naming_the_file(self.path, self._base + self.nbytes)
 
     def finish(self) -> int:
         """Check that every tensor is complete and give the file its name; returns the data bytes."""

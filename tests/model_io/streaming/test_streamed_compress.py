@@ -245,3 +245,41 @@ def test_low_bit_float_checkpoints_stream_bit_for_bit_too(tmp_path, recipe):
     assert [k for k in memory if not torch.equal(memory[k].view(torch.uint8), streamed[k].view(torch.uint8))] == []
     config = [json.loads((outputs[w] / "config.json").read_text()) for w in ("memory", "stream")]
     assert config[0] == config[1]
+
+
+def _disk_full_after(writes: int, monkeypatch) -> None:
+    """``os.pwrite`` of the part files fails as a full disk does (no file named) after ``writes`` calls."""
+    import errno
+
+    from layerwise.model_io.streaming import safetensors_io
+
+    real, calls = safetensors_io.os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        calls.append(1)
+        if len(calls) > writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
+
+
+@pytest.mark.parametrize("writes", [0, 3], ids=["first piece", "later piece"])
+def test_a_full_disk_while_pieces_are_written_names_the_output_and_leaves_no_output(tmp_path, monkeypatch, writes):
+    from layerwise.model_io.resume import has_checkpoint
+    from layerwise.model_io.saving import OutputNotWritableError
+
+    source, out = _save(tmp_path / "model"), tmp_path / "out"
+    _disk_full_after(writes, monkeypatch)
+    with pytest.raises(OutputNotWritableError) as info:
+        layerwise.compress(str(source), "GPTQ_W4A16", dataset=_samples(), output_dir=out, show_progress=False,
+                           options=layerwise.CompressOptions.of(weights="stream"), device="cpu")
+    message = str(info.value)
+    assert f"'{out}'" in message and "the disk is full (No space left on device)" in message
+    assert "while writing 'part-0000" in message and "bytes)" in message
+    assert "free space on that disk" in message and "--output-dir" in message
+    assert not out.exists()  # written completely or not at all
+    # all that stays is a hidden folder holding the finished pieces' checkpoint, for --resume
+    left = [p for p in tmp_path.iterdir() if p.name != "model"]
+    assert all(p.name.startswith(".out.incomplete-") and has_checkpoint(p) for p in left)
+    assert bool(left) == bool(writes)
