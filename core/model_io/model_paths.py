@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from layerwise.errors import ModelLoadError
+from layerwise.model_io.output_leftovers import missing_output_hint
 
 #: what a hub repository name may be (``name`` or ``org/name``): letters, digits, ``-``, ``_``, ``.``
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
@@ -46,7 +47,8 @@ def check_model_path(where: str | os.PathLike) -> None:
 
     A path-like name that does not exist is a local typo, and so is any name that does not exist
     while the hub is off (``HF_HUB_OFFLINE``): asking the hub would only retry for half a minute
-    and then fail with a message about repository ids. The message names the nearest folder here.
+    and then fail with a message about repository ids. The message names the nearest folder here, or, for
+    an output a run was killed while putting in place, the folder beside it that holds it.
     """
     where = str(where)
     path = Path(where).expanduser()
@@ -55,6 +57,8 @@ def check_model_path(where: str | os.PathLike) -> None:
                              f"(save_pretrained) or a model id")
     if path.exists():
         return
+    if hint := missing_output_hint(path):  # a killed run's renames: the folder to move into place is beside it
+        raise ModelLoadError(f"model folder {where!r} does not exist{hint}")
     if looks_like_path(where):
         raise ModelLoadError(f"model folder {where!r} does not exist{_nearest_folder(path)}")
     if offline() and not _in_hub_cache(where):

@@ -35,6 +35,12 @@ def incomplete_prefix(target: Path) -> str:
     return f".{target.name}.incomplete-"
 
 
+def old_prefix(target: Path) -> str:
+    """The name prefix of the folder ``target`` is renamed to while a finished output replaces it (the PID of
+    the run replacing it follows)."""
+    return f".{target.name}.old-"
+
+
 def lock_owner(folder: Path) -> int | None:
     """The PID in ``folder``'s lock file; ``None`` without a readable one."""
     return _read_lock(folder)[0]

@@ -48,7 +48,14 @@ from typing import Any, Literal
 
 from layerwise.common.files import FileWriteError, replace_file, size_text
 from layerwise.errors import LayerwiseError
-from layerwise.model_io.output_lock import OutputLockedError, claim, default_folder_mode, release  # noqa: F401 - re-exported
+from layerwise.model_io.output_leftovers import warn_about_leftovers
+from layerwise.model_io.output_lock import (  # noqa: F401 - OutputLockedError re-exported
+    OutputLockedError,
+    claim,
+    default_folder_mode,
+    old_prefix,
+    release,
+)
 
 
 class OutputExistsError(LayerwiseError, FileExistsError):
@@ -264,6 +271,7 @@ def reserve_output(path: str | os.PathLike, overwrite: Overwrite = False, resume
     try:
         tmp = claim(target, held=set(_RESERVED.values()), resume=resume)
         _RESERVED[target] = tmp
+        warn_about_leftovers(target)  # a killed run's last renames: said, never deleted
         keep = False
         try:
             yield tmp
@@ -434,7 +442,7 @@ def _replace_target(tmp: Path, target: Path) -> None:
         os.rename(tmp, target)
         return
     _carry_user_readme(target, tmp)
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=f"{old_prefix(target)}{os.getpid()}-", dir=target.parent))
     old.rmdir()
     os.rename(target, old)
     try:
