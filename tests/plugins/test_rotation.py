@@ -113,6 +113,25 @@ def test_a_family_without_a_layout_is_told_to_declare_one_not_to_fix_its_recipe(
     assert "recipe" not in str(raised.value)
 
 
+def test_a_base_model_without_its_head_is_told_the_rotation_would_come_out_rotated():
+    """LlamaModel matches the llama patch, whose layout is right: what is missing is the head, not a layout."""
+    from transformers import LlamaModel
+
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaModel(tiny_llama_config()).eval()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(RotationError) as raised:
+        layerwise.compress(model, RotationModifier(), show_progress=False)
+    message = str(raised.value)
+    assert "LlamaModel has no language-model head for the rotation to end in" in message
+    assert "the last hidden state would come out rotated" in message
+    assert "AutoModelForCausalLM rather than AutoModel" in message and "leave RotationModifier out" in message
+    assert "declare rotation_layout" not in message
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())  # refused before any change
+
+
 def _quarot_w4(tmp_path, recipe, name="quarot"):
     model = build_tiny_llama(tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
     samples = [{"input_ids": torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i))}

@@ -83,9 +83,32 @@ def refused_layout(why: str) -> RotationLayout:
 
 
 def check_rotatable(model: torch.nn.Module, layout: RotationLayout, owner: str = "RotationModifier") -> None:
-    """A refused layout is an error giving its reason."""
+    """A refused layout, or a model without the head the rotation ends in, is an error giving its reason."""
     if layout.refusal:
         raise RotationError(f"{owner}: {type(model).__name__} cannot be rotated exactly: {layout.refusal}")
+    if missing_head := _missing_head(model, layout):
+        raise RotationError(
+            f"{owner}: {type(model).__name__} has no language-model head for the rotation to end in (its rotation "
+            f"layout ends the residual stream at {', '.join(map(repr, missing_head))}, which matches nothing, and "
+            f"get_output_embeddings() is None). The rotation is undone where the head reads the final norm; without "
+            f"a head the last hidden state would come out rotated. Compress the model with its head (loaded with "
+            f"AutoModelForCausalLM rather than AutoModel; layerwise.load_model and --model pick the head from the "
+            f"checkpoint), or leave {owner} out of the recipe")
+
+
+def _missing_head(model: torch.nn.Module, layout: RotationLayout) -> list[str]:
+    """The readers of a norm that match nothing (the head reading the final norm) in a model that has no output
+    embeddings but whose embeddings and writers the layout finds: a base model (``LlamaModel``), not a layout
+    that misnames its head or fits another family; ``[]`` otherwise."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if not layout.norms or not callable(output_embeddings) or output_embeddings() is not None:
+        return []
+    if unmatched(model, (*layout.embeddings, *layout.writers)):
+        return []
+    for readers, _ in check_mappings(layout.norms, "rotation_layout", None):
+        if unmatched(model, readers) == list(readers):
+            return list(readers)
+    return []
 
 
 #: Llama, Mistral, Qwen2/3 and their kin: pre-norm blocks, a final norm before ``lm_head``
