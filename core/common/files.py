@@ -48,15 +48,33 @@ def size_text(nbytes: int) -> str:
 
 
 def write_through(path: str | os.PathLike, write: Callable[[BinaryIO], object], nbytes: int | None = None) -> None:
-    """``write(handle)`` into a new file at ``path``, as ``torch.save(value, handle)``: a refused write names the
-    file (``torch.save`` given a path reports a full disk as an opaque ``RuntimeError``), and no part of the file
-    stays behind to hold the disk."""
+    """``write(handle)`` into a new file at ``path``, as ``torch.save(value, handle)``: a refused write is a
+    :class:`FileWriteError` naming the file, and no part of the file stays behind to hold the disk.
+
+    ``torch.save`` reports a refused write as an opaque ``RuntimeError`` (``unexpected pos``): given a path, with
+    no errno at all; given a handle, with the handle's ``OSError`` as its context, which is raised instead.
+    """
     try:
-        with naming_the_file(path, nbytes), open(path, "wb") as handle:
+        with open(path, "wb") as handle:
             write(handle)
-    except BaseException:
+    except BaseException as exc:
         Path(path).unlink(missing_ok=True)
-        raise
+        refused = _refused_write(exc)
+        if refused is None or (refused is exc and exc.filename is not None):
+            raise
+        raise FileWriteError(refused, path, nbytes) from exc
+
+
+def _refused_write(exc: BaseException) -> OSError | None:
+    """The operating system's error behind ``exc`` (itself, or what it was raised while handling), if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short chain: the writer's error, then what its clean-up raised
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__context__
+    return None
 
 
 def replace_file(path: Path, content: str | bytes) -> None:

@@ -73,3 +73,21 @@ def test_write_through_leaves_no_part_of_a_file_the_disk_had_no_room_for(tmp_pat
     with pytest.raises(FileWriteError, match="No space left") as info:
         write_through(path, half_then_full, nbytes=8)
     assert info.value.filename == str(path) and not path.exists()
+
+
+def test_torch_save_through_write_through_fails_as_an_os_error_naming_the_file(tmp_path):
+    """A real refused write (``ulimit -f``): ``torch.save`` to a path would say ``unexpected pos`` (a RuntimeError)."""
+    import errno
+    import resource
+
+    import torch
+
+    path = tmp_path / "b0-1.pt"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: writes fail, EFBIG
+    try:
+        with pytest.raises(FileWriteError) as info:
+            write_through(path, lambda handle: torch.save(torch.zeros(2**16), handle), nbytes=2**18)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert info.value.errno == errno.EFBIG and info.value.filename == str(path) and not path.exists()
