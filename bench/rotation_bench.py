@@ -124,7 +124,8 @@ def run(config: str, scheme: str, seed: int, args: argparse.Namespace) -> dict:
     """One configuration in a fresh process (llm-compressor's in its own Python); its RESULT line."""
     python = os.environ["LLMCOMPRESSOR_PYTHON"] if config in THEIRS else sys.executable
     cmd = [python, __file__, "--child", config, "--scheme", scheme, "--samples", str(args.samples),
-           "--eval", str(args.eval), "--seed", str(seed)] + (["--seed-theirs"] if args.seed_theirs else [])
+           "--eval", str(args.eval), "--seed", str(seed), "--device", args.device] + (
+               ["--seed-theirs"] if args.seed_theirs else [])
     return child_result(cmd, f"{config} / {scheme} / seed {seed}", args.threads)
 
 
@@ -191,6 +192,7 @@ def main() -> None:
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated: " + ", ".join(SCHEMES))
     parser.add_argument("--methods", default=",".join(OURS))
     parser.add_argument("--llmcompressor", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where layerwise calibrates (autoround_bench's --device)")
     parser.add_argument("--theirs", default=",".join(THEIRS), help="llm-compressor's methods run with --llmcompressor")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scheme", default="", help=argparse.SUPPRESS)
