@@ -51,7 +51,7 @@ def captured_block(case: str, samples: int):
     autoround.tune_block = spy
     try:
         args = argparse.Namespace(case=case, iters=0, batch_size=8, samples=samples, eval=1, threads=1,
-                                  minilm_data="windows", quick=True)
+                                  minilm_data="windows", quick=True, device="cpu")
         timed = bench.timed_minilm if case == "minilm" else bench.timed_layerwise
         timed(bench.layerwise_recipe("AutoRound", "W3A16 g128" if case == "minilm" else "W2A16 g64", args), args)
     finally:
