@@ -86,10 +86,11 @@ def test_the_step_grows_with_what_the_cache_holds(monkeypatch):
     monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1) or True)
     monkeypatch.setattr(heap, "heap_free_bytes", lambda: 10**9)
     freed = heap.FreedBytes(every=100)
+    held = 250 * heap.HELD_FRACTION  # step: 250
     for _ in range(4):
-        freed.add(60, held=1000)  # step: 1000 / 4 = 250
+        freed.add(60, held=held)
     assert not trims and freed.pending == 240
-    freed.add(60, held=1000)
+    freed.add(60, held=held)
     assert len(trims) == 1
 
 
