@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -94,14 +95,18 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
     if fmt is None:
         cls = model_class or checkpoint_class(loaded, folder)
         bfloat16 = kwargs.get("dtype") in (torch.bfloat16, "bfloat16")
-        redecode = packed_fp4(loaded) and not bfloat16 and "quantization_config" not in kwargs
+        float_formats = packed_fp4(loaded) and "quantization_config" not in kwargs
+        # float-format MoE experts: transformers cannot decode them in any dtype, so bfloat16 takes this path too
+        experts = float_format_experts(folder) if float_formats and folder.is_dir() else set()
+        redecode = float_formats and (not bfloat16 or bool(experts))
         if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or redecode):
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+
         def load(**given: Any) -> Any:
-            if redecode and folder.is_dir() and _mixed_with_float_formats(loaded):
-                return _load_mixed_dequantized(cls, folder, loaded, **given)
+            if redecode and folder.is_dir() and (experts or _mixed_with_float_formats(loaded)):
+                return _load_dequantized_without(cls, folder, loaded, experts, **given)
             return _from_pretrained(cls, where, loaded, **({"config": config} if config is not None else {}),
                                     **given)
 
@@ -110,10 +115,15 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             _put_back(result[0] if isinstance(result, tuple) else result, loaded, where)
             return result
         model, info = _quietly(load, kwargs)
-        decoded = decode_float_formats(model, folder)
-        restore_input_quantization(model, folder, loaded)
-        _warn_disagreement(info, decoded)
-        _put_back(model, loaded, where)
+        if experts:
+            _unfuse_experts_of(model)
+        rename = _renamed_as_loaded(model)
+        decoded = decode_float_formats(model, folder, rename)
+        if experts - set(decoded):
+            raise _undecoded_experts(where, sorted(experts - set(decoded)))
+        restored = restore_input_quantization(model, folder, loaded, rename)
+        restored += _put_back(model, loaded, where)
+        _warn_disagreement(info, decoded, model, restored)
         return (model, info) if kwargs.get("output_loading_info") else model
     result = load_sparse(folder, loaded, model_class, **kwargs)
     attach_online_transforms(result[0] if isinstance(result, tuple) else result, loaded)
@@ -133,12 +143,19 @@ def _quietly(load: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, dic
     return model, info
 
 
-def _warn_disagreement(info: dict[str, Any], decoded: list[str]) -> None:
-    """What a quiet load's report held beyond what the re-decode answers (see :func:`_quietly`)."""
+def _warn_disagreement(info: dict[str, Any], decoded: list[str], model: torch.nn.Module,
+                       restored: list[str]) -> None:
+    """What a quiet load's report held beyond what the re-decode answers (see :func:`_quietly`): the input scales
+    of the ``restored`` layers were read back from the folder, and a missing parameter the model no longer has
+    is a fused experts tensor, unfused since and decoded per expert."""
     filled = {f"{layer}.weight" for layer in decoded}
-    unexpected = [key for key in info.get("unexpected_keys", ()) if not key.endswith(".input_global_scale")]
-    missing = [key for key in info.get("missing_keys", ())
-               if key not in filled and not any(key.endswith(f".{name}") for name in filled)]
+    prefix = getattr(model, "base_model_prefix", "")
+    read_back = {f"{name}.{param}" for layer in restored for param in INPUT_QPARAMS
+                 for name in (layer, f"{prefix}.{layer}", layer.removeprefix(f"{prefix}."))}
+    unexpected = [key for key in info.get("unexpected_keys", ()) if key not in read_back]
+    present = {name for name, _ in (*model.named_parameters(), *model.named_buffers())}
+    missing = [key for key in info.get("missing_keys", ()) if key in present
+               and key not in filled and not any(key.endswith(f".{name}") for name in filled)]
     mismatched = list(info.get("mismatched_keys", ()))
     found = [(what, keys) for what, keys in (("unexpected", unexpected), ("missing", missing),
                                              ("mismatched", mismatched)) if keys]
@@ -155,15 +172,38 @@ def _mixed_with_float_formats(config: Any) -> bool:
     return bool(formats & set(BFLOAT16_FORMATS)) and bool(formats - set(BFLOAT16_FORMATS))
 
 
-def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any) -> Any:
-    """A float32 load of :func:`_mixed_with_float_formats` folders: transformers 5.x's dequantize-on-load decodes
-    every packed tensor with the compressor of one format, and fails on the NVFP4 / MX ones beside an FP8 or
-    integer group. So the other groups go through it alone (the FP4 / MX groups left out of the config, their
-    tensors out of the state dict), and :func:`decode_float_formats` fills the FP4 / MX layers after."""
+def _load_dequantized_without(cls: type, folder: Path, config: Any, experts: set[str], **kwargs: Any) -> Any:
+    """A dequantized load (float32; bfloat16 too when MoE experts are float formats) with the NVFP4 / MXFP4 / MXFP8
+    tensors transformers 5.24 cannot decode left out of what it reads (the folder's tensors read into memory once),
+    for :func:`decode_float_formats` to fill after:
+
+    - ``experts``, the float-format layers of MoE experts (:func:`float_format_experts`): its expert
+      dequantization decodes NVFP4 without the global scale, MXFP4 in bfloat16 (the layers then fail in a float32
+      model) and MXFP8 as FP8 times the raw E8M0 byte (the load fails);
+    - in a :func:`_mixed_with_float_formats` folder, every layer of the float-format groups (those groups left
+      out of the config too): its dequantize-on-load decodes every packed tensor with the compressor of one
+      format, and fails on the NVFP4 / MX ones beside an FP8 or integer group.
+    """
     from safetensors.torch import load_file
 
     from layerwise.common.matching import regex
 
+    dense, left_out = _without_float_groups(config) if _mixed_with_float_formats(config) else (config, [])
+
+    def left_out_layer(key: str) -> bool:
+        stem = key.rsplit(".", 1)[0]
+        return stem in experts or any(regex(t).fullmatch(stem) if t.startswith("re:") else t == stem
+                                      for t in left_out)
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
+    return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
+
+
+def _without_float_groups(config: Any) -> tuple[Any, list[str]]:
+    """A copy of a :func:`_mixed_with_float_formats` config without its NVFP4 / MXFP4 / MXFP8 groups (their
+    targets added to ``ignore``), and those targets."""
     dense = copy.deepcopy(config)
     quant = quantization_config(dense)
     left_out: list[str] = []
@@ -173,25 +213,40 @@ def _load_mixed_dequantized(cls: type, folder: Path, config: Any, **kwargs: Any)
     quant["ignore"] = [*(quant.get("ignore") or []), *left_out]
     formats = {group.get("format") for group in quant["config_groups"].values()}
     quant["format"] = formats.pop() if len(formats) == 1 else quant.get("format")
-
-    def left_out_layer(key: str) -> bool:
-        stem = key.rsplit(".", 1)[0]
-        return any(regex(t).fullmatch(stem) if t.startswith("re:") else t == stem for t in left_out)
-
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
-        state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
-    return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
+    if isinstance(dense, dict):
+        dense["quantization_config"] = quant
+    else:
+        dense.quantization_config = quant
+    return dense, left_out
 
 
-def _put_back(model: torch.nn.Module, config: Any, where: str) -> None:
+def _unfuse_experts_of(model: torch.nn.Module) -> None:
+    """Unfuse the MoE experts transformers loaded fused (their float-format tensors were left out), by the model's
+    patch, so that each expert's layers take their decoded weights and input quantization."""
+    from layerwise.host.patch_selection import apply_patch, resolve_patch
+
+    if any(_fused_experts(module) for module in model.modules()):
+        apply_patch(model, resolve_patch(model))
+
+
+def _undecoded_experts(where: str, stems: list[str]) -> ModelLoadError:
+    return ModelLoadError(
+        f"{where!r} stores the MoE experts' layers ({stems[0]}{f' and {len(stems) - 1} more' if len(stems) > 1 else ''}"
+        f") as NVFP4 / MXFP4 / MXFP8, which transformers 5.24 decodes wrongly into its fused experts, and layerwise "
+        f"found no per-expert layer of the model to decode them into (no model patch unfuses this model's experts, "
+        f"or it names them differently): register a model patch whose apply unfuses them (GUIDE.md, "
+        f"expert_projections)")
+
+
+def _put_back(model: torch.nn.Module, config: Any, where: str) -> list[str]:
     """What a dense (non-sparse-format) load leaves out or gets wrong: sparse marks, per-token input scales per
     row (:mod:`layerwise.model_io.token_inputs`), the MoE experts' input quantization, then the online rotations
-    (which need the experts unfused first)."""
+    (which need the experts unfused first). Returns the experts' layers whose input quantization was restored."""
     mark_dense_sparse(model, config)
     quantize_inputs_per_row(model)
-    restore_expert_inputs(model, config, where)
+    restored = restore_expert_inputs(model, config, where)
     attach_online_transforms(model, config)
+    return restored
 
 
 def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
@@ -216,17 +271,22 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
               if g.scheme is not None and g.scheme.input_activations is not None]
     ignore = list(quant.get("ignore") or [])
     layer = torch.nn.Linear(1, 1, device="meta")  # what a group's targets and ignore say of an expert's layer
+    leaves = _expert_projections(model)
+
+    def quantizes(name: str, targets: list[str]) -> bool:  # the first expert's layers of fused experts `name`
+        return any(matches(f"{name}.0.{leaf}", layer, targets) for leaf in leaves)
+
     fused = [name for name, module in model.named_modules() if _fused_experts(module)
-             and any(matches(f"{name}.0.gate_proj", layer, g.targets) for g in groups)
-             and not matches(f"{name}.0.gate_proj", layer, ignore)]
+             and any(quantizes(name, g.targets) for g in groups) and not quantizes(name, ignore)]
     if not fused:
         return []
-    if any(g.scheme.input_activations.strategy == "tensor_group" for g in groups):
+    expert_groups = [g for g in groups if any(quantizes(name, g.targets) for name in fused)]
+    if any(g.scheme.input_activations.strategy == "tensor_group" for g in expert_groups):
         _warn_experts_unquantized(where, fused, "layerwise does not put NVFP4's calibrated global input scales back "
                                                 "on experts transformers loads fused")
         return []
     folder = Path(where).expanduser()
-    static = any(not g.scheme.input_activations.dynamic for g in groups)
+    static = any(not g.scheme.input_activations.dynamic for g in expert_groups)
     if static and not folder.is_dir():
         _warn_experts_unquantized(where, fused, "their calibrated input scales are read from a local folder only")
         return []
@@ -251,6 +311,15 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
     if unscaled:
         _warn_experts_unquantized(where, unscaled, "the folder holds no calibrated input scales for them")
     return restored
+
+
+def _expert_projections(model: torch.nn.Module) -> tuple[str, ...]:
+    """One expert's (gate, up, down) layer names once the model's patch unfuses its experts (Mixtral's w1, w3, w2),
+    as the config groups' targets name them."""
+    from layerwise.host.patch_selection import resolve_patch
+
+    patch = resolve_patch(model)
+    return tuple(getattr(patch, "expert_projections", None) or ()) or ("gate_proj", "up_proj", "down_proj")
 
 
 def _warn_experts_unquantized(where: str, names: list[str], why: str) -> None:
@@ -364,34 +433,68 @@ def packed_fp4(config: Any) -> bool:
     return bool(formats & set(BFLOAT16_FORMATS))
 
 
+def _float_layout(stem: str, keys: set[str], scale_is_byte: bool) -> str | None:
+    """How a layer with ``<stem>.weight_scale`` is stored: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, else ``None``."""
+    if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:
+        return "nvfp4"
+    if scale_is_byte and f"{stem}.weight_packed" in keys:
+        return "mxfp4"
+    if scale_is_byte and f"{stem}.weight" in keys:
+        return "mxfp8"
+    return None
+
+
+def _float_format_layers(tensors: Any) -> dict[str, str]:
+    """The layers an open safetensors file stores as NVFP4 / MXFP4 / MXFP8: ``{stem: layout}`` (read from the
+    names and the scales' dtype, no tensor read)."""
+    keys = set(tensors.keys())
+    found = {}
+    for key in sorted(k for k in keys if k.endswith(".weight_scale")):
+        stem = key.removesuffix(".weight_scale")
+        layout = _float_layout(stem, keys, tensors.get_slice(key).get_dtype() == "U8")
+        if layout is not None:
+            found[stem] = layout
+    return found
+
+
+#: a layer of one MoE expert, as a per-expert checkpoint names it (``...experts.3.gate_proj``)
+_EXPERT_LAYER = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def float_format_experts(folder: Path) -> set[str]:
+    """The MoE experts' layers the folder stores as NVFP4 / MXFP4 / MXFP8 (checkpoint names): transformers 5.24
+    cannot decode them into its fused experts (see :func:`_load_dequantized_without`)."""
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for file in _weight_files(folder):
+        with safe_open(str(file), "pt") as tensors:
+            found.update(stem for stem in _float_format_layers(tensors) if _EXPERT_LAYER.search(stem))
+    return found
+
+
 @torch.no_grad()
-def decode_float_formats(model: torch.nn.Module, folder: Path) -> list[str]:
+def decode_float_formats(model: torch.nn.Module, folder: Path, rename: Callable[[str], str] = str) -> list[str]:
     """Decode the folder's NVFP4 / MXFP4 / MXFP8 weights again in float32 into ``model`` (loaded dequantized):
     compressed-tensors 0.20 decodes them in bfloat16, which in a float32 model is not the checkpoint's value
-    (``q * s8 / g`` needs more bits); returns the layers decoded."""
+    (``q * s8 / g`` needs more bits); each checkpoint name ``rename``-d to the model's first (Mixtral's
+    ``block_sparse_moe`` is its ``mlp``: :func:`_renamed_as_loaded`). Returns the layers decoded (checkpoint
+    names)."""
     from safetensors import safe_open
 
     decoded = []
     prefix = getattr(model, "base_model_prefix", "")
     for file in _weight_files(folder):
         with safe_open(str(file), "pt") as tensors:
-            keys = set(tensors.keys())
-            for key in sorted(k for k in keys if k.endswith(".weight_scale")):
-                stem = key.removesuffix(".weight_scale")
-                scale = tensors.get_tensor(key)
-                if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:  # NVFP4
-                    values = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed")))
-                    block = scale.to(torch.float32) / tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
-                elif scale.dtype == torch.uint8 and f"{stem}.weight_packed" in keys:  # MXFP4
-                    values, block = fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), e8m0_values(scale)
-                elif scale.dtype == torch.uint8 and f"{stem}.weight" in keys:  # MXFP8
-                    values, block = tensors.get_tensor(f"{stem}.weight").to(torch.float32), e8m0_values(scale)
-                else:
-                    continue
-                candidates = [stem, stem.removeprefix(f"{prefix}."), f"{prefix}.{stem}"] if prefix else [stem]
+            for stem, layout in _float_format_layers(tensors).items():
+                name = rename(f"{stem}.weight").removesuffix(".weight")
+                candidates = [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"] if prefix else [name]
                 module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
                 weight = getattr(module, "weight", None)
-                if weight is None or tuple(weight.shape) != tuple(values.shape):
+                if weight is None:
+                    continue
+                values, block = _float_values_and_scales(tensors, stem, layout)
+                if tuple(weight.shape) != tuple(values.shape):
                     continue
                 group = values.shape[1] // block.shape[1]
                 exact = (values.reshape(*block.shape, group) * block.unsqueeze(-1)).reshape(values.shape)
@@ -400,11 +503,26 @@ def decode_float_formats(model: torch.nn.Module, folder: Path) -> list[str]:
     return decoded
 
 
+def _float_values_and_scales(tensors: Any, stem: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float-format layer's element values and block scales, both float32 (their product is the weight)."""
+    scale = tensors.get_tensor(f"{stem}.weight_scale")
+    if layout == "nvfp4":
+        global_scale = tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
+        return fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), scale.to(torch.float32) / global_scale
+    if layout == "mxfp4":
+        return fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), e8m0_values(scale)
+    return tensors.get_tensor(f"{stem}.weight").to(torch.float32), e8m0_values(scale)
+
+
 @torch.no_grad()
-def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any) -> list[str]:
-    """After :func:`decode_float_formats`: the layers whose config group quantizes their inputs (NVFP4, MXFP4,
-    MXFP8 with activations) do so again, as the in-memory model did (transformers' dequantized load leaves
-    them plain); NVFP4's calibrated ``input_global_scale`` is read back. Returns the layers."""
+def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any,
+                               rename: Callable[[str], str] = str) -> list[str]:
+    """After :func:`decode_float_formats`: the layers whose config group quantizes their inputs do so again, as
+    the in-memory model did (transformers' dequantize-on-load leaves every layer plain): NVFP4, MXFP4, MXFP8 with
+    activations, the MoE experts unfused by then included, and in a mixed folder the other groups' (FP8, int8),
+    their calibrated ``input_scale`` / ``input_zero_point`` and NVFP4's ``input_global_scale`` read back from the
+    folder (under the model's names: ``rename``). Layers whose saved scales are missing stay plain (the load
+    report names those tensors). Returns the layers."""
     from layerwise.algorithms.quantization.config_groups import read_config_groups
     from layerwise.algorithms.quantization.storage import set_input_quantization
     from layerwise.common.matching import find_modules
@@ -416,20 +534,31 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
               if g.scheme is not None and g.scheme.input_activations is not None]
     if not groups:
         return []
-    saved = _saved_input_qparams(folder)
+    saved = _saved_input_qparams(folder, rename=rename)
     prefix = getattr(model, "base_model_prefix", "")
     restored = []
     for group in groups:
         inputs = group.scheme.input_activations
-        if not inputs.dynamic and inputs.strategy != "tensor_group":
-            continue  # static scales of the integer / FP8 formats: compressed-tensors' own load keeps them
         for name, module in find_modules(model, group.targets, quant.get("ignore") or []).items():
-            scale = _named(saved, name, prefix).get("input_global_scale")
-            if inputs.strategy == "tensor_group" and scale is None:
+            qparams = _input_qparams_for(inputs, _named(saved, name, prefix))
+            if qparams is None or getattr(module, "input_quantization_args", None) is not None:
                 continue
-            set_input_quantization(module, inputs, global_scale=scale)
+            set_input_quantization(module, inputs, **qparams)
             restored.append(name)
     return restored
+
+
+def _input_qparams_for(inputs: Any, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """What ``set_input_quantization`` needs besides the args, from a layer's ``saved`` input tensors: NVFP4's
+    global scale, a static scale (and zero point), nothing for dynamic inputs; ``None`` when the folder lacks it."""
+    if inputs.strategy == "tensor_group":
+        scale = saved.get("input_global_scale")
+        return None if scale is None else {"global_scale": scale}
+    if inputs.dynamic:
+        return {}
+    if "input_scale" not in saved:
+        return None
+    return {"scale": saved["input_scale"], "zero_point": saved.get("input_zero_point")}
 
 
 def mark_dense_sparse(model: torch.nn.Module, config: Any) -> list[str]:

@@ -175,15 +175,21 @@ def test_nvfp4_mlp_and_fp8_attention_save_as_mixed_precision(tmp_path):
         assert torch.equal(reloaded.get_submodule(name).weight, module.weight), name
 
 
-def test_a_float32_mixed_precision_folder_with_nvfp4_reloads_to_the_in_memory_model(tmp_path):
+@pytest.mark.parametrize("fp8", ["FP8_DYNAMIC", "FP8"])
+def test_a_float32_mixed_precision_folder_with_nvfp4_reloads_to_the_in_memory_model(fp8, tmp_path):
     """transformers' dequantize-on-load fails on NVFP4 tensors beside an FP8 group; load_compressed loads the FP8
     group through it alone and decodes the NVFP4 layers itself: the in-memory weights and outputs exactly (the
-    FP8 layers' dynamic input quantization put back)."""
+    FP8 layers' input quantization put back: dequantized, they lose it; static scales read from the folder)."""
+    import warnings
+
     model = build_tiny_llama(hidden_size=64, intermediate_size=128)
     recipe = [{"QuantizationModifier": {"scheme": "NVFP4A16", "targets": [r"re:.*mlp\..*_proj$"]}},
-              {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "targets": [r"re:.*self_attn\..*_proj$"]}}]
-    layerwise.compress(model, recipe, output_dir=tmp_path / "out", show_progress=False)
-    reloaded = layerwise.load_compressed(tmp_path / "out").eval()
+              {"QuantizationModifier": {"scheme": fp8, "targets": [r"re:.*self_attn\..*_proj$"]}}]
+    layerwise.compress(model, recipe, dataset=BATCHES if fp8 == "FP8" else None, output_dir=tmp_path / "out",
+                       show_progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the static scales transformers drops are read back
+        reloaded = layerwise.load_compressed(tmp_path / "out").eval()
     for name, module in quantized_modules(model).items():
         weight = reloaded.get_submodule(name).weight
         assert weight.dtype == torch.float32 and torch.equal(weight, module.weight), name
