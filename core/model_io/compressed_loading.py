@@ -255,8 +255,9 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
     quantization: neither the compressed model nor what vLLM serves. The experts are unfused again by the model's
     patch (their weights are the saved ones) and their Linear layers quantize their inputs as the group says,
     static ones with each expert's saved scales (transformers drops them as unexpected keys: read back from the
-    folder's weights). Experts left without their scales, and NVFP4 experts, are warned about. Returns the layers
-    restored."""
+    folder's weights). Experts left without their scales, and NVFP4 experts still fused (their per-expert tensors
+    not in a local folder: :func:`load_compressed` decodes and unfuses them otherwise), are warned about. Returns
+    the layers restored."""
     from layerwise.algorithms.quantization.config_groups import read_config_groups
     from layerwise.algorithms.quantization.storage import set_input_quantization
     from layerwise.common.matching import find_modules, matches
@@ -282,8 +283,9 @@ def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> li
         return []
     expert_groups = [g for g in groups if any(quantizes(name, g.targets) for name in fused)]
     if any(g.scheme.input_activations.strategy == "tensor_group" for g in expert_groups):
-        _warn_experts_unquantized(where, fused, "layerwise does not put NVFP4's calibrated global input scales back "
-                                                "on experts transformers loads fused")
+        _warn_experts_unquantized(where, fused, "layerwise decodes NVFP4 experts and puts their calibrated global "
+                                                "input scales back from a local folder's per-expert tensors only",
+                                  weights_as_saved=False)  # transformers decodes them without the global scale
         return []
     folder = Path(where).expanduser()
     static = any(not g.scheme.input_activations.dynamic for g in expert_groups)
@@ -322,11 +324,12 @@ def _expert_projections(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(getattr(patch, "expert_projections", None) or ()) or ("gate_proj", "up_proj", "down_proj")
 
 
-def _warn_experts_unquantized(where: str, names: list[str], why: str) -> None:
+def _warn_experts_unquantized(where: str, names: list[str], why: str, weights_as_saved: bool = True) -> None:
+    weights = "the dense layers and the weights are as saved" if weights_as_saved else \
+        "the experts' weights are not the saved ones either"
     warn_user(f"{where!r}: the MoE experts ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}) "
               f"run without the input quantization the checkpoint's config groups give them ({why}), so this "
-              f"model's outputs differ from the compressed model's and vLLM's; the dense layers and the weights "
-              f"are as saved")
+              f"model's outputs differ from the compressed model's and vLLM's; {weights}")
 
 
 #: the tensors a layer's calibrated input quantization is saved as (compressed-tensors' names)

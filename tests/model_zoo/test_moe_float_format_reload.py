@@ -122,3 +122,17 @@ def test_float_format_experts_no_patch_unfuses_are_refused(tmp_path, monkeypatch
     with pytest.raises(ModelLoadError, match=r"MoE experts' layers \(model\.layers\.0\.mlp\.experts\.0\.down_proj and "
                                              r"23 more\) as NVFP4 / MXFP4 / MXFP8.*no model patch unfuses"):
         layerwise.load_compressed(tmp_path / "out")
+
+
+def test_nvfp4_experts_left_to_transformers_are_warned_about(tmp_path):
+    """A quantization_config of the caller's own skips layerwise's decoding: transformers' fused NVFP4 experts
+    have neither their weights nor their input quantization right, and the warning says both."""
+    from transformers import CompressedTensorsConfig
+
+    import layerwise
+
+    _compressed(ARCHS["qwen3_moe"].build(), "NVFP4", tmp_path / "out", calibrated=True)
+    with pytest.warns(UserWarning, match=r"MoE experts \(model\.layers\.0\.mlp\.experts and 1 more\) run without the "
+                                         r"input quantization .*local folder's per-expert tensors only.*the experts' "
+                                         r"weights are not the saved ones either"):
+        layerwise.load_compressed(tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True))
