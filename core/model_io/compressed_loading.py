@@ -21,7 +21,6 @@ checkpoint is read into CPU memory once while loading.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import warnings
@@ -38,6 +37,19 @@ from layerwise.algorithms.sparsity.storage import PRUNED_ONLY_KEY, mark_sparse
 from layerwise.common.quiet import quiet_transformers
 from layerwise.common.user_warnings import warn_user
 from layerwise.errors import ModelLoadError
+from layerwise.model_io.checkpoint_tensors import (
+    INPUT_QPARAMS,
+    named_entry,
+    renamed_as_loaded,
+    saved_input_qparams,
+    weight_files,
+)
+from layerwise.model_io.expert_loading import (
+    fused_experts,
+    restore_expert_inputs,
+    undecoded_experts_error,
+    unfuse_experts,
+)
 from layerwise.model_io.heads import checkpoint_class
 from layerwise.model_io.kv_cache_loading import attach_kv_scales, kv_cache_scheme, scales_expected
 from layerwise.model_io.model_paths import check_model_path
@@ -116,11 +128,11 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
             return result
         model, info = _quietly(load, kwargs)
         if experts:
-            _unfuse_experts_of(model)
-        rename = _renamed_as_loaded(model)
+            unfuse_experts(model)
+        rename = renamed_as_loaded(model)
         decoded = decode_float_formats(model, folder, rename)
         if experts - set(decoded):
-            raise _undecoded_experts(where, sorted(experts - set(decoded)))
+            raise undecoded_experts_error(where, sorted(experts - set(decoded)))
         restored = restore_input_quantization(model, folder, loaded, rename)
         restored += _put_back(model, loaded, where)
         _warn_disagreement(info, decoded, model, restored)
@@ -196,7 +208,7 @@ def _load_dequantized_without(cls: type, folder: Path, config: Any, experts: set
                                       for t in left_out)
 
     state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         state.update({k: v for k, v in load_file(file).items() if not left_out_layer(k)})
     return _concrete(cls, dense).from_pretrained(None, config=dense, state_dict=state, **kwargs)
 
@@ -220,161 +232,15 @@ def _without_float_groups(config: Any) -> tuple[Any, list[str]]:
     return dense, left_out
 
 
-def _unfuse_experts_of(model: torch.nn.Module) -> None:
-    """Unfuse the MoE experts transformers loaded fused (their float-format tensors were left out), by the model's
-    patch, so that each expert's layers take their decoded weights and input quantization."""
-    from layerwise.host.patch_selection import apply_patch, resolve_patch
-
-    if any(_fused_experts(module) for module in model.modules()):
-        apply_patch(model, resolve_patch(model))
-
-
-def _undecoded_experts(where: str, stems: list[str]) -> ModelLoadError:
-    return ModelLoadError(
-        f"{where!r} stores the MoE experts' layers ({stems[0]}{f' and {len(stems) - 1} more' if len(stems) > 1 else ''}"
-        f") as NVFP4 / MXFP4 / MXFP8, which transformers 5.24 decodes wrongly into its fused experts, and layerwise "
-        f"found no per-expert layer of the model to decode them into (no model patch unfuses this model's experts, "
-        f"or it names them differently): register a model patch whose apply unfuses them (GUIDE.md, "
-        f"expert_projections)")
-
-
 def _put_back(model: torch.nn.Module, config: Any, where: str) -> list[str]:
     """What a dense (non-sparse-format) load leaves out or gets wrong: sparse marks, per-token input scales per
     row (:mod:`layerwise.model_io.token_inputs`), the MoE experts' input quantization, then the online rotations
     (which need the experts unfused first). Returns the experts' layers whose input quantization was restored."""
     mark_dense_sparse(model, config)
     quantize_inputs_per_row(model)
-    restored = restore_expert_inputs(model, config, where)
+    restored = restore_expert_inputs(model, quantization_config(config), where)
     attach_online_transforms(model, config)
     return restored
-
-
-def restore_expert_inputs(model: torch.nn.Module, config: Any, where: str) -> list[str]:
-    """When a config group quantizes layer inputs and transformers loaded the MoE experts fused (3-D
-    ``gate_up_proj`` / ``down_proj``, as transformers 5 loads them), they would run without that input
-    quantization: neither the compressed model nor what vLLM serves. The experts are unfused again by the model's
-    patch (their weights are the saved ones) and their Linear layers quantize their inputs as the group says,
-    static ones with each expert's saved scales (transformers drops them as unexpected keys: read back from the
-    folder's weights). Experts left without their scales, and NVFP4 experts still fused (their per-expert tensors
-    not in a local folder: :func:`load_compressed` decodes and unfuses them otherwise), are warned about. Returns
-    the layers restored."""
-    from layerwise.algorithms.quantization.config_groups import read_config_groups
-    from layerwise.algorithms.quantization.storage import set_input_quantization
-    from layerwise.common.matching import find_modules, matches
-    from layerwise.host.patch_selection import apply_patch, resolve_patch
-
-    quant = quantization_config(config)
-    saved = {key: {k: v for k, v in group.items() if k != "format"}
-             for key, group in (quant.get("config_groups") or {}).items()}
-    if not saved or not any(_fused_experts(module) for module in model.modules()):
-        return []
-    groups = [g for g in read_config_groups(saved, "quantization_config.config_groups")
-              if g.scheme is not None and g.scheme.input_activations is not None]
-    ignore = list(quant.get("ignore") or [])
-    layer = torch.nn.Linear(1, 1, device="meta")  # what a group's targets and ignore say of an expert's layer
-    leaves = _expert_projections(model)
-
-    def quantizes(name: str, targets: list[str]) -> bool:  # the first expert's layers of fused experts `name`
-        return any(matches(f"{name}.0.{leaf}", layer, targets) for leaf in leaves)
-
-    fused = [name for name, module in model.named_modules() if _fused_experts(module)
-             and any(quantizes(name, g.targets) for g in groups) and not quantizes(name, ignore)]
-    if not fused:
-        return []
-    expert_groups = [g for g in groups if any(quantizes(name, g.targets) for name in fused)]
-    if any(g.scheme.input_activations.strategy == "tensor_group" for g in expert_groups):
-        _warn_experts_unquantized(where, fused, "layerwise decodes NVFP4 experts and puts their calibrated global "
-                                                "input scales back from a local folder's per-expert tensors only",
-                                  weights_as_saved=False)  # transformers decodes them without the global scale
-        return []
-    folder = Path(where).expanduser()
-    static = any(not g.scheme.input_activations.dynamic for g in expert_groups)
-    if static and not folder.is_dir():
-        _warn_experts_unquantized(where, fused, "their calibrated input scales are read from a local folder only")
-        return []
-    apply_patch(model, resolve_patch(model))
-    if any(_fused_experts(module) for module in model.modules()):
-        _warn_experts_unquantized(where, fused, "transformers loads them fused and no model patch unfuses them")
-        return []
-    scales = _saved_input_qparams(folder, ".experts.", _renamed_as_loaded(model)) if static else {}
-    restored, unscaled = [], []
-    for group in groups:
-        inputs = group.scheme.input_activations
-        for name, module in find_modules(model, group.targets, ignore).items():
-            if ".experts." not in f".{name}" or getattr(module, "input_quantization_args", None) is not None:
-                continue
-            qparams = _named(scales, name, getattr(model, "base_model_prefix", ""))
-            if not inputs.dynamic and "input_scale" not in qparams:
-                unscaled.append(name)
-                continue
-            set_input_quantization(module, inputs, scale=qparams.get("input_scale"),
-                                   zero_point=qparams.get("input_zero_point"))
-            restored.append(name)
-    if unscaled:
-        _warn_experts_unquantized(where, unscaled, "the folder holds no calibrated input scales for them")
-    return restored
-
-
-def _expert_projections(model: torch.nn.Module) -> tuple[str, ...]:
-    """One expert's (gate, up, down) layer names once the model's patch unfuses its experts (Mixtral's w1, w3, w2),
-    as the config groups' targets name them."""
-    from layerwise.host.patch_selection import resolve_patch
-
-    patch = resolve_patch(model)
-    return tuple(getattr(patch, "expert_projections", None) or ()) or ("gate_proj", "up_proj", "down_proj")
-
-
-def _warn_experts_unquantized(where: str, names: list[str], why: str, weights_as_saved: bool = True) -> None:
-    weights = "the dense layers and the weights are as saved" if weights_as_saved else \
-        "the experts' weights are not the saved ones either"
-    warn_user(f"{where!r}: the MoE experts ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}) "
-              f"run without the input quantization the checkpoint's config groups give them ({why}), so this "
-              f"model's outputs differ from the compressed model's and vLLM's; {weights}")
-
-
-#: the tensors a layer's calibrated input quantization is saved as (compressed-tensors' names)
-INPUT_QPARAMS = ("input_scale", "input_zero_point", "input_global_scale")
-
-
-def _saved_input_qparams(folder: Path, within: str = "", rename: Callable[[str], str] = str,
-                         ) -> dict[str, dict[str, torch.Tensor]]:
-    """The folder's saved input quantization parameters of the layers whose name holds ``within``:
-    ``{layer: {"input_scale": tensor, ...}}``, each key ``rename``-d first (only those tensors are read)."""
-    from safetensors import safe_open
-
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for file in _weight_files(folder):
-        with safe_open(str(file), "pt") as tensors:
-            names = tensors.keys()  # a safetensors file is not iterable
-            for key in names:
-                layer, _, param = rename(key).rpartition(".")
-                if param in INPUT_QPARAMS and within in f".{layer}.":
-                    found.setdefault(layer, {})[param] = tensors.get_tensor(key)
-    return found
-
-
-def _renamed_as_loaded(model: torch.nn.Module) -> Callable[[str], str]:
-    """A checkpoint key as transformers names it in ``model`` (Mixtral's ``block_sparse_moe`` is the model's
-    ``mlp``): its own renaming rules, which it applied to the tensors it loaded and not to the ones it left out."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # a transformers without renaming rules loads the saved names as they are
-        return str
-    renamings = [rule for rule in get_model_conversion_mapping(model) if isinstance(rule, WeightRenaming)]
-    return lambda key: rename_source_key(key, renamings, [])[0]
-
-
-def _named(saved: dict[str, Any], name: str, prefix: str) -> Any:
-    """``saved``'s entry for module ``name`` (a head checkpoint's names have the base model's prefix, a base
-    one's lack it), else ``{}``."""
-    candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")) if prefix else (name,)
-    return next((saved[n] for n in candidates if n in saved), {})
-
-
-def _fused_experts(module: torch.nn.Module) -> bool:
-    return all(isinstance(getattr(module, key, None), torch.Tensor) and getattr(module, key).dim() == 3
-               for key in ("gate_up_proj", "down_proj"))
 
 
 def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
@@ -387,7 +253,7 @@ def attach_online_transforms(model: torch.nn.Module, config: Any) -> list[str]:
     from layerwise.algorithms.quantization.online_rotation import attach_from_transform_config
     from layerwise.host.patch_selection import apply_patch, resolve_patch
 
-    if any(_fused_experts(module) for module in model.modules()):
+    if any(fused_experts(module) for module in model.modules()):
         # an expert's rotation sits on its own down projection, which transformers 5 loads fused: the model's
         # patch unfuses them again (after restore_expert_inputs, which would otherwise find nothing to restore)
         apply_patch(model, resolve_patch(model))
@@ -403,7 +269,7 @@ def _from_pretrained(cls: type, where: str, loaded: Any, **kwargs: Any) -> Any:
         return cls.from_pretrained(where, **kwargs)
     with scales_expected(cls):
         result = cls.from_pretrained(where, **kwargs)
-    attach_kv_scales(result[0] if isinstance(result, tuple) else result, _weight_files(folder), quant)
+    attach_kv_scales(result[0] if isinstance(result, tuple) else result, weight_files(folder), quant)
     return result
 
 
@@ -470,7 +336,7 @@ def float_format_experts(folder: Path) -> set[str]:
     from safetensors import safe_open
 
     found: set[str] = set()
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         with safe_open(str(file), "pt") as tensors:
             found.update(stem for stem in _float_format_layers(tensors) if _EXPERT_LAYER.search(stem))
     return found
@@ -481,13 +347,13 @@ def decode_float_formats(model: torch.nn.Module, folder: Path, rename: Callable[
     """Decode the folder's NVFP4 / MXFP4 / MXFP8 weights again in float32 into ``model`` (loaded dequantized):
     compressed-tensors 0.20 decodes them in bfloat16, which in a float32 model is not the checkpoint's value
     (``q * s8 / g`` needs more bits); each checkpoint name ``rename``-d to the model's first (Mixtral's
-    ``block_sparse_moe`` is its ``mlp``: :func:`_renamed_as_loaded`). Returns the layers decoded (checkpoint
+    ``block_sparse_moe`` is its ``mlp``: :func:`~layerwise.model_io.checkpoint_tensors.renamed_as_loaded`). Returns the layers decoded (checkpoint
     names)."""
     from safetensors import safe_open
 
     decoded = []
     prefix = getattr(model, "base_model_prefix", "")
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         with safe_open(str(file), "pt") as tensors:
             for stem, layout in _float_format_layers(tensors).items():
                 name = rename(f"{stem}.weight").removesuffix(".weight")
@@ -537,13 +403,13 @@ def restore_input_quantization(model: torch.nn.Module, folder: Path, config: Any
               if g.scheme is not None and g.scheme.input_activations is not None]
     if not groups:
         return []
-    saved = _saved_input_qparams(folder, rename=rename)
+    saved = saved_input_qparams(folder, rename=rename)
     prefix = getattr(model, "base_model_prefix", "")
     restored = []
     for group in groups:
         inputs = group.scheme.input_activations
         for name, module in find_modules(model, group.targets, quant.get("ignore") or []).items():
-            qparams = _input_qparams_for(inputs, _named(saved, name, prefix))
+            qparams = _input_qparams_for(inputs, named_entry(saved, name, prefix))
             if qparams is None or getattr(module, "input_quantization_args", None) is not None:
                 continue
             set_input_quantization(module, inputs, **qparams)
@@ -609,7 +475,7 @@ def decoded_state_dict(folder: Path, fmt: str) -> tuple[dict[str, torch.Tensor],
 
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         try:
             shard = load_file(file)  # safe_open on CPU, every tensor of the file
         except Exception as exc:  # safetensors raises its own error types
@@ -647,27 +513,6 @@ def dense_config(config: Any) -> Any:
     else:
         del config.quantization_config
     return config
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelLoadError(f"cannot read '{index}' ({exc}); it must map every tensor name to its shard "
-                                 f"(\"weight_map\"): copy or save the model again") from exc
-        files = [folder / name for name in names]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ModelLoadError(f"'{index}' names shard(s) that are not in the folder: {', '.join(absent)}; "
-                                 f"copy the missing files or save the model again")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"'{folder}' has no .safetensors weights; sparse layouts are read from safetensors "
-                             f"files only: save the model again with layerwise (or save_pretrained)")
-    return files
 
 
 def _concrete(cls: type, config: Any) -> type:
