@@ -67,8 +67,12 @@ def renamed_as_loaded(model: torch.nn.Module) -> Callable[[str], str]:
     return lambda key: rename_source_key(key, renamings, [])[0]
 
 
+def prefixed_names(name: str, prefix: str) -> list[str]:
+    """``name`` as it may appear across a head / base model pair: itself, without the base model's ``prefix``
+    (a head checkpoint loaded into its base model) and with it (a base checkpoint loaded under a head)."""
+    return [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"] if prefix else [name]
+
+
 def named_entry(saved: dict[str, Any], name: str, prefix: str) -> Any:
-    """``saved``'s entry for module ``name`` (a head checkpoint's names have the base model's prefix, a base
-    one's lack it), else ``{}``."""
-    candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")) if prefix else (name,)
-    return next((saved[n] for n in candidates if n in saved), {})
+    """``saved``'s entry for module ``name`` (:func:`prefixed_names`), else ``{}``."""
+    return next((saved[n] for n in prefixed_names(name, prefix) if n in saved), {})

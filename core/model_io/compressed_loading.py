@@ -40,6 +40,7 @@ from layerwise.errors import ModelLoadError
 from layerwise.model_io.checkpoint_tensors import (
     INPUT_QPARAMS,
     named_entry,
+    prefixed_names,
     renamed_as_loaded,
     saved_input_qparams,
     weight_files,
@@ -163,7 +164,7 @@ def _warn_disagreement(info: dict[str, Any], decoded: list[str], model: torch.nn
     filled = {f"{layer}.weight" for layer in decoded}
     prefix = getattr(model, "base_model_prefix", "")
     read_back = {f"{name}.{param}" for layer in restored for param in INPUT_QPARAMS
-                 for name in (layer, f"{prefix}.{layer}", layer.removeprefix(f"{prefix}."))}
+                 for name in prefixed_names(layer, prefix)}
     unexpected = [key for key in info.get("unexpected_keys", ()) if key not in read_back]
     present = {name for name, _ in (*model.named_parameters(), *model.named_buffers())}
     missing = [key for key in info.get("missing_keys", ()) if key in present
@@ -357,8 +358,8 @@ def decode_float_formats(model: torch.nn.Module, folder: Path, rename: Callable[
         with safe_open(str(file), "pt") as tensors:
             for stem, layout in _float_format_layers(tensors).items():
                 name = rename(f"{stem}.weight").removesuffix(".weight")
-                candidates = [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"] if prefix else [name]
-                module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
+                module = next((m for m in (_submodule(model, c) for c in prefixed_names(name, prefix))
+                               if m is not None), None)
                 weight = getattr(module, "weight", None)
                 if weight is None:
                     continue
@@ -536,9 +537,8 @@ def _mark_decoded(model: torch.nn.Module, names: list[str], structure: str | Non
     prefix = getattr(model, "base_model_prefix", "")
     for name in names:
         owner, _, param = name.rpartition(".")
-        # a head checkpoint loaded into its base model loses the prefix, a base one loaded under a head gains it
-        candidates = [owner, owner.removeprefix(f"{prefix}."), f"{prefix}.{owner}"] if prefix else [owner]
-        module = next((m for m in (_submodule(model, c) for c in candidates) if m is not None), None)
+        module = next((m for m in (_submodule(model, c) for c in prefixed_names(owner, prefix)) if m is not None),
+                      None)
         if module is not None and param == "weight":  # None: a name the model renamed while loading
             mark_sparse(module, mask_structure)
 

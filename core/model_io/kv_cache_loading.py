@@ -22,6 +22,7 @@ import torch
 
 from layerwise.algorithms.quantization.attention import find_attention_modules, set_attention_scales
 from layerwise.algorithms.quantization.kv_cache import kv_cache_args
+from layerwise.model_io.checkpoint_tensors import prefixed_names
 
 #: the attention scales compressed-tensors stores, as the regex transformers matches key names with
 SCALE_KEYS = r"\.(k|v|q)_scale$"
@@ -79,8 +80,7 @@ def attach_kv_scales(model: torch.nn.Module, files: list[Path], quant: dict[str,
             keys = set(tensors.keys())
             for key in sorted(k for k in keys if k.endswith(".k_scale")):
                 stem = key.removesuffix(".k_scale")
-                candidates = [stem, stem.removeprefix(f"{prefix}."), f"{prefix}.{stem}"] if prefix else [stem]
-                name = next((c for c in candidates if c in modules), None)
+                name = next((c for c in prefixed_names(stem, prefix) if c in modules), None)
                 if name is None or f"{stem}.v_scale" not in keys:
                     continue
                 scales = {"k_scale": tensors.get_tensor(key), "v_scale": tensors.get_tensor(f"{stem}.v_scale")}
