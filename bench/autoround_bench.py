@@ -73,6 +73,9 @@ CASES = {"tiny-llama": {"schemes": ",".join(SCHEMES), "ignore": ["lm_head"], "bl
 #: --quick: a smoke test's steps, batch, samples and eval windows (MiniLM: 100 sentences)
 QUICK = {"iters": 10, "batch_size": 4, "samples": 16, "eval": 4}
 METHODS = ("RTN", "GPTQ", "AutoRound")
+#: layerwise's AutoRound with its steps autocast to bfloat16 (step_dtype: bfloat16): --methods "AutoRound bf16"
+AUTOROUND_BF16 = "AutoRound bf16"
+AUTOROUNDS = ("AutoRound", AUTOROUND_BF16)
 #: W4A8: int4 weights (symmetric, groups of 128), int8 inputs per token at run time
 W4A8 = "W4A8 g128"
 W4A8_METHODS = ("GPTQ", "Rotation + GPTQ")
@@ -132,14 +135,15 @@ def layerwise_recipe(method: str, scheme: str, args: argparse.Namespace):
     if method == "GPTQ":
         return GPTQModifier(**weights)
     return AutoRoundModifier(**weights, iters=args.iters, batch_size=args.batch_size, nsamples=args.samples,
-                             compile=getattr(args, "compile", False))
+                             compile=getattr(args, "compile", False),
+                             step_dtype="bfloat16" if method == AUTOROUND_BF16 else None)
 
 
 def child_layerwise(method: str, scheme: str, args: argparse.Namespace) -> dict:
     recipe = layerwise_recipe(method, scheme, args) if method != "fp32" else None
     timed = timed_minilm if args.case == "minilm" else timed_layerwise
     result = timed(recipe, args, with_data=method != "RTN")
-    if method == "AutoRound":
+    if method in AUTOROUNDS:
         result["blocks_better_than_rtn"] = sum(r["loss"] < r["rtn_loss"] for r in recipe.summary)
         result["blocks"] = len(recipe.summary)
     return result
@@ -372,33 +376,35 @@ def report_minilm(results: dict[tuple[str, str], dict], args: argparse.Namespace
              "|---|---|---|---|---|---|---|"]
     for scheme in SCHEMES:
         gptq = results.get(("GPTQ", scheme), {}).get("cosine")
-        for config, r in _ran(results, scheme, (*METHODS, LLMC, AUTO_ROUND), lines):
+        for config, r in _ran(results, scheme, (*METHODS, AUTOROUND_BF16, LLMC, AUTO_ROUND), lines):
             versus = f"{r['cosine'] - gptq:+.4f}" if gptq is not None else ""
             note = (f"{r['blocks_better_than_rtn']}/{r['blocks']} blocks below RTN's loss"
                     if "blocks_better_than_rtn" in r else "")
             lines.append(f"| {scheme} | {config} | {r['cosine']:.4f} | {r['nn']:.3f} | {versus} | "
                          f"{r['seconds']:.1f} | {note} |")
-        ours = results.get(("AutoRound", scheme), {})
-        lines += _minilm_targets(scheme, ours, gptq, results.get((LLMC, scheme), {}), LLMC)
-        lines += _minilm_targets(scheme, ours, None, results.get((AUTO_ROUND, scheme), {}), AUTO_ROUND)
+        for method in AUTOROUNDS:
+            ours = results.get((method, scheme), {})
+            lines += _minilm_targets(scheme, method, ours, gptq, results.get((LLMC, scheme), {}), LLMC)
+            lines += _minilm_targets(scheme, method, ours, None, results.get((AUTO_ROUND, scheme), {}), AUTO_ROUND)
     return lines
 
 
-def _minilm_targets(scheme: str, ours: dict, gptq: float | None, theirs: dict, tool: str) -> list[str]:
-    """Issue 33's bars at ``scheme``: cosine above GPTQ's, >= ``tool``'s - 0.002, time <= 0.5x its."""
+def _minilm_targets(scheme: str, method: str, ours: dict, gptq: float | None, theirs: dict, tool: str) -> list[str]:
+    """Issue 33's bars for layerwise's ``method`` at ``scheme``: cosine above GPTQ's, >= ``tool``'s - 0.002,
+    time <= 0.5x its."""
     if "cosine" not in ours:
         return []
     lines = []
     if gptq is not None:
-        lines.append(f"| {scheme} | target: AutoRound better than GPTQ | {ours['cosine'] - gptq:+.4f} | | | | "
+        lines.append(f"| {scheme} | target: {method} better than GPTQ | {ours['cosine'] - gptq:+.4f} | | | | "
                      f"{'met' if ours['cosine'] > gptq else 'not met'} |")
     if "cosine" in theirs:
         cosine_ok = ours["cosine"] >= theirs["cosine"] - COSINE_MARGIN
         ratio = ours["seconds"] / theirs["seconds"]
-        lines += [f"| {scheme} | target: cosine >= {tool}'s - {COSINE_MARGIN} | "
+        lines += [f"| {scheme} | target: {method} cosine >= {tool}'s - {COSINE_MARGIN} | "
                   f"{ours['cosine'] - theirs['cosine']:+.4f} | {ours['nn'] - theirs['nn']:+.3f} | | | "
                   f"{'met' if cosine_ok else 'not met'} |",
-                  f"| {scheme} | target: time <= {TIME_TARGET}x {tool}'s | | | | {ratio:.2f}x | "
+                  f"| {scheme} | target: {method} time <= {TIME_TARGET}x {tool}'s | | | | {ratio:.2f}x | "
                   f"{'met' if ratio <= TIME_TARGET else 'not met'} |"]
     return lines
 
@@ -413,17 +419,19 @@ def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> li
              "|---|---|---|---|---|---|---|"]
     for scheme in (*SCHEMES, W4A8):
         gptq = results.get(("GPTQ", scheme), {}).get("kl")
-        for config, r in _ran(results, scheme, dict.fromkeys((*METHODS, LLMC, *W4A8_METHODS)), lines):  # GPTQ twice
+        for config, r in _ran(results, scheme, dict.fromkeys((*METHODS, AUTOROUND_BF16, LLMC, *W4A8_METHODS)), lines):
             versus = f"{r['kl'] / gptq:.3f}x" if gptq else ""
             note = (f"{r['blocks_better_than_rtn']}/6 blocks below RTN's loss"
                     if "blocks_better_than_rtn" in r else "")
             lines.append(f"| {scheme} | {config} | {r['ppl']:.3f} | {r['kl']:.4f} | {versus} | {r['seconds']:.1f} | "
                          f"{note} |")
-        ours, theirs = results.get(("AutoRound", scheme)), results.get((LLMC, scheme))
-        if ours and theirs and "ppl" in ours and "ppl" in theirs:
-            lines.append(f"| {scheme} | layerwise / llm-compressor | {ours['ppl'] / theirs['ppl']:.3f}x | "
-                         f"{ours['kl'] / theirs['kl']:.3f}x | | {ours['seconds'] / theirs['seconds']:.2f}x | "
-                         f"ratios |")
+        theirs = results.get((LLMC, scheme))
+        for method in AUTOROUNDS:
+            ours = results.get((method, scheme))
+            if ours and theirs and "ppl" in ours and "ppl" in theirs:
+                lines.append(f"| {scheme} | {method} / llm-compressor | {ours['ppl'] / theirs['ppl']:.3f}x | "
+                             f"{ours['kl'] / theirs['kl']:.3f}x | | {ours['seconds'] / theirs['seconds']:.2f}x | "
+                             f"ratios |")
     return lines
 
 
@@ -446,7 +454,8 @@ def main() -> None:
                              "there is one")
     parser.add_argument("--schemes", default=None, help="comma-separated: " + ", ".join(SCHEMES)
                         + " (default: both for tiny-llama, W3A16 g128 for minilm)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, from {', '.join((*METHODS, AUTOROUND_BF16))}")
     parser.add_argument("--w4a8", action="store_true", help="also GPTQ W4A8 with and without a rotation first")
     parser.add_argument("--llmcompressor", action="store_true")
     parser.add_argument("--auto-round", action="store_true",

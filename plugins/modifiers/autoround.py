@@ -62,6 +62,8 @@ SUMMARY_FILE = "autoround_summary.json"
 TUNING_PHASE = "AutoRound tuning"
 #: what a block's quantized output is matched to (see AutoRoundModifier.match)
 MATCHES = ("model", "block")
+#: what a step's forward may be autocast to (see AutoRoundModifier.step_dtype)
+STEP_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -88,6 +90,12 @@ class AutoRoundModifier(QuantizationModifier):
       CPU, for a compilation of tens of seconds per block class (a C++ compiler is needed on CPU; where
       compiling fails the steps run uncompiled, with a warning). The compiled sums round differently,
       so results move at float-rounding level.
+    * ``step_dtype``: ``bfloat16`` or ``float16`` runs each step's forward under ``torch.autocast`` in that
+      dtype (null: the model's own dtype, the default): the matmuls of a float32 model then take 0.6-0.75x
+      the time on a CPU with native bfloat16 (AVX512-BF16, AMX) or a GPU, as auto-round's ``amp`` does,
+      while the learned values, the loss and the gradients stay float32. The results move a little (the
+      steps see rounded activations); the kept rounding is still checked against round-to-nearest in the
+      model's dtype.
     """
 
     requires_data: ClassVar[bool] = True
@@ -106,6 +114,7 @@ class AutoRoundModifier(QuantizationModifier):
     seed: int = 42
     match: str = "model"
     compile: bool = False
+    step_dtype: str | None = None
 
     @property
     def needs_reference_inputs(self) -> bool:  # type: ignore[override]
@@ -128,6 +137,9 @@ class AutoRoundModifier(QuantizationModifier):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise RecipeError(f"{owner}.{name} must be a number >= 0 or null (the default: 1 / iters), "
                                   f"got {value!r}")
+        if not (self.step_dtype is None or isinstance(self.step_dtype, str)) or self.step_dtype not in STEP_DTYPES:
+            raise RecipeError(f"{owner}.step_dtype must be null (the model's dtype), bfloat16 or float16, "
+                              f"got {self.step_dtype!r}")
         if self.match not in MATCHES:
             raise RecipeError(f"{owner}.match must be one of {', '.join(MATCHES)}, got {self.match!r}")
         super().__post_init__()
@@ -241,7 +253,7 @@ class AutoRoundModifier(QuantizationModifier):
         inputs = {rel: (linear_weight(m).detach(), self.args, is_transposed(m)) for rel, m in layers.items()}
         return tune_block(self._blocks[name], inputs, samples, iters=self.iters, lr=self.lr,
                           minmax_lr=self.minmax_lr, batch_size=self.batch_size, seed=self.seed,
-                          compile=self.compile)
+                          compile=self.compile, step_dtype=STEP_DTYPES[self.step_dtype])
 
     @torch.no_grad()
     def _store(self, name: str, result: TuneResult | None, state: CompressionState) -> None:

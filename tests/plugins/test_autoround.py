@@ -126,6 +126,10 @@ def test_autoround_recipe_fields_and_errors():
         AutoRoundModifier(match="layer")
     with pytest.raises(RecipeError, match="compile must be true or false"):
         AutoRoundModifier(compile="yes")
+    with pytest.raises(RecipeError, match="step_dtype must be null .* bfloat16 or float16, got 'fp8'"):
+        AutoRoundModifier(step_dtype="fp8")
+    with pytest.raises(RecipeError, match="step_dtype must be"):
+        AutoRoundModifier(step_dtype=["bfloat16"])
 
 
 def test_llm_compressor_autoround_recipes_read_with_notes():
@@ -165,6 +169,29 @@ def test_a_block_is_tuned_without_its_capture_hook(monkeypatch):
     layerwise.compress(model, AutoRoundModifier(scheme="W4A16", group_size=32, iters=1), dataset=_samples(count=4),
                        show_progress=False)
     assert counts == [[0, 1], [0, 0]]  # block 0 tuned without its hook, block 1's still there; then block 1
+
+
+def test_bfloat16_steps_through_compress_tune_every_block_below_rtn(monkeypatch):
+    """step_dtype: bfloat16 reaches the tuner as the dtype the steps are autocast to; every block still beats
+    round-to-nearest and the run is reproducible."""
+    from layerwise.plugins.modifiers import autoround
+
+    dtypes = []
+
+    def tune_block(*args, **kwargs):
+        dtypes.append(kwargs["step_dtype"])
+        return original(*args, **kwargs)
+
+    original = autoround.tune_block
+    monkeypatch.setattr(autoround, "tune_block", tune_block)
+    runs = []
+    for _ in range(2):
+        modifier = AutoRoundModifier(scheme="W4A16", num_bits=3, group_size=32, iters=8, batch_size=4,
+                                     step_dtype="bfloat16")
+        model = layerwise.compress(build_tiny_llama(), modifier, dataset=_samples(), show_progress=False)
+        assert all(r["method"] == "autoround" and r["loss"] < r["rtn_loss"] for r in modifier.summary)
+        runs.append(model.model.layers[1].mlp.down_proj.weight.detach())
+    assert dtypes == [torch.bfloat16] * 4 and torch.equal(*runs)
 
 
 def test_autoround_preset():

@@ -211,6 +211,30 @@ def test_fused_gradients_are_autograds_of_the_plain_formula(bits, sym, strategy)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * float(b.grad.abs().max()), msg=name)
 
 
+def test_bfloat16_steps_run_the_block_in_bfloat16_and_keep_float32_parameters_scored_in_float32():
+    """step_dtype: each step's forward is autocast (the Linears compute in bfloat16), while the learned
+    parameters stay float32 and the kept ones are scored against round-to-nearest in the block's float32;
+    deterministic, and still below round-to-nearest's loss at 3 bits."""
+    block, samples = _block_and_samples(count=8)
+    args = QuantizationArgs(num_bits=3, symmetric=False, strategy="group", group_size=8)
+    seen: list[tuple[bool, torch.dtype]] = []
+    hook = block.up.register_forward_hook(lambda module, inputs, output: seen.append((torch.is_grad_enabled(),
+                                                                                       output.dtype)))
+    result = tune_block(block, _layers(block, args), samples, iters=10, batch_size=8, lr=0.02,
+                        step_dtype=torch.bfloat16)
+    hook.remove()
+    assert [dtype for grad, dtype in seen if grad] == [torch.bfloat16] * 10  # one stacked call per step
+    assert {dtype for grad, dtype in seen if not grad} == {torch.float32}  # the stacking check and the scoring
+    assert all(t.dtype == torch.float32 for r in result.roundings.values() for t in r.tensors())
+    assert result.best_step > 0 and result.loss < result.rtn_loss
+    fp32 = tune_block(block, _layers(block, args), samples, iters=10, batch_size=8, lr=0.02)
+    assert result.loss < 1.1 * fp32.loss  # the rounded steps cost little on this block
+    again = tune_block(block, _layers(block, args), samples, iters=10, batch_size=8, lr=0.02,
+                       step_dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for name in result.roundings
+               for a, b in zip(result.roundings[name].tensors(), again.roundings[name].tensors()))
+
+
 def test_zero_iterations_keep_round_to_nearest_and_bad_input_is_refused():
     block, samples = _block_and_samples(count=2)
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=8)
