@@ -7,7 +7,8 @@ once, each beside the constant it uses:
 * **cached activations** are those of the widest cut, for all calibration tokens
   (:func:`cut_cache_bytes`): the residual stream, beside it the widest input a modifier reads
   when the cut is before the layers (an MLP's down projection: its intermediate width), the
-  rotary embedding's cos and sin, and the token ids / mask; one sample's share is in flight;
+  rotary embedding's cos and sin (once when every sample has one length), and the token ids / mask; one
+  sample's share is in flight;
 * **statistics**: a float32 ``in x in`` Hessian per layer a Hessian modifier (GPTQ, SparseGPT)
   compresses (an upper bound: layers that read one input share one), AWQ's cached inputs of
   its searched layers;
@@ -99,13 +100,17 @@ def rotary_width(config: object) -> int:
     return 2 * int(head or 0)
 
 
-def cut_cache_bytes(tokens: int, element: int, *, hidden: int, widest_read: int, rotary: int, cut: str) -> int:
+def cut_cache_bytes(tokens: int, element: int, *, hidden: int, widest_read: int, rotary: int, cut: str,
+                    rotary_tokens: int | None = None) -> int:
     """The activation cache at a run's widest cut, for ``tokens`` calibration tokens. At blocks a cut holds the
     residual stream; before the layers (``cut="layers"``) also the input of the layer after it, at most
     ``widest_read`` values (measured on tiny-llama-doc and MiniLM: the down projection's input beside the
-    residual is the widest). Both hold the rotary cos / sin and the index tensors."""
-    values = hidden + (widest_read if cut == "layers" else 0) + rotary
-    return tokens * (values * element + INDEX_BYTES_PER_TOKEN)
+    residual is the widest). Both hold the index tensors and the rotary cos / sin, which are equal for samples
+    of one length and held once for them (the cache keeps a value equal to the last of its name once):
+    ``rotary_tokens`` of them (None: every token's, the bound where lengths vary)."""
+    values = hidden + (widest_read if cut == "layers" else 0)
+    rotary_tokens = tokens if rotary_tokens is None else rotary_tokens
+    return tokens * (values * element + INDEX_BYTES_PER_TOKEN) + rotary_tokens * rotary * element
 
 
 # -- output size ----------------------------------------------------------------------------------------

@@ -285,8 +285,10 @@ def _make_plan(model: torch.nn.Module | str | os.PathLike, recipe: RecipeLike, d
         if needs_data:
             plan.cut, plan.cut_reason = _cut(modifiers, plan.layers, calibration)
         widest_read = max((layer.columns for layer in plan.layers.values()), default=hidden)
+        one_length = plan.samples > 0 and tokens == plan.samples * plan.seq_length  # every sample full: one cos/sin
         plan.cache_bytes = cut_cache_bytes(tokens, element, hidden=hidden, widest_read=widest_read, cut=plan.cut,
-                                           rotary=rotary_width(model.config) if hasattr(model, "config") else 0) \
+                                           rotary=rotary_width(model.config) if hasattr(model, "config") else 0,
+                                           rotary_tokens=plan.seq_length if one_length else None) \
             * (2 if plan.reference_stream else 1)
         plan.targets_per_piece = calibration.targets_per_subgraph
         awq_tokens = max((int(getattr(m, "search_tokens", 0)) for m in modifiers if hasattr(m, "mappings")), default=0)

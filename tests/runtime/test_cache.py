@@ -85,12 +85,34 @@ def test_the_peak_is_the_most_held_at_once_not_the_sum_of_everything_stored():
     """What a plan's cache forecast is checked against: a value freed before the next is stored does not add up."""
     with IntermediatesCache() as cache:
         for batch in range(4):
-            cache.put(batch, "wide", torch.zeros(16, 64))  # 4 KiB each
+            cache.put(batch, "wide", torch.full((16, 64), float(batch)))  # 4 KiB each
         held = cache.memory_bytes()
         cache.free(["wide"])
         for batch in range(4):
-            cache.put(batch, "narrow", torch.zeros(16, 16))
+            cache.put(batch, "narrow", torch.full((16, 16), float(batch)))
         assert cache.peak_bytes == held == 4 * 16 * 64 * 4
+
+
+def test_a_value_equal_to_the_one_stored_last_under_its_name_is_held_once():
+    """Rotary cos/sin are the same for every window of one length: held once for all batches, counted once,
+    freed with the last batch that holds them; a value that differs anywhere is stored on its own."""
+    torch.manual_seed(0)
+    cos, sin = torch.randn(1, 8, 4), torch.randn(1, 8, 4)  # 128 bytes each
+    with IntermediatesCache() as cache:
+        for batch in range(4):
+            cache.update(batch, {"rotary": (cos.clone(), sin.clone()), "hidden": torch.randn(1, 8, 4)})
+        assert cache.memory_bytes() == cache.peak_bytes == 2 * 128 + 4 * 128
+        assert all(torch.equal(cache.get(b, "rotary")[1], sin) for b in range(4))
+        cache.free(["rotary"], batch=0)
+        cache.free(["hidden"])
+        assert cache.memory_bytes() == 2 * 128 and cache._held == 2 * 128
+        moved = sin.clone()
+        moved[0, 7, 3] += 1
+        for batch, value in ((4, (cos.clone(), moved)), (5, (cos.clone(), sin.double())), (6, [cos, sin])):
+            cache.put(batch, "rotary", value)
+        assert cache.memory_bytes() == 2 * 128 + 2 * 128 + (128 + 256) + 2 * 128  # each stored apart
+        cache.free(["rotary"])
+        assert cache.memory_bytes() == cache._held == 0 and not cache._last and not cache._uses
 
 
 def _value_files(folder: str) -> list[str]:
@@ -219,3 +241,28 @@ def test_a_full_temporary_folder_says_to_point_TMPDIR_elsewhere(tmp_path, monkey
     with IntermediatesCache(offload="disk") as cache, pytest.raises(DiskFullError) as info:
         cache.put(0, "hidden", torch.zeros(4))
     assert f"temporary folder ('{tmp_path}'), so set TMPDIR to a folder on another disk" in str(info.value)
+
+
+@pytest.mark.parametrize("pieces", ["layers", "blocks"])
+def test_a_llama_run_holds_its_rotary_cos_and_sin_once_for_samples_of_one_length(pieces, monkeypatch):
+    """The traced pipeline caches the rotary embedding's (cos, sin) per batch; for windows of one length they are
+    equal, so every batch after the first shares the first's: the cache holds them once."""
+    import layerwise
+    from tests.conftest import build_tiny_llama
+
+    shared: list[str] = []
+    original = IntermediatesCache._equal_to_last
+
+    def equal_to_last(self, name, value):
+        found = original(self, name, value)
+        if found is not None:
+            shared.append(name)
+        return found
+
+    monkeypatch.setattr(IntermediatesCache, "_equal_to_last", equal_to_last)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 128, (1, 32), generator=generator)} for _ in range(8)]
+    layerwise.compress(build_tiny_llama(), "{GPTQModifier: {scheme: W4A16, group_size: 32}}", dataset=data,
+                       options=layerwise.CompressOptions.of(pieces=pieces), show_progress=False)
+    every_batch = [name for name in set(shared) if shared.count(name) == 7]  # batches 1..7 share batch 0's
+    assert len(every_batch) >= 2, f"cos and sin are not both shared by every batch: {sorted(set(shared))}"

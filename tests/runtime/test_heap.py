@@ -57,8 +57,8 @@ def test_the_cache_trims_as_it_frees(monkeypatch):
     monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1) or True)
     cache = IntermediatesCache()
     cache._freed.every = 4096 * 4  # four 1,024-float values
-    for batch in range(8):
-        cache.update(batch, {"hidden": torch.zeros(1024), "small": torch.zeros(4)})
+    for batch in range(8):  # values differing per batch (equal ones would be held once)
+        cache.update(batch, {"hidden": torch.full((1024,), float(batch)), "small": torch.full((4,), float(batch))})
     cache.free(["small"])
     assert not trims
     for batch in range(8):
