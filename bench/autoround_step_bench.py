@@ -7,7 +7,9 @@ that a busy machine slows every variant alike, one step of ``--batch-size`` samp
 * ``step``: the fake quantization of the block's weights, the block and the loss, forward and backward, as
   ``tune_block`` runs it (``compile=False``), and ``step compiled`` (``compile=True``, compiled once before);
 * ``floor``: the block's forward and backward with its plain weights as the learned tensors, the loss on
-  the same stacked samples: what any tool running this block on these samples pays (also compiled).
+  the same stacked samples: what any tool running this block on these samples pays (also compiled);
+* ``step bf16`` and ``floor bf16``: the same two with the forward under ``torch.autocast`` to bfloat16
+  (``step_dtype: bfloat16``; auto-round's ``amp``, which it turns on where the CPU has native bfloat16).
 
 Prints the medians and ranges of ``--repeat`` runs and their ratios to ``step``. The compilation itself
 (tens of seconds, cold) is not in these numbers: ``autoround_bench.py --compile`` counts it.
@@ -59,6 +61,12 @@ def captured_block(case: str, samples: int):
     return saved["block"], saved["layers"], saved["samples"]
 
 
+def _autocast(forward):
+    """``forward()`` under bfloat16 autocast (its backward then runs outside, as tune_block's does)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return forward()
+
+
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -87,6 +95,7 @@ def main() -> None:
         t.requires_grad_(True)
     batch = list(range(min(args.batch_size, len(samples))))
     eager, compiled = ar._Batches(block, samples, compile=False), ar._Batches(block, samples, compile=True)
+    bf16 = ar._Batches(block, samples, step_dtype=torch.bfloat16)
     stacked = eager._stacked(eager.keys[0], [samples[i] for i in batch])
     if stacked is None:
         raise SystemExit("block 0 does not run its samples stacked; the floor here assumes it does")
@@ -96,6 +105,8 @@ def main() -> None:
         "step compiled": lambda: compiled.step_loss(prepared, roundings, batch),
         "floor": lambda: ar._loss(block, plain, stacked),
         "floor compiled": lambda: floor_compiled(block, plain, stacked),
+        "step bf16": lambda: _autocast(lambda: bf16.step_loss(prepared, roundings, batch)),
+        "floor bf16": lambda: _autocast(lambda: ar._loss(block, plain, stacked)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for rep in range(args.repeat + 2):  # two warm-up rounds: the compilations, then the allocator

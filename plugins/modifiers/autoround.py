@@ -91,7 +91,7 @@ class AutoRoundModifier(QuantizationModifier):
       compiling fails the steps run uncompiled, with a warning). The compiled sums round differently,
       so results move at float-rounding level.
     * ``step_dtype``: ``bfloat16`` or ``float16`` runs each step's forward under ``torch.autocast`` in that
-      dtype (null: the model's own dtype, the default): the matmuls of a float32 model then take 0.6-0.75x
+      dtype (null: the model's own dtype, the default): the matmuls of a float32 model then take 0.6-0.76x
       the time on a CPU with native bfloat16 (AVX512-BF16, AMX) or a GPU, as auto-round's ``amp`` does,
       while the learned values, the loss and the gradients stay float32. The results move a little (the
       steps see rounded activations); the kept rounding is still checked against round-to-nearest in the
