@@ -8,6 +8,7 @@ import torch
 
 from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin.quantization import refused_layout
 
 from . import _tiny
 
@@ -56,6 +57,10 @@ BERT = ModelPatch(
     # BERT norms after the residual add (post-LN): a LayerNorm's output is the residual stream itself, so
     # no norm can be smoothed (the residual would change too). Attention values -> output projection can.
     smoothing_mappings=((("re:.*attention\\.output\\.dense",), "re:.*attention\\.self\\.value"),),
+    rotation_layout=refused_layout(
+        "it normalises after the residual add (post-LN): the stream carried from block to block is a LayerNorm's "
+        "output, scaled per channel and shifted, and a rotation of the stream cannot pass through that per-channel "
+        "weight"),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -13,6 +13,7 @@ import torch
 
 from layerwise import ModelPatch, hookimpl
 from layerwise.plugin import TESTED_TRANSFORMERS
+from layerwise.plugin.quantization import refused_layout
 
 from . import _inputs, _tiny
 
@@ -63,6 +64,10 @@ WHISPER = ModelPatch(
         (("re:.*self_attn\\.out_proj",), "re:.*self_attn\\.v_proj"),
         (("re:.*encoder_attn\\.out_proj",), "re:.*encoder_attn\\.v_proj"),
     ),
+    rotation_layout=refused_layout(
+        "its streams are normalised by LayerNorms with a shift (bias): folding the decoder's final layer_norm into "
+        "the head puts that shift into proj_out, which has no bias to hold it, and the encoder's stream starts "
+        "after a GELU (conv2's), where no rotation can be folded in"),
     verified_transformers=TESTED_TRANSFORMERS.releases,
 )
 

@@ -111,6 +111,18 @@ def test_gemma3_is_refused_with_its_reason_and_left_as_it_was(build):
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("family,reason", [("bert", "it normalises after the residual add"),
+                                           ("whisper", "proj_out, which has no bias")])
+def test_layernorm_families_are_refused_with_their_reason_and_left_as_they_were(family, reason):
+    """BERT (post-LN) and Whisper (LayerNorm shifts, a bias-less head, a GELU before the encoder's stream) declare
+    why no folded rotation keeps them exact; the error says so before anything changes."""
+    model = registry("model_patches").get(family).tiny_models[0]()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RotationError, match=rf"\w+ cannot be rotated exactly: .*{reason}"):
+        layerwise.compress(model, RotationModifier(), show_progress=False)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
 def test_online_rotation_of_a_text_tower_reloads_with_load_compressed(tmp_path):
     rotation = RotationModifier(online=True)
     model, out = _compressed("qwen2_5_vl", tmp_path, rotation)  # its vision blocks have a down_proj too
