@@ -109,9 +109,11 @@ def load_compressed(path: str | os.PathLike, model_class: type | None = None, **
         cls = model_class or checkpoint_class(loaded, folder)
         bfloat16 = kwargs.get("dtype") in (torch.bfloat16, "bfloat16")
         float_formats = packed_fp4(loaded) and "quantization_config" not in kwargs
-        # float-format MoE experts: transformers cannot decode them in any dtype, so bfloat16 takes this path too
-        experts = float_format_experts(folder) if float_formats and folder.is_dir() else set()
-        redecode = float_formats and (not bfloat16 or bool(experts))
+        int8 = "quantization_config" not in kwargs and "int-quantized" in _formats(loaded)
+        # float-format and int8 MoE experts: transformers cannot decode them in any dtype (int8 ones not at all), so
+        # bfloat16 takes this path too
+        experts = float_format_experts(folder) if (float_formats or int8) and folder.is_dir() else set()
+        redecode = (float_formats and (not bfloat16 or bool(experts))) or (int8 and bool(experts))
         if "quantization_config" not in kwargs and (packed_asymmetric(loaded) or redecode):
             from transformers import CompressedTensorsConfig
 
@@ -298,30 +300,38 @@ def packed_fp4(config: Any) -> bool:
     :func:`restore_input_quantization`). :func:`load_compressed`
     takes that path unless ``dtype=torch.bfloat16`` is asked for, where compressed-tensors' own forward runs
     (input quantization included)."""
+    return bool(_formats(config) & set(BFLOAT16_FORMATS))
+
+
+def _formats(config: Any) -> set[str]:
+    """The compressed-tensors formats a folder's quantization_config names (overall and per group)."""
     quant = quantization_config(config)
-    formats = {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
-    return bool(formats & set(BFLOAT16_FORMATS))
+    return {quant.get("format")} | {group.get("format") for group in (quant.get("config_groups") or {}).values()}
 
 
-def _float_layout(stem: str, keys: set[str], scale_is_byte: bool) -> str | None:
-    """How a layer with ``<stem>.weight_scale`` is stored: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, else ``None``."""
+def _float_layout(stem: str, keys: set[str], scale_is_byte: bool, weight_dtype: str | None) -> str | None:
+    """How a layer with ``<stem>.weight_scale`` is stored: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, ``"int8"`` (int8
+    values times a float scale, per channel or group: W8A8), else ``None``."""
     if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:
         return "nvfp4"
     if scale_is_byte and f"{stem}.weight_packed" in keys:
         return "mxfp4"
     if scale_is_byte and f"{stem}.weight" in keys:
         return "mxfp8"
+    if weight_dtype == "I8":
+        return "int8"
     return None
 
 
 def _float_format_layers(tensors: Any) -> dict[str, str]:
-    """The layers an open safetensors file stores as NVFP4 / MXFP4 / MXFP8: ``{stem: layout}`` (read from the
-    names and the scales' dtype, no tensor read)."""
+    """The layers an open safetensors file stores as NVFP4 / MXFP4 / MXFP8 (or int8): ``{stem: layout}`` (read from
+    the names and the dtypes, no tensor read)."""
     keys = set(tensors.keys())
     found = {}
     for key in sorted(k for k in keys if k.endswith(".weight_scale")):
         stem = key.removesuffix(".weight_scale")
-        layout = _float_layout(stem, keys, tensors.get_slice(key).get_dtype() == "U8")
+        weight = tensors.get_slice(f"{stem}.weight").get_dtype() if f"{stem}.weight" in keys else None
+        layout = _float_layout(stem, keys, tensors.get_slice(key).get_dtype() == "U8", weight)
         if layout is not None:
             found[stem] = layout
     return found
@@ -332,8 +342,9 @@ _EXPERT_LAYER = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def float_format_experts(folder: Path) -> set[str]:
-    """The MoE experts' layers the folder stores as NVFP4 / MXFP4 / MXFP8 (checkpoint names): transformers 5.24
-    cannot decode them into its fused experts (see :func:`_load_dequantized_without`)."""
+    """The MoE experts' layers the folder stores as NVFP4 / MXFP4 / MXFP8 or int8 (checkpoint names): transformers
+    5.24 cannot decode them into its fused experts (see :func:`_load_dequantized_without`; int8 ones it cannot
+    load at all: its expert conversion handles FP8 and packed weights only)."""
     from safetensors import safe_open
 
     found: set[str] = set()
@@ -374,8 +385,15 @@ def decode_float_formats(model: torch.nn.Module, folder: Path, rename: Callable[
 
 
 def _float_values_and_scales(tensors: Any, stem: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float-format layer's element values and block scales, both float32 (their product is the weight)."""
+    """A float-format layer's element values and block scales, both float32 (their product is the weight); an
+    int8 layer's values less its zero point, if any."""
     scale = tensors.get_tensor(f"{stem}.weight_scale")
+    if layout == "int8":
+        values = tensors.get_tensor(f"{stem}.weight").to(torch.float32)
+        if f"{stem}.weight_zero_point" in set(tensors.keys()):
+            zero = tensors.get_tensor(f"{stem}.weight_zero_point").to(torch.float32).reshape(scale.shape)
+            values = (values.reshape(*scale.shape, -1) - zero.unsqueeze(-1)).reshape(values.shape)
+        return values, scale.to(torch.float32).reshape(values.shape[0], -1)
     if layout == "nvfp4":
         global_scale = tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
         return fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), scale.to(torch.float32) / global_scale

@@ -30,7 +30,8 @@ def unfuse_experts(model: torch.nn.Module) -> None:
 def undecoded_experts_error(where: str, stems: list[str]) -> ModelLoadError:
     return ModelLoadError(
         f"{where!r} stores the MoE experts' layers ({stems[0]}{f' and {len(stems) - 1} more' if len(stems) > 1 else ''}"
-        f") as NVFP4 / MXFP4 / MXFP8, which transformers 5.24 decodes wrongly into its fused experts, and layerwise "
+        f") as NVFP4 / MXFP4 / MXFP8 / int8, which transformers 5.24 decodes wrongly (int8: not at all) into its fused "
+        f"experts, and layerwise "
         f"found no per-expert layer of the model to decode them into (no model patch unfuses this model's experts, "
         f"or it names them differently): register a model patch whose apply unfuses them (GUIDE.md, "
         f"expert_projections)")

@@ -1,7 +1,7 @@
-"""MoE experts saved as NVFP4 / MXFP4 / MXFP8 reload through load_compressed to the in-memory model exactly.
+"""MoE experts saved as NVFP4 / MXFP4 / MXFP8 or int8 reload through load_compressed to the in-memory model exactly.
 
 transformers 5.24 loads the saved per-expert layers into its fused experts and cannot decode these formats
-there (NVFP4 without its global scale, MXFP4 in bfloat16, MXFP8 not at all): load_compressed leaves those
+there (NVFP4 without its global scale, MXFP4 in bfloat16, MXFP8 and int8 not at all): load_compressed leaves those
 tensors out of what transformers reads, unfuses the experts with the model's patch and decodes them itself.
 """
 
@@ -69,6 +69,35 @@ def test_float_format_experts_reload_to_the_in_memory_logits(name, preset, tmp_p
             assert torch.equal(again.weight, layer.weight), layer_name
             if preset == "NVFP4":  # each expert's own calibrated global input scale, read back from the folder
                 assert torch.equal(again.input_global_scale, layer.input_global_scale), layer_name
+    inputs = _inputs(model)
+    assert torch.equal(_logits(reloaded, inputs), _logits(model, inputs))
+
+
+#: int8 weights (symmetric, and asymmetric with a zero point) with int8 inputs per token or static per tensor
+INT8_RECIPES = {
+    "W8A8": "W8A8",
+    "W8A8_STATIC": "W8A8_STATIC",
+    "W8A8 asymmetric weights": {"QuantizationModifier": {"scheme": "W8A8", "symmetric": False,
+                                                         "ignore": ["lm_head", "re:.*mlp\\.gate$"]}},
+}
+
+
+@pytest.mark.parametrize("recipe", list(INT8_RECIPES))
+@pytest.mark.parametrize("name", MOE)
+def test_int8_experts_reload_to_the_in_memory_logits(name, recipe, tmp_path):
+    """transformers 5.24 refuses int8 MoE folders outright (its expert conversion takes FP8 and packed weights
+    only); load_compressed decodes every expert's int8 values, scale and zero point, and its input scales."""
+    model = _compressed(ARCHS[name].build(), INT8_RECIPES[recipe], tmp_path / "out", calibrated=True)
+    reloaded = _reloaded(tmp_path / "out")
+    for layer_name, layer in model.named_modules():
+        if ".experts." in layer_name and isinstance(layer, torch.nn.Linear):
+            again = reloaded.get_submodule(layer_name)
+            assert torch.equal(again.weight, layer.weight), layer_name
+            served = [(args.num_bits, args.type, args.symmetric, args.strategy, args.dynamic)  # not the observer
+                      for args in (again.input_quantization_args, layer.input_quantization_args)]
+            assert served[0] == served[1], layer_name
+            if recipe == "W8A8_STATIC":
+                assert torch.equal(again.input_scale, layer.input_scale), layer_name
     inputs = _inputs(model)
     assert torch.equal(_logits(reloaded, inputs), _logits(model, inputs))
 
