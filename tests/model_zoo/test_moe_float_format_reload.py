@@ -126,7 +126,7 @@ def test_mixed_precision_moe_folders_reload_to_the_in_memory_logits(name, recipe
     assert torch.equal(_logits(_reloaded(tmp_path / "out"), inputs), _logits(model, inputs))
 
 
-@pytest.mark.parametrize("preset", ["NVFP4", "MXFP8"])
+@pytest.mark.parametrize("preset", ["NVFP4", "MXFP8", "W8A8_STATIC"])
 def test_a_bfloat16_reload_decodes_float_format_experts_too(preset, tmp_path):
     """In bfloat16 load_compressed otherwise runs compressed-tensors' forward, which gets no expert right."""
     model = ARCHS["qwen3_moe"].build()
@@ -135,7 +135,7 @@ def test_a_bfloat16_reload_decodes_float_format_experts_too(preset, tmp_path):
     for buffer_name, buffer in rotary.items():
         owner, _, attr = buffer_name.rpartition(".")
         setattr(model.get_submodule(owner), attr, buffer)
-    model = _compressed(model, preset, tmp_path / "out", calibrated=preset == "NVFP4")
+    model = _compressed(model, preset, tmp_path / "out", calibrated=preset in ("NVFP4", "W8A8_STATIC"))
     reloaded = _reloaded(tmp_path / "out", dtype=torch.bfloat16)
     inputs = _inputs(model)
     assert torch.equal(_logits(reloaded, inputs), _logits(model, inputs))
