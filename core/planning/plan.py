@@ -635,6 +635,32 @@ def _time(plan: Plan, model: torch.nn.Module, modifiers: list, needs_data: bool,
             plan.note("no time estimate: the GPU is not here and none is named (--serve-on H100, ...)")
     else:
         plan.rates = measured_rates(torch.device("cpu"), plan.dtype)
+    if plan.flops.get("tuning steps") and plan.rates is not None:
+        _advise_step_dtype(plan, modifiers, torch.device(placement.device or plan.device))
+
+
+#: how much faster bfloat16 must multiply than float32 for the plan to point at AutoRound's step_dtype
+STEP_DTYPE_ADVICE_RATIO = 1.5
+
+
+def _advise_step_dtype(plan: Plan, modifiers: list, device: torch.device) -> None:
+    """A float32 model's AutoRound steps in float32 on a device that multiplies bfloat16 much faster (a GPU, a CPU
+    with AVX512-BF16 or AMX): a note naming ``step_dtype: bfloat16``, which the incumbents' default matches there."""
+    assert plan.rates is not None
+    float32_steps = [type(m).__name__ for m in modifiers if getattr(m, "step_dtype", "") is None]
+    if plan.dtype != torch.float32 or not float32_steps:
+        return
+    if plan.rates.source.startswith("measured"):
+        bfloat16 = measured_rates(device, torch.bfloat16).model_dtype
+    else:
+        gpu = plan.serve_on or present_gpu(device)
+        bfloat16 = table_rates(gpu).model_dtype if gpu is not None else 0.0
+    ratio = bfloat16 / plan.rates.fp32 if plan.rates.fp32 else 0.0
+    if ratio >= STEP_DTYPE_ADVICE_RATIO:
+        plan.note(f"{float32_steps[0]} runs its steps in float32 and this device multiplies bfloat16 {ratio:.1f}x "
+                  f"faster: step_dtype: bfloat16 autocasts the steps' forward (as auto-round does by default here), "
+                  f"0.6-0.76x the step time on a CPU with 3x faster bfloat16, quality unchanged (BENCHMARKS.md, "
+                  f"\"AutoRound with bfloat16 steps\")")
 
 
 def _tuning_tokens(modifiers: list, samples: int, per_sample: float) -> float:

@@ -390,3 +390,32 @@ def test_hessian_flops_count_the_strips_of_the_device_the_plan_runs_on():
     assert cuda - cpu > whole_2048 - upper_2048 - 1  # the 2048-wide layer alone accounts for at least this
     assert hessian_flops(layers[:1], tokens, "cuda") == whole_2048
     assert hessian_flops(layers[:1], tokens) == upper_2048
+
+
+def test_autoround_float32_steps_where_bfloat16_multiplies_faster_get_a_note_naming_step_dtype(monkeypatch):
+    """A float32 model's AutoRound steps on a device whose bfloat16 matmuls are >= 1.5x its float32 ones (measured
+    here, from the table for a named GPU): the plan names step_dtype: bfloat16; not when it is set, not when
+    bfloat16 is no faster, not for GPTQ."""
+    from layerwise.planning import plan as planning
+    from layerwise.planning.hardware import Rates
+    from tests.conftest import build_tiny_llama
+
+    speedup = {"bfloat16": 3.0}
+    monkeypatch.setattr(planning, "measured_rates", lambda device, dtype, *a, **k: Rates(
+        1e11 * (speedup["bfloat16"] if dtype == torch.bfloat16 else 1.0), 1e11, "measured now (test)"))
+    model = build_tiny_llama()
+    data = [{"input_ids": torch.randint(0, 128, (1, 32))} for _ in range(16)]
+
+    def notes(recipe, **kwargs):
+        found = layerwise.plan(model, recipe, dataset=data, max_seq_length=32, **kwargs)
+        return [f.text for f in found.findings if "step_dtype" in f.text]
+
+    autoround = "{AutoRoundModifier: {scheme: W4A16, group_size: 32, iters: 10}}"
+    (note,) = notes(autoround)
+    assert "AutoRoundModifier runs its steps in float32" in note and "3.0x faster: step_dtype: bfloat16" in note
+    assert not notes("{AutoRoundModifier: {scheme: W4A16, group_size: 32, iters: 10, step_dtype: bfloat16}}")
+    assert not notes("{GPTQModifier: {scheme: W4A16, group_size: 32}}")
+    speedup["bfloat16"] = 1.2
+    assert not notes(autoround)
+    (on_h100,) = notes(autoround, gpu_memory=80 * 2**30, serve_on="H100")  # the datasheet: tensor cores vs float32
+    assert "x faster: step_dtype: bfloat16" in on_h100
