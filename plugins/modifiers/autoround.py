@@ -63,7 +63,8 @@ TUNING_PHASE = "AutoRound tuning"
 #: what a block's quantized output is matched to (see AutoRoundModifier.match)
 MATCHES = ("model", "block")
 #: what a step's forward may be autocast to (see AutoRoundModifier.step_dtype)
-STEP_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STEP_DTYPES = {None: None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+               "fp16": torch.float16}
 
 
 @dataclass
@@ -90,10 +91,10 @@ class AutoRoundModifier(QuantizationModifier):
       CPU, for a compilation of tens of seconds per block class (a C++ compiler is needed on CPU; where
       compiling fails the steps run uncompiled, with a warning). The compiled sums round differently,
       so results move at float-rounding level.
-    * ``step_dtype``: ``bfloat16`` or ``float16`` runs each step's forward under ``torch.autocast`` in that
-      dtype (null: the model's own dtype, the default): the matmuls of a float32 model then take 0.6-0.76x
-      the time on a CPU with native bfloat16 (AVX512-BF16, AMX) or a GPU, as auto-round's ``amp`` does,
-      while the learned values, the loss and the gradients stay float32. The results move a little (the
+    * ``step_dtype``: ``bfloat16`` or ``float16`` (``bf16``, ``fp16``) runs each step's forward under
+      ``torch.autocast`` in that dtype (null: the model's own dtype, the default): a float32 model's steps then
+      take 0.6-0.76x the time on a CPU with native bfloat16 (AVX512-BF16, AMX), less on a GPU, as auto-round's
+      ``amp`` does, while the learned values, the loss and the gradients stay float32. The results move a little (the
       steps see rounded activations); the kept rounding is still checked against round-to-nearest in the
       model's dtype.
     """
@@ -138,8 +139,8 @@ class AutoRoundModifier(QuantizationModifier):
                 raise RecipeError(f"{owner}.{name} must be a number >= 0 or null (the default: 1 / iters), "
                                   f"got {value!r}")
         if not (self.step_dtype is None or isinstance(self.step_dtype, str)) or self.step_dtype not in STEP_DTYPES:
-            raise RecipeError(f"{owner}.step_dtype must be null (the model's dtype), bfloat16 or float16, "
-                              f"got {self.step_dtype!r}")
+            raise RecipeError(f"{owner}.step_dtype must be null (the model's dtype), bfloat16 (bf16) or float16 "
+                              f"(fp16), got {self.step_dtype!r}")
         if self.match not in MATCHES:
             raise RecipeError(f"{owner}.match must be one of {', '.join(MATCHES)}, got {self.match!r}")
         super().__post_init__()

@@ -7,7 +7,7 @@ import torch
 
 import layerwise
 from layerwise.errors import RecipeError
-from layerwise.plugins.modifiers.autoround import AutoRoundModifier
+from layerwise.plugins.modifiers.autoround import STEP_DTYPES, AutoRoundModifier
 from layerwise.plugins.modifiers.quantization import QuantizationModifier
 from layerwise.recipe import parse_recipe
 from tests.conftest import build_tiny_llama
@@ -126,8 +126,10 @@ def test_autoround_recipe_fields_and_errors():
         AutoRoundModifier(match="layer")
     with pytest.raises(RecipeError, match="compile must be true or false"):
         AutoRoundModifier(compile="yes")
-    with pytest.raises(RecipeError, match="step_dtype must be null .* bfloat16 or float16, got 'fp8'"):
+    with pytest.raises(RecipeError, match=r"step_dtype must be null .* bfloat16 \(bf16\) or float16 \(fp16\), got 'fp8'"):
         AutoRoundModifier(step_dtype="fp8")
+    (short,) = parse_recipe("AutoRoundModifier:\n  scheme: W4A16\n  step_dtype: bf16\n")
+    assert STEP_DTYPES[short.step_dtype] is torch.bfloat16
     with pytest.raises(RecipeError, match="step_dtype must be"):
         AutoRoundModifier(step_dtype=["bfloat16"])
 
