@@ -94,9 +94,9 @@ class AutoRoundModifier(QuantizationModifier):
     * ``step_dtype``: ``bfloat16`` or ``float16`` (``bf16``, ``fp16``) runs each step's forward under
       ``torch.autocast`` in that dtype (null: the model's own dtype, the default): a float32 model's steps then
       take 0.6-0.76x the time on a CPU with native bfloat16 (AVX512-BF16, AMX; on a GPU not measured yet), as
-      auto-round's ``amp`` does, while the learned values, the loss and the gradients stay float32. The results move a little (the
-      steps see rounded activations); the kept rounding is still checked against round-to-nearest in the
-      model's dtype.
+      auto-round's ``amp`` does, while the learned values, the loss and the gradients stay float32. The results
+      move a little (the steps see rounded activations); the kept rounding is still checked against
+      round-to-nearest in the model's dtype.
     """
 
     requires_data: ClassVar[bool] = True
