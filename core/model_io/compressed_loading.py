@@ -311,7 +311,7 @@ def _formats(config: Any) -> set[str]:
 
 def _float_layout(stem: str, keys: set[str], scale_is_byte: bool, weight_dtype: str | None) -> str | None:
     """How a layer with ``<stem>.weight_scale`` is stored: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, ``"int8"`` (int8
-    values times a float scale, per channel or group: W8A8), else ``None``."""
+    values times a float scale, per channel or group: W8A8) or ``"int8-asym"`` (less a zero point), else ``None``."""
     if f"{stem}.weight_packed" in keys and f"{stem}.weight_global_scale" in keys:
         return "nvfp4"
     if scale_is_byte and f"{stem}.weight_packed" in keys:
@@ -319,7 +319,7 @@ def _float_layout(stem: str, keys: set[str], scale_is_byte: bool, weight_dtype: 
     if scale_is_byte and f"{stem}.weight" in keys:
         return "mxfp8"
     if weight_dtype == "I8":
-        return "int8"
+        return "int8-asym" if f"{stem}.weight_zero_point" in keys else "int8"
     return None
 
 
@@ -388,9 +388,9 @@ def _float_values_and_scales(tensors: Any, stem: str, layout: str) -> tuple[torc
     """A float-format layer's element values and block scales, both float32 (their product is the weight); an
     int8 layer's values less its zero point, if any."""
     scale = tensors.get_tensor(f"{stem}.weight_scale")
-    if layout == "int8":
+    if layout.startswith("int8"):
         values = tensors.get_tensor(f"{stem}.weight").to(torch.float32)
-        if f"{stem}.weight_zero_point" in set(tensors.keys()):
+        if layout == "int8-asym":
             zero = tensors.get_tensor(f"{stem}.weight_zero_point").to(torch.float32).reshape(scale.shape)
             values = (values.reshape(*scale.shape, -1) - zero.unsqueeze(-1)).reshape(values.shape)
         return values, scale.to(torch.float32).reshape(values.shape[0], -1)
