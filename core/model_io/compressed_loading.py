@@ -390,16 +390,23 @@ def _float_values_and_scales(tensors: Any, stem: str, layout: str) -> tuple[torc
     scale = tensors.get_tensor(f"{stem}.weight_scale")
     if layout.startswith("int8"):
         values = tensors.get_tensor(f"{stem}.weight").to(torch.float32)
+        block = _per_row(scale, values.shape[0])
         if layout == "int8-asym":
-            zero = tensors.get_tensor(f"{stem}.weight_zero_point").to(torch.float32).reshape(scale.shape)
-            values = (values.reshape(*scale.shape, -1) - zero.unsqueeze(-1)).reshape(values.shape)
-        return values, scale.to(torch.float32).reshape(values.shape[0], -1)
+            zero = _per_row(tensors.get_tensor(f"{stem}.weight_zero_point"), values.shape[0])
+            values = (values.reshape(*block.shape, -1) - zero.unsqueeze(-1)).reshape(values.shape)
+        return values, block
     if layout == "nvfp4":
         global_scale = tensors.get_tensor(f"{stem}.weight_global_scale").to(torch.float32)
         return fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), scale.to(torch.float32) / global_scale
     if layout == "mxfp4":
         return fp4_values(unpack_fp4(tensors.get_tensor(f"{stem}.weight_packed"))), e8m0_values(scale)
     return tensors.get_tensor(f"{stem}.weight").to(torch.float32), e8m0_values(scale)
+
+
+def _per_row(qparam: torch.Tensor, rows: int) -> torch.Tensor:
+    """An int8 weight's scale or zero point as ``(rows, groups)`` float32: one per tensor (shape ``()`` or
+    ``(1,)``), per channel ``(rows, 1)`` or per group ``(rows, groups)``."""
+    return qparam.to(torch.float32).reshape(-1, qparam.shape[-1] if qparam.ndim > 1 else 1).expand(rows, -1)
 
 
 @torch.no_grad()

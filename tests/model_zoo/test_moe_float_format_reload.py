@@ -79,6 +79,8 @@ INT8_RECIPES = {
     "W8A8_STATIC": "W8A8_STATIC",
     "W8A8 asymmetric weights": {"QuantizationModifier": {"scheme": "W8A8", "symmetric": False,
                                                          "ignore": ["lm_head", "re:.*mlp\\.gate$"]}},
+    "W8A8 asymmetric weights per tensor": {"QuantizationModifier": {
+        "scheme": "W8A8", "symmetric": False, "strategy": "tensor", "ignore": ["lm_head", "re:.*mlp\\.gate$"]}},
 }
 
 
