@@ -285,7 +285,7 @@ class _Batches:
         #: the dtype a step's forward is autocast to (None: none)
         self.step_dtype = step_dtype
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self) -> contextlib.AbstractContextManager:
         """The context a step's forward runs in: ``torch.autocast`` to :attr:`step_dtype` on the samples' device."""
         if self.step_dtype is None:
             return contextlib.nullcontext()
@@ -293,15 +293,17 @@ class _Batches:
 
     def step_loss(self, layers: _Layers, roundings: dict[str, Rounding], indices: Sequence[int]) -> Tensor:
         """:meth:`loss` with the weights fake-quantized by ``roundings``; a step whose samples run as one
-        call is one :func:`_quantized_loss` (compiled with :attr:`compile`), the same mean."""
-        groups = self._groups(indices)
-        if len(groups) == 1:
-            ((key, group),) = groups.items()
-            single = group[0] if len(group) == 1 else self._stacked(key, group)
-            if single is not None:
-                run = _compiled_loss() if self.compile else _quantized_loss
-                return run(self.block, layers, roundings, single)
-        return self.loss(layers.replaced(roundings), indices)
+        call is one :func:`_quantized_loss` (compiled with :attr:`compile`), the same mean. The forward runs
+        autocast to :attr:`step_dtype` (its backward, called after, runs each op in its forward's dtype)."""
+        with self._autocast():
+            groups = self._groups(indices)
+            if len(groups) == 1:
+                ((key, group),) = groups.items()
+                single = group[0] if len(group) == 1 else self._stacked(key, group)
+                if single is not None:
+                    run = _compiled_loss() if self.compile else _quantized_loss
+                    return run(self.block, layers, roundings, single)
+            return self.loss(layers.replaced(roundings), indices)
 
     def _groups(self, indices: Sequence[int]) -> dict[Any, list[BlockSample]]:
         groups: dict[Any, list[BlockSample]] = {}
@@ -447,8 +449,7 @@ def _forward_backward(batches: _Batches, layers: _Layers, roundings: dict[str, R
     """One step's loss, its gradients left in ``roundings``; a compiled step that fails (no C++ compiler,
     an op the compiler cannot take) is run again uncompiled, and so are the steps after it."""
     try:
-        with batches.autocast():  # the forward only: autograd runs each op's backward in its forward's dtype
-            loss = batches.step_loss(layers, roundings, indices)
+        loss = batches.step_loss(layers, roundings, indices)
         loss.backward()
     except Exception as exc:  # any failure of the compiler: the uncompiled step computes the same
         if not batches.compile:
@@ -459,8 +460,7 @@ def _forward_backward(batches: _Batches, layers: _Layers, roundings: dict[str, R
         for rounding in roundings.values():
             for t in rounding.tensors():
                 t.grad = None
-        with batches.autocast():
-            loss = batches.step_loss(layers, roundings, indices)
+        loss = batches.step_loss(layers, roundings, indices)
         loss.backward()
     return float(loss.detach())
 
