@@ -81,19 +81,22 @@ def table_rates(gpu: GPU) -> Rates:
 
 def measured_rates(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.15) -> Rates:
     """Matmul rates measured on ``device`` now (a square ``size`` product in ``dtype`` and in float32)."""
-    rates = []
-    for kind in (dtype, torch.float32):
-        a = torch.randn(size, size, device=device).to(kind)
-        b = torch.randn(size, size, device=device).to(kind)
-        a @ b  # warm-up
-        _sync(device)
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 2 or count < 2:
-            a @ b
-            count += 1
-        _sync(device)
-        rates.append(2 * size ** 3 * count / (time.perf_counter() - start))
-    return Rates(rates[0], rates[1], f"measured now on {device} ({dtype} and float32 {size}x{size} matmuls)")
+    return Rates(matmul_rate(device, dtype, size, seconds / 2), matmul_rate(device, torch.float32, size, seconds / 2),
+                 f"measured now on {device} ({dtype} and float32 {size}x{size} matmuls)")
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.075) -> float:
+    """FLOP/s of a square ``size`` product in ``dtype`` on ``device``, measured now over about ``seconds``."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b  # warm-up
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or count < 2:
+        a @ b
+        count += 1
+    _sync(device)
+    return 2 * size ** 3 * count / (time.perf_counter() - start)
 
 
 def _sync(device: torch.device) -> None:

@@ -47,6 +47,7 @@ from layerwise.planning.hardware import (
     GPU,
     Rates,
     find_gpu,
+    matmul_rate,
     measured_rates,
     present_gpu,
     table_rates,
@@ -651,7 +652,7 @@ def _advise_step_dtype(plan: Plan, modifiers: list, device: torch.device) -> Non
     if plan.dtype != torch.float32 or not float32_steps:
         return
     if plan.rates.source.startswith("measured"):
-        bfloat16 = measured_rates(device, torch.bfloat16).model_dtype
+        bfloat16 = matmul_rate(device, torch.bfloat16)  # plan.rates has float32's
     else:
         gpu = plan.serve_on or present_gpu(device)
         bfloat16 = table_rates(gpu).model_dtype if gpu is not None else 0.0

@@ -401,8 +401,10 @@ def test_autoround_float32_steps_where_bfloat16_multiplies_faster_get_a_note_nam
     from tests.conftest import build_tiny_llama
 
     speedup = {"bfloat16": 3.0}
-    monkeypatch.setattr(planning, "measured_rates", lambda device, dtype, *a, **k: Rates(
-        1e11 * (speedup["bfloat16"] if dtype == torch.bfloat16 else 1.0), 1e11, "measured now (test)"))
+    monkeypatch.setattr(planning, "measured_rates", lambda device, dtype, *a, **k: Rates(1e11, 1e11,
+                                                                                        "measured now (test)"))
+    monkeypatch.setattr(planning, "matmul_rate", lambda device, dtype, *a, **k: 1e11 * (
+        speedup["bfloat16"] if dtype == torch.bfloat16 else 1.0))
     model = build_tiny_llama()
     data = [{"input_ids": torch.randint(0, 128, (1, 32))} for _ in range(16)]
 
