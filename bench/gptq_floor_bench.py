@@ -95,12 +95,11 @@ def _hessian_inputs(model, windows) -> dict[str, list]:
 
 
 def _child_result(cmd: list[str], what: str) -> dict:
+    """``cmd`` run offline from the project's root; its RESULT line (gptq_bench's reader)."""
+    from gptq_bench import _result_line
+
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=BENCH.parent)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return _result_line(subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=BENCH.parent), what)
 
 
 def main() -> None:
